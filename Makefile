@@ -1,0 +1,35 @@
+# `make demo` and `make test` bootstrap their own environment in .venv.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU machines get the CPU build from the pin; GPU users set e.g. TORCH_SPEC="torch==2.13.0" TORCH_INDEX=<their index>.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PIP := $(VENV)/bin/python -m pip
+STAMP := $(VENV)/.lightning-asyncckpt-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all lint bench clean
+
+$(STAMP): pyproject.toml requirements/pins.txt
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PIP) install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" -e ".[test]"
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/python examples/train.py
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_save.py
+
+clean:
+	rm -rf $(VENV) demo_output bench_output .pytest_cache

@@ -1,0 +1,109 @@
+"""Code that runs inside the background worker process (spawned or forked).
+
+Kept free of Lightning imports so that a spawned worker starts fast. The worker reports its outcome
+through a small result file in a private directory (never on the checkpoint's filesystem, which may
+be full), written atomically; a worker that dies writes nothing, which the trainer reads as a failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import queue
+import threading
+import time
+from typing import Any
+
+
+def _describe(exc: BaseException, buckets: list) -> dict[str, Any]:
+    code = getattr(exc, "errno", None)
+    cause = exc
+    while code is None and cause.__cause__ is not None:
+        cause = cause.__cause__
+        code = getattr(cause, "errno", None)
+    if code is not None:
+        exc = cause
+    out = {"error_type": type(exc).__name__, "message": str(exc), "errno": code}
+    if code is None:
+        out.update(_diagnose_os_cause(buckets, str(exc)))
+    return out
+
+
+def _diagnose_os_cause(buckets: list, message: str) -> dict[str, Any]:
+    """torch.save's stream writer reports a failed write as ``RuntimeError: unexpected pos ...`` and
+    drops the OS error. Look at the target directory to name the real cause."""
+    if not buckets:
+        return {}
+    shard_dir = os.path.dirname(buckets[0][0])
+    if not os.path.isdir(shard_dir):
+        return {"error_type": "FileNotFoundError", "errno": errno.ENOENT,
+                "message": f"the checkpoint directory {shard_dir} disappeared during the write ({message})"}
+    try:
+        st = os.statvfs(shard_dir)
+    except OSError:
+        return {}
+    if st.f_bavail * st.f_frsize < 1 << 20:
+        return {"error_type": "OSError", "errno": errno.ENOSPC,
+                "message": f"No space left on device while writing {shard_dir} ({message})"}
+    return {}
+
+
+def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
+    """Writes every bucket with the engine's ``write_preloaded_data``, one thread per shard file."""
+    outcomes: queue.Queue[tuple[int, Any]] = queue.Queue()
+
+    def run(i: int, bucket: Any) -> None:
+        count: queue.Queue = queue.Queue()
+        count.put(i)
+        try:
+            writer_cls.write_preloaded_data(
+                transforms, i, bucket, results_queue=outcomes, count_queue=count, use_fsync=True
+            )
+        except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
+            outcomes.put((i, e))
+
+    threads = [threading.Thread(target=run, args=(i, b), daemon=True) for i, b in enumerate(buckets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results: list = []
+    by_idx = dict(outcomes.get() for _ in range(outcomes.qsize()))
+    for i in range(len(buckets)):
+        out = by_idx.get(i)
+        if isinstance(out, BaseException):
+            raise out
+        if out is None:
+            raise RuntimeError(f"shard writer {i} reported no result")
+        results.extend(out)
+    return results
+
+
+def write_job(writer_cls: type, transforms: list, buckets: list, result_path: str, hook: Any | None = None) -> None:
+    """The async function handed to the engine's queue: writes the shards, then reports."""
+    t0 = time.monotonic()
+    try:
+        if hook is not None:
+            hook(buckets)
+        outcome: dict[str, Any] = {"ok": True, "results": _write_all(writer_cls, transforms, buckets)}
+    except BaseException as e:  # noqa: BLE001
+        outcome = {"ok": False, **_describe(e, buckets)}
+    outcome["write_s"] = time.monotonic() - t0
+    outcome["pid"] = os.getpid()
+    tmp = f"{result_path}.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(tmp, result_path)
+
+
+def engine_loop(loop_fn: Any, *args: Any) -> None:
+    """Entry point of the persistent worker: the engine's own loop, made to run without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        # Megatron-Core's loop pins `rank % device_count()` first: a ZeroDivisionError without CUDA.
+        # This process only writes files, so it may pretend to have one device it never uses.
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda *_a, **_k: None
+    loop_fn(*args)

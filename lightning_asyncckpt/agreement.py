@@ -1,0 +1,62 @@
+"""The only module that runs collectives.
+
+It decides the device of control-plane tensors (gloo: CPU, NCCL: CUDA) in one place, and works
+without a process group (a single-device Trainer has none): then every call is local.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def control_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device that small agreement tensors must live on for ``group``'s backend."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Agreement:
+    """Cross-rank agreement over ``group`` (the default group when ``None``).
+
+    Every method must be called by all ranks of the group, in the same order.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+
+    @property
+    def active(self) -> bool:
+        return is_distributed() and dist.get_world_size(self.group) > 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if is_distributed() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if is_distributed() else 1
+
+    def all_max(self, values: list[int]) -> list[int]:
+        """(all ranks) Element-wise maximum of small integer vectors."""
+        if not self.active:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=control_device(self.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """(all ranks) Every rank's ``obj``, in rank order."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out

@@ -1,0 +1,92 @@
+"""``AsyncFinalizerCallback``: runs ``AsyncCheckpointIO.finalize`` at the right hooks, on every rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_asyncckpt.io import AsyncCheckpointIO
+
+log = logging.getLogger(__name__)
+
+
+def find_async_io(strategy: Any) -> AsyncCheckpointIO | None:
+    """The ``AsyncCheckpointIO`` behind a strategy's (possibly wrapped) checkpoint IO, if any."""
+    io = getattr(strategy, "_checkpoint_io", None) or getattr(strategy, "checkpoint_io", None)
+    for _ in range(8):
+        if io is None or isinstance(io, AsyncCheckpointIO):
+            return io
+        io = getattr(io, "checkpoint_io", None)
+    return None
+
+
+class AsyncFinalizerCallback(Callback):
+    """Commits finished background saves and raises their errors on every rank of the trainer.
+
+    - ``on_save_checkpoint`` (all ranks): counts the save, so that every rank knows a save is pending
+      even though Lightning calls the plugin on global rank 0 only.
+    - ``on_train_batch_end`` (all ranks): a non-blocking ``finalize``; a failed write raises
+      :class:`~lightning_asyncckpt.CheckpointWriteError` here, within a step or two.
+    - ``on_train_end`` (all ranks): a blocking ``finalize``, after every checkpoint callback's last save
+      (Lightning runs checkpoint callbacks last).
+    - ``on_exception``: stops the workers without collectives and without masking the exception.
+
+    Installing the package registers this callback with every ``Trainer`` through Lightning's
+    ``callbacks_factory`` entry point; it stays inert unless the trainer uses ``AsyncCheckpointIO``
+    and no other ``AsyncFinalizerCallback`` was given.
+    """
+
+    def __init__(self) -> None:
+        self._io: AsyncCheckpointIO | None = None
+        self._auto = False
+
+    @property
+    def state_key(self) -> str:
+        return f"{type(self).__qualname__}{'[auto]' if self._auto else ''}"
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._io = None
+        io = find_async_io(trainer.strategy)
+        if io is None:
+            if not self._auto:
+                log.warning("AsyncFinalizerCallback: the trainer does not use AsyncCheckpointIO; doing nothing.")
+            return
+        if self._auto and any(
+            isinstance(cb, AsyncFinalizerCallback) and not cb._auto for cb in trainer.callbacks
+        ):
+            return
+        self._io = io
+        io._attach_finalizer()
+        if stage == "fit" and trainer.is_global_zero:
+            io.warmup()
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._io is not None:
+            self._io._announce_save()
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._io is not None:
+            self._io.finalize(blocking=False)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._io is not None:
+            self._io.finalize(blocking=True)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._io is not None:
+            self._io._abort()
+
+
+def _external_callbacks() -> list[Callback]:
+    """Lightning ``callbacks_factory`` entry point: an inert-by-default finalizer for every Trainer."""
+    cb = AsyncFinalizerCallback()
+    cb._auto = True
+    return [cb]

@@ -1,0 +1,126 @@
+"""The on-disk format: torch.distributed.checkpoint (DCP), one shard file per writing rank.
+
+Planning follows DCP's own protocol (planner -> storage writer -> plan -> metadata), without
+collectives when one rank writes the whole checkpoint. Reading uses DCP's ``FileSystemReader`` and
+needs nothing from this package beyond :func:`staging.join` to rebuild the nested dict.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from lightning_asyncckpt import staging
+
+# (shard path, shard file name, (bytes items, tensor items)): the engines' unit of work for one file.
+WriteBucket = tuple
+
+
+@dataclass
+class WritePlan:
+    """What one rank writes for one save, and what the coordinator needs to commit it."""
+
+    writer: Any  # the engine's FileSystemWriterAsync, kept in the trainer for ``finish``
+    metadata: Metadata | None
+    buckets: list[WriteBucket]
+    transforms: list  # DCP storage transforms the engine's ``write_preloaded_data`` expects
+
+
+def _call_with_known_kwargs(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    params = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def plan_local_save(
+    snapshot: staging.Snapshot,
+    tmp: Path,
+    writer_cls: type,
+    thread_count: int,
+    split_by_size: Callable[[int, list], list],
+) -> WritePlan:
+    """Plans a save that this rank writes alone (no collectives)."""
+    state: dict[str, Any] = dict(snapshot.tensors)
+    state[staging.SKELETON_KEY] = snapshot.skeleton
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    writer = writer_cls(str(tmp), thread_count=thread_count)
+    storage_meta = writer.storage_meta() if hasattr(writer, "storage_meta") else None
+    _call_with_known_kwargs(planner.set_up_planner, state, storage_meta=storage_meta, is_coordinator=True)
+    _call_with_known_kwargs(writer.set_up_storage_writer, True, rank=0, use_collectives=False)
+    local_plan = writer.prepare_local_plan(planner.create_local_plan())
+    global_plans, metadata = planner.create_global_plan([local_plan])
+    global_plans = writer.prepare_global_plan(global_plans)
+    central_plan = planner.finish_plan(global_plans[0])
+    buckets = make_buckets(central_plan, planner, tmp, thread_count, split_by_size)
+    transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+    return WritePlan(writer=writer, metadata=metadata, buckets=buckets, transforms=transforms)
+
+
+def make_buckets(plan, planner, tmp: Path, bins: int, split_by_size: Callable) -> list[WriteBucket]:
+    """Splits a plan into at most ``bins`` shard files of similar size; resolves the data now.
+
+    Byte items (the pickled skeleton) are serialized here, in the trainer, so they are a snapshot too.
+    """
+    prefix = plan.storage_data.prefix
+    buckets: list[WriteBucket] = []
+    for items in split_by_size(max(1, bins), plan.items):
+        if not items:
+            continue
+        bytes_data = [(it, planner.resolve_data(it)) for it in items if it.type == WriteItemType.BYTE_IO]
+        tensor_data = [
+            (it, planner.resolve_data(it).detach()) for it in items if it.type != WriteItemType.BYTE_IO
+        ]
+        name = f"{prefix}{len(buckets)}{DEFAULT_SUFFIX}"
+        buckets.append((str(tmp / name), name, (bytes_data, tensor_data)))
+    return buckets
+
+
+class _RawBytesLoadPlanner(DefaultLoadPlanner):
+    """Keeps byte items as raw bytes, so that the caller decides how to unpickle (``weights_only``)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.raw: dict[str, bytes] = {}
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.raw[read_item.dest_index.fqn] = value.read()
+
+
+def read_metadata(path: Path) -> Metadata:
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def load(path: Path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    """Reads a checkpoint directory back into the dict that was saved (local, no collectives)."""
+    reader = FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    state: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            state[fqn] = None
+    planner = _RawBytesLoadPlanner()
+    dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
+        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    objects = {
+        k: torch.load(io.BytesIO(v), weights_only=weights_only) if weights_only is not None
+        else torch.load(io.BytesIO(v))
+        for k, v in planner.raw.items()
+    }
+    skeleton = objects.pop(staging.SKELETON_KEY, None)
+    if skeleton is None:  # a DCP checkpoint written by something else: give back its flat contents
+        return {**tensors, **objects}
+    return staging.join(skeleton, tensors)

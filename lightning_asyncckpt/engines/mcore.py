@@ -1,0 +1,16 @@
+"""Megatron-Core's async checkpoint queue, for users who have not moved to nvrx."""
+
+from __future__ import annotations
+
+from lightning_asyncckpt.engines.base import Engine, engine_version
+
+
+class McoreEngine(Engine):
+    name = "mcore"
+    pip_extra = "lightning-asyncckpt[mcore]"
+
+    def __init__(self, worker: str, rank: int = 0):
+        from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async
+
+        super().__init__(async_utils, filesystem_async, worker, rank)
+        self.version = engine_version("megatron-core")

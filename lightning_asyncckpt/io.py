@@ -1,0 +1,478 @@
+"""``AsyncCheckpointIO``: a Lightning ``CheckpointIO`` that writes DCP checkpoints in the background.
+
+One save, step by step:
+1. ``save_checkpoint`` (the ranks Lightning calls it on: global rank 0 for single-device and DDP)
+   snapshots the state into reused host buffers, plans a DCP save, hands the write to the engine's
+   worker and returns.
+2. ``finalize`` (all ranks; ``AsyncFinalizerCallback`` calls it after every training batch): each
+   rank polls its own writes and commits the finished ones (write complete -> ``.metadata`` ->
+   atomic rename), then the ranks agree on how far every save got and on any failure, so that a
+   failure is raised on every rank, once.
+3. ``teardown`` settles everything, then stops the workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from typing_extensions import override
+
+from lightning_asyncckpt import _worker, commit, dcp_format, engines
+from lightning_asyncckpt.agreement import Agreement
+from lightning_asyncckpt.engines import Status
+from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
+from lightning_asyncckpt.staging import Stager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveRecord:
+    """What one committed save cost. ``stall_s`` is the time ``save_checkpoint`` held training."""
+
+    path: str
+    stall_s: float
+    write_s: float
+    total_s: float
+    nbytes: int
+
+
+@dataclass
+class _PendingSave:
+    order: int  # local FIFO position
+    seq: int | None  # the save's number in the cross-rank count, None if no rank announced it
+    path: Path
+    tmp: Path
+    ticket: engines.Ticket
+    plan: dcp_format.WritePlan
+    result_path: Path
+    buffer_set: Any
+    stall_s: float
+    nbytes: int
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Failed:
+    order: int
+    path: str
+    failure: RankFailure
+
+
+def _local_path(path: Any) -> Path:
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = text.decode()
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    elif "://" in text:
+        raise ValueError(
+            f"`AsyncCheckpointIO` writes to local or mounted filesystems only; got {text!r}."
+            " Mount the remote storage (e.g. with a FUSE client) or use Lightning's `TorchCheckpointIO`."
+        )
+    return Path(text)
+
+
+class AsyncCheckpointIO(CheckpointIO):
+    """Writes checkpoints asynchronously as torch.distributed.checkpoint directories.
+
+    Args:
+        strategy: the async engine: ``"nvrx"`` (nvidia-resiliency-ext), ``"mcore"`` (Megatron-Core), or
+            ``"auto"`` (nvrx when installed, else mcore with a warning). Read back with :attr:`engine`.
+        worker: ``"persistent"`` (one long-lived worker process per rank, started once) or ``"fork"``
+            (a process forked per save, whose copy-on-write memory is the snapshot).
+        thread_count: shard files (and writer threads) per rank and save.
+        timeout_s: a background write that takes longer fails the save (its worker is killed), so that
+            a hung write is raised within a bounded time. A dead worker is detected at once.
+        max_pending: saves in flight per rank; a further save first waits for the oldest write. Each
+            in-flight save holds one copy of the state in host memory.
+        poll_interval_s: sleep between checks while a blocking finalize waits.
+
+    Call pattern (all ranks unless noted): ``save_checkpoint`` on the ranks Lightning calls it on;
+    ``finalize`` on every rank, in the same order; ``teardown`` on every rank at the end.
+    """
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        *,
+        worker: str = "persistent",
+        thread_count: int = 1,
+        timeout_s: float = 1800.0,
+        max_pending: int = 2,
+        poll_interval_s: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if thread_count < 1:
+            raise ValueError(f"`AsyncCheckpointIO(thread_count={thread_count})` must be at least 1.")
+        if max_pending < 1:
+            raise ValueError(f"`AsyncCheckpointIO(max_pending={max_pending})` must be at least 1.")
+        if timeout_s <= 0:
+            raise ValueError(f"`AsyncCheckpointIO(timeout_s={timeout_s})` must be positive.")
+        self._engine_name = engines.resolve(strategy)
+        self._worker_mode = engines.parse_worker(worker)
+        self.thread_count = thread_count
+        self.timeout_s = float(timeout_s)
+        self.max_pending = max_pending
+        self.poll_interval_s = poll_interval_s
+        self.history: list[SaveRecord] = []
+        self.write_hook: Callable[[list], None] | None = None  # picklable; runs in the worker
+        self._agreement = Agreement()
+        self._engine: engines.Engine | None = None
+        self._stager = Stager(
+            shared=self._worker_mode is engines.WorkerMode.PERSISTENT,
+            copy_cpu=self._worker_mode is engines.WorkerMode.PERSISTENT,
+        )
+        self._pending: deque[_PendingSave] = deque()
+        self._failures: list[_Failed] = []
+        self._removals: list[tuple[Path, int]] = []
+        self._order = 0
+        self._last_ok_order = 0
+        self._announced = 0
+        self._consumed = 0
+        self._reported = 0
+        self._finalizer_attached = False
+        self._cleaned_dirs: set[Path] = set()
+        self._results_dir: Path | None = None
+
+    # ---------------------------------------------------------------------------------------------
+    # Public properties
+    @property
+    def engine(self) -> str:
+        """The resolved engine name: ``"nvrx"`` or ``"mcore"``."""
+        return self._engine_name.value
+
+    @property
+    def worker(self) -> str:
+        return self._worker_mode.value
+
+    @property
+    def num_pending(self) -> int:
+        """Saves of this rank not yet committed or failed."""
+        return len(self._pending)
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of this rank's live background writers (the persistent worker, or forked ones)."""
+        pids = self._engine.worker_pids() if self._engine is not None else []
+        for save in self._pending:
+            proc = save.ticket.process
+            if proc is not None and proc.is_alive():
+                pids.append(proc.pid)
+        return pids
+
+    # ---------------------------------------------------------------------------------------------
+    # Lightning's CheckpointIO
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """(the ranks Lightning calls it on) Snapshots ``checkpoint`` and schedules its write to ``path``.
+
+        Returns once the snapshot is taken: training may change every tensor right after.
+        Errors of the write are raised later, by :meth:`finalize`.
+        """
+        if storage_options:
+            raise TypeError(
+                f"`storage_options` is not supported by `AsyncCheckpointIO.save_checkpoint`; got {storage_options!r}."
+            )
+        path = _local_path(path)
+        if path.is_file() and not path.is_symlink():
+            raise FileExistsError(
+                f"`AsyncCheckpointIO` saves checkpoints as directories, but {str(path)!r} is an existing regular"
+                " file (perhaps from `TorchCheckpointIO`). Remove it or save to another path."
+            )
+        if self._agreement.active and not self._finalizer_attached:
+            raise RuntimeError(
+                "`AsyncCheckpointIO` with several ranks needs `AsyncFinalizerCallback` so that every rank learns"
+                " about failed saves: add `callbacks=[AsyncFinalizerCallback()]` to your `Trainer`"
+                " (`from lightning_asyncckpt import AsyncFinalizerCallback`)."
+            )
+        self._start(path.parent)
+        self._settle_local(blocking=False)
+        if not self._agreement.active:
+            self._raise_local_failures()
+        while len(self._pending) >= self.max_pending:
+            self._settle_local(blocking=True, until=self._pending[0].order)
+        self._schedule(checkpoint, path)
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """(any rank) Waits for this rank's pending saves, then reads the checkpoint at ``path``.
+
+        A regular file (a ``torch.save`` checkpoint) is read with Lightning's ``TorchCheckpointIO``.
+        """
+        path = _local_path(path)
+        self._settle_local(blocking=True)
+        for f in self._failures:
+            if Path(f.path) == path:
+                raise CheckpointWriteError(f.path, [f.failure])
+        if path.is_file():
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint at {str(path)!r} not found.")
+        if not commit.is_committed(path):
+            raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {commit.METADATA_FILE}).")
+        return dcp_format.load(path, map_location=map_location, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        """(the ranks Lightning calls it on) Removes ``path`` once every save scheduled so far has committed.
+
+        A checkpoint still being written is never deleted, and the newest committed checkpoint is kept
+        until a newer one commits.
+        """
+        self._removals.append((_local_path(path), self._order))
+        self._run_removals()
+
+    @override
+    def teardown(self) -> None:
+        """(all ranks) Blocking finalize, then stops the workers.
+
+        Inside an exception handler (Lightning tears down on errors) it only stops the workers and
+        removes unfinished saves, so that the original exception is not masked.
+        """
+        aborting = sys.exc_info()[1] is not None
+        try:
+            if not aborting:
+                self.finalize(blocking=True, _final=True)
+        finally:
+            self._close(abort=aborting)
+
+    # ---------------------------------------------------------------------------------------------
+    # Finalization
+    def finalize(self, blocking: bool = False, _final: bool = False) -> list[str]:
+        """(all ranks, same order) Commits the saves whose writes finished; ``blocking`` waits for all.
+
+        1. (each rank) poll own writes; commit finished single-writer saves; 2. (all ranks) agree on
+        progress and failures; 3. (all ranks) raise :class:`CheckpointWriteError` for a failed save.
+
+        Returns the paths committed by this rank during the call.
+        """
+        committed_before = len(self.history)
+        if not self._agreement.active:
+            self._settle_local(blocking=blocking)
+            self._raise_local_failures()
+            return [r.path for r in self.history[committed_before:]]
+        while self._announced > self._reported or _final:
+            if _final:  # saves nobody announced (weights-only) are settled here before the last agreement
+                self._settle_local(blocking=True)
+            else:
+                self._settle_local(blocking=False)
+            done_through = min((p.seq for p in self._pending if p.seq is not None), default=self._announced + 1) - 1
+            neg_done, any_failed = self._agreement.all_max([-done_through, 1 if self._failures else 0])
+            self._reported = max(self._reported, -neg_done)
+            if any_failed:
+                self._raise_agreed_failures()
+            if not blocking or self._reported >= self._announced:
+                break
+            time.sleep(self.poll_interval_s)
+        return [r.path for r in self.history[committed_before:]]
+
+    def warmup(self) -> None:
+        """(writing ranks) Starts the background worker now, so that the first save does not pay for it."""
+        self._start(None)
+        assert self._engine is not None
+        self._engine.start()
+
+    # Called by AsyncFinalizerCallback on every rank.
+    def _attach_finalizer(self) -> None:
+        self._finalizer_attached = True
+
+    def _announce_save(self) -> None:
+        self._announced += 1
+
+    def _abort(self) -> None:
+        """Stops workers and drops unfinished saves; no collectives, never raises."""
+        with contextlib.suppress(Exception):
+            self._close(abort=True)
+
+    # ---------------------------------------------------------------------------------------------
+    # Internals
+    def _start(self, dirpath: Path | None) -> None:
+        if self._engine is None:
+            self._engine = engines.create(self._engine_name, self._worker_mode, self._agreement.rank)
+        if self._results_dir is None:
+            base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))
+        if dirpath is not None and dirpath not in self._cleaned_dirs:
+            dirpath.mkdir(parents=True, exist_ok=True)
+            commit.cleanup_leftovers(dirpath, keep={p.tmp for p in self._pending})
+            self._cleaned_dirs.add(dirpath)
+
+    def _schedule(self, checkpoint: dict[str, Any], path: Path) -> None:
+        assert self._engine is not None and self._results_dir is not None
+        t0 = time.perf_counter()
+        self._order += 1
+        order = self._order
+        seq = None
+        if self._announced > self._consumed:
+            self._consumed = self._announced
+            seq = self._announced
+        tmp = commit.tmp_for(path, f"{os.getpid()}-{order}")
+        snapshot = None
+        try:
+            snapshot = self._stager.snapshot(checkpoint)
+            plan = dcp_format.plan_local_save(
+                snapshot, tmp, self._engine.writer_cls, self.thread_count, self._engine.split_by_size
+            )
+            result_path = self._results_dir / f"{order}.result"
+            ticket = self._engine.schedule(
+                _worker.write_job,
+                (self._engine.writer_cls, plan.transforms, plan.buckets, str(result_path), self.write_hook),
+            )
+        except BaseException:
+            # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
+            commit.remove_path(tmp)
+            self._stager.release(snapshot.buffer_set if snapshot is not None else None)
+            raise
+        stall = time.perf_counter() - t0
+        self._pending.append(
+            _PendingSave(
+                order=order, seq=seq, path=path, tmp=tmp, ticket=ticket, plan=plan, result_path=result_path,
+                buffer_set=snapshot.buffer_set, stall_s=stall, nbytes=snapshot.nbytes,
+            )
+        )
+        log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", path, snapshot.nbytes, stall)
+
+    def _settle_local(self, blocking: bool, until: int | None = None) -> None:
+        """(this rank) Polls own writes in order; commits finished ones, records failures."""
+        while self._pending:
+            save = self._pending[0]
+            if until is not None and save.order > until:
+                return
+            assert self._engine is not None
+            status = self._engine.poll(save.ticket)
+            if status is Status.RUNNING:
+                waited = time.monotonic() - save.ticket.scheduled_at
+                if waited > self.timeout_s:
+                    self._fail_all(
+                        RankFailure(
+                            self._agreement.rank, "TimeoutError",
+                            f"the background write did not finish within timeout_s={self.timeout_s:g}s;"
+                            " its worker was killed",
+                        )
+                    )
+                    return
+                if not blocking:
+                    return
+                time.sleep(self.poll_interval_s)
+                continue
+            if status is Status.DEAD:
+                self._fail_all(RankFailure(self._agreement.rank, "WorkerDied", save.ticket.detail))
+                return
+            self._pending.popleft()
+            self._stager.release(save.buffer_set)
+            failure = self._commit(save)
+            if failure is not None:
+                self._record_failure(save, failure)
+
+    def _commit(self, save: _PendingSave) -> RankFailure | None:
+        """(coordinator of a single-writer save) write complete -> .metadata -> rename."""
+        rank = self._agreement.rank
+        try:
+            with open(save.result_path, "rb") as f:
+                outcome = pickle.load(f)
+            os.unlink(save.result_path)
+        except FileNotFoundError:
+            return RankFailure(rank, "WorkerDied", "the checkpoint worker exited without reporting a result")
+        if not outcome["ok"]:
+            return RankFailure(rank, outcome["error_type"], outcome["message"], outcome["errno"])
+        try:
+            save.plan.writer.finish(save.plan.metadata, [outcome["results"]])
+            commit.publish(save.tmp, save.path)
+        except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
+            return RankFailure.from_exception(rank, e)
+        now = time.monotonic()
+        self.history.append(
+            SaveRecord(
+                path=str(save.path), stall_s=save.stall_s, write_s=float(outcome.get("write_s", 0.0)),
+                total_s=now - save.started, nbytes=save.nbytes,
+            )
+        )
+        self._last_ok_order = save.order
+        log.debug("lightning-asyncckpt: committed %s", save.path)
+        self._run_removals()
+        return None
+
+    def _record_failure(self, save: _PendingSave, failure: RankFailure) -> None:
+        commit.remove_path(save.tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(save.result_path)
+        self._failures.append(_Failed(save.order, str(save.path), failure))
+        log.error("lightning-asyncckpt: save to %s failed: %s", save.path, failure.describe())
+
+    def _fail_all(self, failure: RankFailure) -> None:
+        """The worker is dead or hung: every save queued on it is lost. The next save starts a new one."""
+        assert self._engine is not None
+        self._engine.reset_after_failure()
+        while self._pending:
+            save = self._pending.popleft()
+            self._engine.kill(save.ticket)
+            self._stager.release(save.buffer_set)
+            self._record_failure(save, failure)
+
+    def _run_removals(self) -> None:
+        keep = []
+        for path, after in self._removals:
+            if after <= self._last_ok_order:
+                commit.remove_path(path)
+            else:
+                keep.append((path, after))
+        self._removals = keep
+
+    def _raise_local_failures(self) -> None:
+        if self._failures:
+            first, rest = self._failures[0], self._failures[1:]
+            self._failures = []
+            raise CheckpointWriteError(first.path, [first.failure], note=self._more_note(rest))
+
+    def _raise_agreed_failures(self) -> None:
+        """(all ranks) Every rank learns every failure and raises the same error."""
+        mine = [(f.path, f.failure) for f in self._failures]
+        self._failures = []
+        gathered = [item for per_rank in self._agreement.all_gather(mine) for item in per_rank]
+        by_path: dict[str, list[RankFailure]] = {}
+        for p, failure in gathered:
+            by_path.setdefault(p, []).append(failure)
+        (path, failures), *rest = by_path.items()
+        raise CheckpointWriteError(path, failures, note=self._more_note([p for p, _ in rest]))
+
+    @staticmethod
+    def _more_note(rest: list) -> str:
+        if not rest:
+            return ""
+        paths = [getattr(r, "path", r) for r in rest]
+        return f"Saves to {paths} failed too."
+
+    def _close(self, abort: bool) -> None:
+        if self._engine is not None:
+            self._engine.close(abort=abort)
+        for save in self._pending:  # only left when aborting
+            if self._engine is not None:
+                self._engine.kill(save.ticket)
+            commit.remove_path(save.tmp)
+        if self._pending:
+            log.warning("lightning-asyncckpt: %d unfinished save(s) dropped", len(self._pending))
+        self._pending.clear()
+        self._removals = [r for r in self._removals if r[1] <= self._last_ok_order]
+        self._run_removals()
+        self._removals.clear()
+        self._reported = self._consumed = self._announced
+        self._stager.clear()
+        if self._results_dir is not None:
+            shutil.rmtree(self._results_dir, ignore_errors=True)
+            self._results_dir = None
+        self._cleaned_dirs.clear()

@@ -1,0 +1,180 @@
+"""Snapshot of a checkpoint dict: the only module that touches tensor data on the save path.
+
+A checkpoint is split into
+- ``tensors``: a flat ``{fqn: tensor}`` dict, the fqn being the dotted path of keys
+  (``state_dict.layer.weight``, ``optimizer_states.0.state.0.exp_avg``);
+- a ``skeleton``: the same nested structure with every tensor replaced by a ``meta`` tensor of the
+  same shape and dtype. It keeps every key type (int keys of optimizer state), lists, tuples and
+  non-tensor objects, and loading it needs nothing but torch.
+
+The tensors handed to the writer are copies taken at save time into reused host buffers, so the
+training step may change every parameter as soon as ``snapshot`` returns.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SKELETON_KEY = "lightning_asyncckpt.skeleton"
+
+
+def _walk(obj: Any, path: tuple, on_tensor: Callable[[tuple, torch.Tensor], Any]) -> Any:
+    """Rebuilds ``obj`` with every tensor leaf replaced by ``on_tensor(path, tensor)``."""
+    if isinstance(obj, torch.Tensor):
+        return on_tensor(path, obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps the dict subclass (OrderedDict, AttributeDict, defaultdict)
+        for k, v in obj.items():
+            out[k] = _walk(v, (*path, k), on_tensor)
+        return out
+    if isinstance(obj, list):
+        return [_walk(v, (*path, i), on_tensor) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        items = [_walk(v, (*path, i), on_tensor) for i, v in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+class _FqnNamer:
+    """Dotted names for tensor paths, made unique in traversal order (same on save and on load)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __call__(self, path: tuple) -> str:
+        name = ".".join(str(k) for k in path) or "tensor"
+        base, n = name, 1
+        while name in self.seen or name == SKELETON_KEY:
+            name = f"{base}#{n}"
+            n += 1
+        self.seen.add(name)
+        return name
+
+
+def split(checkpoint: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Splits a checkpoint into its skeleton and its flat tensors (no copies made)."""
+    namer = _FqnNamer()
+    tensors: dict[str, torch.Tensor] = {}
+
+    def take(path: tuple, t: torch.Tensor) -> torch.Tensor:
+        name = namer(path)
+        if t.device.type == "meta":
+            return t
+        tensors[name] = t.detach()
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    skeleton = _walk(checkpoint, (), take)
+    return skeleton, tensors
+
+
+def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`split`: puts loaded tensors back in place of the skeleton's placeholders."""
+    namer = _FqnNamer()
+
+    def put(path: tuple, t: torch.Tensor) -> torch.Tensor:
+        name = namer(path)
+        return tensors.get(name, t)
+
+    return _walk(skeleton, (), put)
+
+
+def _is_whole_storage(t: torch.Tensor) -> bool:
+    # torch.save of a view writes its whole storage: such tensors must be copied before writing.
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+@dataclass
+class BufferSet:
+    """Host buffers for one in-flight save, reused by a later save once this one is written."""
+
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    busy: bool = False
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+@dataclass
+class Snapshot:
+    skeleton: Any
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    buffer_set: BufferSet | None
+
+
+class Stager:
+    """Takes snapshots into reused host buffers.
+
+    Args:
+        shared: put buffers in shared memory, so that a spawned worker maps them instead of
+            receiving (and moving) a copy. Needed for the persistent worker.
+        copy_cpu: copy CPU tensors. A fork-per-save worker gets a copy-on-write snapshot of CPU memory
+            from ``fork`` itself, so it only needs CUDA tensors and views copied.
+    """
+
+    def __init__(self, shared: bool, copy_cpu: bool):
+        self.shared = shared
+        self.copy_cpu = copy_cpu
+        self._sets: list[BufferSet] = []
+
+    def _acquire(self) -> BufferSet:
+        for s in self._sets:
+            if not s.busy:
+                s.busy = True
+                return s
+        s = BufferSet(busy=True)
+        self._sets.append(s)
+        return s
+
+    def release(self, buffer_set: BufferSet | None) -> None:
+        """The write that used ``buffer_set`` finished: a later save may overwrite it."""
+        if buffer_set is not None:
+            buffer_set.busy = False
+
+    def clear(self) -> None:
+        self._sets = [s for s in self._sets if s.busy]
+
+    def _buffer(self, bs: BufferSet, name: str, t: torch.Tensor) -> torch.Tensor:
+        buf = bs.buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            if self.shared:
+                buf.share_memory_()
+            elif t.device.type == "cuda":
+                buf = buf.pin_memory()
+            bs.buffers[name] = buf
+        return buf
+
+    def snapshot(self, checkpoint: dict[str, Any]) -> Snapshot:
+        """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete."""
+        skeleton, tensors = split(checkpoint)
+        bs = self._acquire()
+        staged: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        pending_cuda = False
+        for name, t in tensors.items():
+            nbytes += t.numel() * t.element_size()
+            if not self.copy_cpu and t.device.type == "cpu" and _is_whole_storage(t):
+                staged[name] = t
+                continue
+            buf = self._buffer(bs, name, t)
+            non_blocking = t.device.type == "cuda" and buf.is_pinned()
+            buf.copy_(t, non_blocking=non_blocking)
+            pending_cuda |= non_blocking
+            staged[name] = buf
+        if pending_cuda:
+            torch.cuda.synchronize()
+        # drop buffers of tensors that are gone, so that memory does not grow with changing states
+        for name in list(bs.buffers):
+            if name not in staged:
+                del bs.buffers[name]
+        return Snapshot(skeleton=skeleton, tensors=staged, nbytes=nbytes, buffer_set=bs)

@@ -1,0 +1,123 @@
+"""Shared pieces of the test suite: a tiny model, data, and recorders. No fakes of the library."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import lightning as L
+import psutil
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+ENGINES = ["nvrx", "mcore"]
+WORKERS = ["persistent", "fork"]
+COMBOS = [(e, w) for e in ENGINES for w in WORKERS]
+
+
+class TinyModel(L.LightningModule):
+    """A BoringModel-like module; ``width`` sets the size of the state (4 * width**2 bytes per layer)."""
+
+    def __init__(self, width: int = 64, layers: int = 2, lr: float = 1e-2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.net(batch[0]).pow(2).mean())
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self.net(batch[0]).pow(2).mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+def loader(width: int = 64, n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(TensorDataset(torch.randn(n, width, generator=g)), batch_size=batch_size, shuffle=False)
+
+
+def trainer(tmp_path: Any, plugins: list, callbacks: list, **kw: Any) -> L.Trainer:
+    opts = dict(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), num_sanity_val_steps=0,
+    )
+    opts.update(kw)
+    return L.Trainer(plugins=plugins, callbacks=callbacks, **opts)
+
+
+def clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tree(v) for v in obj)
+    return obj
+
+
+def assert_tree_equal(a: Any, b: Any, where: str = "") -> None:
+    """Bit-for-bit equality of nested checkpoint content, key types included."""
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{where}: tensor values differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a.keys())} != {list(b.keys())}"
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{where}.{k!r}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+class SnapshotRecorder(L.Callback):
+    """Keeps an exact copy of what each save was handed, and how many steps overlapped a write."""
+
+    def __init__(self) -> None:
+        self.copies: dict[int, dict] = {}
+        self.steps_while_pending = 0
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.copies[checkpoint["global_step"]] = clone_tree(
+            {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"]}
+        )
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_asyncckpt.callback import find_async_io
+
+        io = find_async_io(trainer.strategy)
+        if io is not None and io.num_pending:
+            self.steps_while_pending += 1
+
+
+def live_children() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_no_children(timeout: float = 5.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    kids = live_children()
+    while kids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        kids = live_children()
+    return kids
+
+
+def dir_entries(path: Any) -> list[str]:
+    return sorted(os.listdir(path))

@@ -1,0 +1,180 @@
+"""AsyncCheckpointIO on its own (no Trainer, no process group): real engine queues, real workers, real files."""
+
+import dataclasses
+import errno
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from helpers import assert_tree_equal, clone_tree
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, dcp_format, testing
+
+
+@dataclasses.dataclass
+class Config:
+    name: str
+    depth: int
+
+
+def _checkpoint(scale=1.0):
+    return {
+        "epoch": 3,
+        "global_step": 120,
+        "state_dict": {"layer.weight": torch.randn(32, 16) * scale, "layer.bias": torch.randn(32).to(torch.bfloat16)},
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(32, 16)}, 1: {"step": torch.tensor(5.0)}},
+                "param_groups": [{"params": [0, 1], "lr": 1e-3, "betas": (0.9, 0.999)}],
+            }
+        ],
+        "extras": {"half": torch.ones(4, dtype=torch.float16), "ints": torch.arange(5), "mask": torch.tensor([True, False])},
+        "hyper_parameters": {"cfg": Config("x", 2), "names": ["a", "b"]},
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 3}}}},
+    }
+
+
+@pytest.fixture
+def io(engine_worker):
+    engine, worker = engine_worker
+    plugin = AsyncCheckpointIO(engine, worker=worker, timeout_s=60)
+    yield plugin
+    plugin.teardown()
+
+
+def test_round_trip_is_exact(io, tmp_path):
+    ckpt = _checkpoint()
+    expected = clone_tree(ckpt)
+    io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False)
+    assert_tree_equal(loaded, expected)
+    assert type(next(iter(loaded["optimizer_states"][0]["state"]))) is int
+
+
+def test_save_returns_before_the_write_and_is_a_snapshot(io, tmp_path):
+    io.write_hook = testing.DelayWrite(1.0)
+    ckpt = _checkpoint()
+    expected = clone_tree(ckpt)
+    path = tmp_path / "a.ckpt"
+    io.save_checkpoint(ckpt, path)
+    assert not path.exists() and io.num_pending == 1
+    for t in (ckpt["state_dict"]["layer.weight"], ckpt["optimizer_states"][0]["state"][0]["exp_avg"]):
+        t.mul_(-3.0).add_(7.0)  # the training step changes everything right away
+    assert io.finalize(blocking=True) == [str(path)]
+    assert commit.is_committed(path)
+    assert_tree_equal(io.load_checkpoint(path, weights_only=False), expected)
+
+
+def test_readable_with_plain_torch_dcp(io, tmp_path):
+    ckpt = _checkpoint()
+    io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    io.finalize(blocking=True)
+    dcp_to_torch_save(tmp_path / "a.ckpt", tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert torch.equal(plain["state_dict.layer.weight"], ckpt["state_dict"]["layer.weight"])
+    assert torch.equal(plain["optimizer_states.0.state.0.exp_avg"], ckpt["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert sorted(os.listdir(tmp_path / "a.ckpt")) == [".metadata", "__0_0.distcp"]
+
+
+def test_resave_replaces_only_at_commit_and_removal_waits(io, tmp_path):
+    last = tmp_path / "last.ckpt"
+    old = clone_tree(_checkpoint(1.0))
+    io.save_checkpoint(clone_tree(old), last)
+    io.finalize(blocking=True)
+    io.write_hook = testing.DelayWrite(0.8)
+    io.save_checkpoint(_checkpoint(2.0), last)
+    io.save_checkpoint(_checkpoint(3.0), tmp_path / "b.ckpt")
+    io.remove_checkpoint(last)  # asked while `last` is still being rewritten: must wait
+    # meanwhile `last` is the old checkpoint, complete (read without settling the pending saves)
+    assert commit.is_committed(last)
+    assert_tree_equal(dcp_format.load(last, weights_only=False), old)
+    io.finalize(blocking=True)
+    assert not last.exists()  # removed only after the newer saves committed
+    assert commit.is_committed(tmp_path / "b.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]
+
+
+def test_load_waits_for_pending_saves(io, tmp_path):
+    io.write_hook = testing.DelayWrite(0.5)
+    ckpt = _checkpoint()
+    expected = clone_tree(ckpt)
+    io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    assert_tree_equal(io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False), expected)
+
+
+def test_real_enospc_is_raised_once_and_nothing_is_left(io, small_tmpfs):
+    good = small_tmpfs / "good.ckpt"
+    io.save_checkpoint({"w": torch.ones(1000)}, good)
+    io.finalize(blocking=True)
+    big = small_tmpfs / "big.ckpt"
+    io.save_checkpoint({"w": torch.ones(2_000_000)}, big)  # 8 MB into a 4 MiB tmpfs
+    with pytest.raises(CheckpointWriteError) as exc_info:
+        io.finalize(blocking=True)
+    err = exc_info.value
+    assert err.path == str(big) and err.ranks == (0,) and err.errno == errno.ENOSPC
+    assert "ENOSPC" in str(err) and str(big) in str(err)
+    io.finalize(blocking=True)  # raised once only
+    assert sorted(os.listdir(small_tmpfs)) == ["good.ckpt"]
+    assert torch.equal(io.load_checkpoint(good)["w"], torch.ones(1000))
+
+
+def test_killed_worker_is_detected_and_the_next_save_works(io, tmp_path):
+    io.write_hook = testing.DelayWrite(30.0)
+    io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "a.ckpt")
+    pids = io.worker_pids()
+    assert pids
+    os.kill(pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointWriteError, match="SIGKILL") as exc_info:
+        io.finalize(blocking=True)
+    assert time.monotonic() - t0 < 10
+    assert exc_info.value.error_type == "WorkerDied"
+    assert not (tmp_path / "a.ckpt").exists() and os.listdir(tmp_path) == []
+    io.write_hook = None
+    io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "b.ckpt")
+    io.finalize(blocking=True)
+    assert commit.is_committed(tmp_path / "b.ckpt")
+
+
+def test_hung_write_times_out(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker, timeout_s=1.0)
+    try:
+        io.write_hook = testing.DelayWrite(60.0)
+        io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "a.ckpt")
+        with pytest.raises(CheckpointWriteError, match="timeout_s=1") as exc_info:
+            io.finalize(blocking=True)
+        assert exc_info.value.error_type == "TimeoutError"
+    finally:
+        io.teardown()
+
+
+def test_crash_in_the_middle_of_a_write(io, tmp_path):
+    io.write_hook = testing.CrashWrite()
+    io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "a.ckpt")
+    with pytest.raises(CheckpointWriteError, match="exited with code 13"):
+        io.finalize(blocking=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_input_fails_at_save_time(io, tmp_path):
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "a.ckpt", storage_options={"compress": True})
+    with pytest.raises(ValueError, match="local or mounted"):
+        io.save_checkpoint({"w": torch.ones(1)}, "s3://bucket/a.ckpt")
+    (tmp_path / "file.ckpt").write_text("x")
+    with pytest.raises(FileExistsError, match="regular"):
+        io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "file.ckpt")
+    with pytest.raises(Exception, match="pickle"):
+        io.save_checkpoint({"w": torch.ones(1), "lock": threading.Lock()}, tmp_path / "b.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["file.ckpt"]
+    assert io.num_pending == 0
+
+
+def test_loads_a_torch_save_file(io, tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "plain.ckpt")["w"], torch.ones(2))
