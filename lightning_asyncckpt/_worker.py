@@ -97,9 +97,19 @@ def write_job(writer_cls: type, transforms: list, buckets: list, result_path: st
     os.replace(tmp, result_path)
 
 
-def engine_loop(loop_fn: Any, *args: Any) -> None:
-    """Entry point of the persistent worker: the engine's own loop, made to run without CUDA."""
+def engine_loop(loop_fn: Any, preload: tuple, ready: Any, *args: Any) -> None:
+    """Entry point of the persistent worker: the engine's own loop, made to run without CUDA.
+
+    ``preload`` names modules the write jobs need; importing them here, while training has not
+    reached its first save, keeps that cost out of the first save.
+    """
+    import importlib
+
     import torch
+
+    for name in preload:
+        importlib.import_module(name)
+    ready.set()
 
     if not torch.cuda.is_available():
         # Megatron-Core's loop pins `rank % device_count()` first: a ZeroDivisionError without CUDA.

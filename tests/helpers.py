@@ -25,7 +25,7 @@ class TinyModel(L.LightningModule):
         self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.net(batch[0]).pow(2).mean()
+        return self.net(batch[0].to(self.net[0].weight.dtype)).float().pow(2).mean()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", self.net(batch[0]).pow(2).mean())
@@ -97,6 +97,16 @@ class SnapshotRecorder(L.Callback):
         io = find_async_io(trainer.strategy)
         if io is not None and io.num_pending:
             self.steps_while_pending += 1
+
+
+class SlowSteps(L.Callback):
+    """Makes each training step take ``seconds``, so that "within N steps" means something."""
+
+    def __init__(self, seconds: float = 0.03) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(self.seconds)
 
 
 def live_children() -> list[psutil.Process]:

@@ -110,11 +110,24 @@ class _PersistentMixin:
             elif p.default is inspect.Parameter.empty:
                 raise RuntimeError(f"unsupported engine version: async_loop needs {name!r}")
         ctx = mp.get_context("spawn")
+        self._ready = ctx.Event()
         with _no_main_reimport():
             self.process = ctx.Process(
-                target=_worker.engine_loop, args=(loop, *args), daemon=True, name="asyncckpt-worker"
+                target=_worker.engine_loop,
+                args=(loop, self._preload_modules, self._ready, *args),
+                daemon=True,
+                name="asyncckpt-worker",
             )
             self.process.start()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Blocks until the worker has imported what a write needs (bounded; raises if it died)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.05):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the checkpoint worker process exited while starting (code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the checkpoint worker process did not start within {timeout_s:g}s")
 
     def schedule_async_call(self, async_req: Any) -> None:
         self.queue.put(async_req)
@@ -156,7 +169,7 @@ class _PersistentMixin:
                 if feeder is not None:
                     feeder.join(5.0)
                     self._queues_closed &= not feeder.is_alive()
-        self.queue = self.preload_q = self.comp_q = None
+        self.queue = self.preload_q = self.comp_q = self._ready = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -202,10 +215,13 @@ class Engine:
         self._next_idx = 0
 
     # -- the protocol ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Starts the persistent worker now (outside a training step). No-op for fork-per-save."""
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Starts the persistent worker now and waits until it is ready (outside a training step).
+        No-op for fork-per-save."""
         if self.persistent:
-            self._persistent_caller().start_worker(self.rank)
+            caller = self._persistent_caller()
+            caller.start_worker(self.rank)
+            caller.wait_ready(timeout_s)
 
     def schedule(self, fn: Any, args: tuple) -> Ticket:
         """Hands ``fn(*args)`` to the background worker; returns at once."""
@@ -285,6 +301,11 @@ class Engine:
             cls = type(f"{self.name.title()}PersistentCaller", (_PersistentMixin, self.core.PersistentAsyncCaller), {})
             started_tracker = not _resource_tracker_running()
             self._caller = cls()  # its spawn-context queues start the resource tracker
+            self._caller._preload_modules = (
+                "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner",
+                self.writer_cls.__module__,
+            )
             self._caller.rank = self.rank
             self._caller._started_tracker = started_tracker
         return self._caller

@@ -1,0 +1,247 @@
+"""The plugin under Lightning's Trainer on one device: real engine queues, real workers, real files."""
+
+import os
+import signal
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from helpers import (
+    SlowSteps,
+    SnapshotRecorder,
+    TinyModel,
+    assert_tree_equal,
+    clone_tree,
+    dir_entries,
+    live_children,
+    loader,
+    trainer,
+)
+from lightning_asyncckpt import (
+    AsyncCheckpointIO,
+    AsyncFinalizerCallback,
+    CheckpointWriteError,
+    commit,
+    testing,
+)
+
+
+def _ckpt_cb(dirpath, save_last=True, every=5):
+    return ModelCheckpoint(
+        dirpath=dirpath, monitor="step", mode="max", save_top_k=2, every_n_train_steps=every, save_last=save_last
+    )
+
+
+class _CommitLog:
+    """Records publishes and removals of final checkpoint paths, in order (wraps the real functions)."""
+
+    def __init__(self, monkeypatch):
+        self.events = []
+        publish, remove = commit.publish, commit.remove_path
+
+        def logged_publish(tmp, path):
+            publish(tmp, path)
+            self.events.append(("publish", path.name))
+
+        def logged_remove(path):
+            if not commit.is_leftover(path.name):
+                self.events.append(("remove", path.name))
+            remove(path)
+
+        monkeypatch.setattr(commit, "publish", logged_publish)
+        monkeypatch.setattr(commit, "remove_path", logged_remove)
+
+
+def _step(name):
+    return int(name.split("step=")[1].split(".")[0].split("-")[0])
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_model_checkpoint_top_k_last_and_snapshots(engine_worker, tmp_path, monkeypatch, save_last):
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker)
+    io.write_hook = testing.DelayWrite(0.15)  # every write outlasts several training steps
+    log = _CommitLog(monkeypatch)
+    rec = SnapshotRecorder()
+    ck = _ckpt_cb(tmp_path / "ckpts", save_last=save_last)
+    t = trainer(tmp_path, [io], [AsyncFinalizerCallback(), rec, ck], max_steps=40)
+    t.fit(TinyModel(width=256, layers=3), loader(width=256, n=128))
+    assert live_children() == []  # no worker outlives fit
+
+    assert rec.steps_while_pending >= 4, "the writes should overlap training steps"
+    names = dir_entries(tmp_path / "ckpts")
+    assert names == ["epoch=2-step=35.ckpt", "epoch=2-step=40.ckpt", "last.ckpt"]
+    for name in names:
+        path = tmp_path / "ckpts" / name
+        assert commit.is_committed(path)
+        loaded = io.load_checkpoint(path, weights_only=False)
+        step = loaded["global_step"]
+        assert step == (40 if name == "last.ckpt" else _step(name))
+        got = {"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]}
+        assert_tree_equal(got, rec.copies[step], f"{name}")  # bit for bit the state at save time
+    if save_last == "link":
+        assert os.readlink(tmp_path / "ckpts" / "last.ckpt").endswith("epoch=2-step=40.ckpt")
+
+    # an old checkpoint is removed only after a newer one was committed
+    published = set()
+    for kind, name in log.events:
+        if kind == "publish":
+            published.add(name)
+        else:
+            assert any(p != "last.ckpt" and _step(p) > _step(name) for p in published), (name, log.events)
+    io.teardown()
+
+
+def test_resume_continues_exactly(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    data = dict(width=32, n=64, batch_size=8)  # 8 steps per epoch: checkpoints at epoch ends
+
+    L.seed_everything(7)
+    full = TinyModel(width=32)
+    io_a = AsyncCheckpointIO(engine, worker=worker)
+    ck = ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=8, save_top_k=-1)
+    trainer(tmp_path, [io_a], [AsyncFinalizerCallback(), ck], max_steps=16).fit(full, loader(**data))
+    final = clone_tree(full.state_dict())
+
+    L.seed_everything(123)
+    resumed = TinyModel(width=32)
+    io_b = AsyncCheckpointIO(engine, worker=worker)
+    start = {}
+
+    class Check(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            start["step"] = trainer.global_step
+            start["weights"] = clone_tree(pl_module.state_dict())
+            start["optim"] = clone_tree(trainer.optimizers[0].state_dict()["state"])
+
+    t = trainer(tmp_path, [io_b], [AsyncFinalizerCallback(), Check()], max_steps=16, enable_checkpointing=False)
+    t.fit(resumed, loader(**data), ckpt_path=str(tmp_path / "a" / "epoch=0-step=8.ckpt"))
+    saved = io_b.load_checkpoint(tmp_path / "a" / "epoch=0-step=8.ckpt", weights_only=False)
+    assert start["step"] == 8 == saved["global_step"]
+    assert_tree_equal(start["weights"], clone_tree(dict(saved["state_dict"])))
+    assert_tree_equal(start["optim"], saved["optimizer_states"][0]["state"])
+    assert t.global_step == 16
+    assert_tree_equal(clone_tree(resumed.state_dict()), final)  # identical to the uninterrupted run
+
+
+def test_fit_twice_then_validate_and_test(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker)
+    model = TinyModel()
+    ck = _ckpt_cb(tmp_path / "c", every=4)
+    t = trainer(tmp_path, [io], [AsyncFinalizerCallback(), ck], max_steps=8, limit_val_batches=2)
+    t.fit(model, loader(), loader())
+    assert live_children() == []
+    t.fit_loop.epoch_loop.max_steps = 16
+    t.fit(model, loader(), loader())
+    assert live_children() == []
+    assert t.global_step == 16
+    assert dir_entries(tmp_path / "c") == ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
+    t.validate(model, loader(), ckpt_path="last")
+    t.test(model, loader(), ckpt_path=str(tmp_path / "c" / "epoch=1-step=12.ckpt"))
+    assert live_children() == []
+
+
+class _FillDisk(L.Callback):
+    def __init__(self, mnt, at_step):
+        self.mnt, self.at_step = mnt, at_step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.at_step:
+            trainer.strategy.checkpoint_io.finalize(blocking=True)  # the earlier save is committed first
+            st = os.statvfs(self.mnt)
+            with open(self.mnt / "filler", "wb") as f:
+                f.write(b"\0" * (st.f_bavail * st.f_frsize - 4096))
+
+
+def test_real_disk_full_stops_training(engine_worker, small_tmpfs, tmp_path):
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker)
+    ck = ModelCheckpoint(dirpath=small_tmpfs / "c", every_n_train_steps=4, save_top_k=1, monitor="step", mode="max")
+    cbs = [AsyncFinalizerCallback(), SlowSteps(), _FillDisk(small_tmpfs, at_step=6), ck]
+    t = trainer(tmp_path, [io], cbs, max_steps=40)
+    with pytest.raises(CheckpointWriteError) as exc_info:
+        t.fit(TinyModel(width=128), loader(width=128))
+    err = exc_info.value
+    assert err.errno == 28 and "ENOSPC" in str(err) and err.path.endswith("epoch=0-step=8.ckpt")
+    assert t.global_step <= 8 + 4  # training stopped within a few steps of the failing save
+    assert live_children() == []
+    (small_tmpfs / "filler").unlink()
+    assert dir_entries(small_tmpfs / "c") == ["epoch=0-step=4.ckpt"]  # nothing partial, nothing left over
+    assert io.load_checkpoint(small_tmpfs / "c" / "epoch=0-step=4.ckpt")["global_step"] == 4
+
+
+def test_killed_worker_stops_training(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker)
+    io.write_hook = testing.DelayWrite(20.0)
+
+    class Kill(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step == 5:
+                for pid in io.worker_pids():
+                    os.kill(pid, signal.SIGKILL)
+
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=4, save_top_k=-1)
+    t = trainer(tmp_path, [io], [AsyncFinalizerCallback(), SlowSteps(), Kill(), ck], max_steps=40)
+    with pytest.raises(CheckpointWriteError, match="SIGKILL") as exc_info:
+        t.fit(TinyModel(), loader())
+    assert exc_info.value.path.endswith("epoch=0-step=4.ckpt")
+    assert t.global_step <= 5 + 3  # detected at once, not at the next save
+    assert not (tmp_path / "c").exists() or dir_entries(tmp_path / "c") == []
+
+
+def test_plugin_alone_registers_the_finalizer(tmp_path):
+    io = AsyncCheckpointIO("nvrx")
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=4, save_top_k=-1)
+    t = trainer(tmp_path, [io], [ck], max_steps=12)
+    auto = [cb for cb in t.callbacks if isinstance(cb, AsyncFinalizerCallback)]
+    assert len(auto) == 1 and auto[0]._auto  # from the package's Lightning entry point
+
+    class BreakDisk(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 6:
+                io.write_hook = testing.FailWrite()
+
+    t.callbacks[:0] = [BreakDisk(), SlowSteps()]
+    with pytest.raises(CheckpointWriteError, match="ENOSPC"):
+        t.fit(TinyModel(), loader())
+    assert t.global_step <= 8 + 3
+    assert dir_entries(tmp_path / "c") == ["epoch=0-step=4.ckpt"]
+
+
+def test_plugin_without_any_finalizer_on_one_device(tmp_path):
+    io = AsyncCheckpointIO("nvrx")
+    io.write_hook = testing.FailWrite()
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=4, save_top_k=-1)
+    t = trainer(tmp_path, [io], [ck], max_steps=12)
+    t.callbacks[:] = [cb for cb in t.callbacks if not isinstance(cb, AsyncFinalizerCallback)]
+    with pytest.raises(CheckpointWriteError, match="ENOSPC"):  # at the next save or at teardown
+        t.fit(TinyModel(), loader())
+    assert live_children() == []
+    assert not (tmp_path / "c").exists() or dir_entries(tmp_path / "c") == []
+
+
+def test_explicit_callback_makes_the_automatic_one_inert(tmp_path):
+    io = AsyncCheckpointIO("nvrx", worker="fork")
+    mine = AsyncFinalizerCallback()
+    t = trainer(tmp_path, [io], [mine], max_steps=2)
+    t.fit(TinyModel(), loader())
+    auto = [cb for cb in t.callbacks if isinstance(cb, AsyncFinalizerCallback) and cb._auto]
+    assert mine._io is io and all(cb._io is None for cb in auto)
+
+
+def test_state_from_checkpoint_dtypes(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker)
+    model = TinyModel().to(torch.bfloat16)
+    t = trainer(tmp_path, [io], [AsyncFinalizerCallback()], max_steps=1, enable_checkpointing=False)
+    t.fit(model, loader())
+    t.save_checkpoint(tmp_path / "manual.ckpt")
+    io.finalize(blocking=True)
+    loaded = io.load_checkpoint(tmp_path / "manual.ckpt", weights_only=False)
+    assert all(v.dtype == torch.bfloat16 for v in loaded["state_dict"].values())
+    assert loaded["hyper_parameters"]["width"] == 64
+    io.teardown()
