@@ -1,0 +1,210 @@
+"""A 2-rank DDP (gloo, CPU) training job for the multi-process tests. Run by tests/test_ddp.py.
+
+Each rank writes ``<out>/rank<r>.json`` with what it saw. Lightning relaunches this script for rank 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from helpers import (  # noqa: E402
+    SlowSteps,
+    SnapshotRecorder,
+    TinyModel,
+    assert_tree_equal,
+    clone_tree,
+    live_children,
+    loader,
+)
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing  # noqa: E402
+
+
+def _trainer(args, plugins, callbacks, **kw):
+    opts = dict(
+        accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=args.out, num_sanity_val_steps=0,
+    )
+    opts.update(kw)
+    t = L.Trainer(plugins=plugins, callbacks=callbacks, **opts)
+    return t
+
+
+_PEERS: set = set()
+
+
+def _own_children(trainer):
+    """Child processes other than the DDP ranks Lightning launched (rank 0 is their parent)."""
+    launcher = getattr(trainer.strategy, "launcher", None)
+    _PEERS.update(p.pid for p in getattr(launcher, "procs", []))
+    return [p.pid for p in live_children() if p.pid not in _PEERS]
+
+
+def _no_kill(trainer):
+    # Lightning kills the other ranks when rank 0 fails; we want to see every rank raise by itself.
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if launcher is not None:
+        launcher.kill = lambda *a, **k: None
+
+
+def case_fit(args, report):
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    io.write_hook = testing.DelayWrite(0.1)
+    rec = SnapshotRecorder()
+    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), monitor="step", mode="max", save_top_k=3,
+                         every_n_train_steps=4, save_last=True)
+    data = dict(width=64, n=64, batch_size=4)  # 8 steps per epoch per rank
+    L.seed_everything(1)
+    model = TinyModel(width=64)
+    t = _trainer(args, [io], [AsyncFinalizerCallback(), rec, ck], max_steps=16)
+    t.fit(model, loader(**data))
+    report["children_after_fit"] = _own_children(t)
+    report["files"] = sorted(os.listdir(ck.dirpath))
+    report["steps_while_pending"] = rec.steps_while_pending
+    if t.global_rank == 0:
+        for name in report["files"]:
+            loaded = io.load_checkpoint(os.path.join(ck.dirpath, name), weights_only=False)
+            got = {"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]}
+            assert_tree_equal(got, rec.copies[loaded["global_step"]], name)
+        report["verified"] = report["files"]
+
+    # Resume from our checkpoint with the same plugin, and, for reference, with stock Lightning from a
+    # torch.save copy of the same checkpoint: the two continuations must be bit-identical.
+    path = os.path.join(ck.dirpath, "epoch=0-step=8.ckpt")
+    saved = io.load_checkpoint(path, weights_only=False)
+    finals = []
+    for plugin, ckpt_path in ((io, path), (TorchCheckpointIO(), os.path.join(args.out, "stock.ckpt"))):
+        if plugin is not io and t.global_rank == 0:
+            torch.save(saved, ckpt_path)
+        torch.distributed.barrier()
+        L.seed_everything(99)
+        resumed = TinyModel(width=64)
+        check = ResumeCheck()
+        cbs = [check] + ([AsyncFinalizerCallback()] if plugin is io else [])
+        t2 = _trainer(args, [plugin], cbs, max_steps=16, enable_checkpointing=False)
+        t2.fit(resumed, loader(**data), ckpt_path=ckpt_path)
+        assert check.step == 8
+        assert_tree_equal(check.weights, clone_tree(dict(saved["state_dict"])), "weights at resume")
+        assert_tree_equal(check.optim, saved["optimizer_states"][0]["state"], "optimizer at resume")
+        finals.append(clone_tree(resumed.state_dict()))
+        report.setdefault("resumed_steps", []).append(t2.global_step)
+        report["children_after_resume"] = _own_children(t2)
+    assert_tree_equal(finals[0], finals[1], "ours vs stock resume")
+    report["resume_exact"] = True
+
+
+class ResumeCheck(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+        self.weights = clone_tree(pl_module.state_dict())
+        self.optim = clone_tree(trainer.optimizers[0].state_dict()["state"])
+
+
+def _failing_run(args, report, callbacks, explicit_callback=True, **kw):
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    dirpath = os.path.join(args.dir or args.out, "c")
+    ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
+    cbs = ([AsyncFinalizerCallback()] if explicit_callback else []) + [SlowSteps()] + [cb(io) for cb in callbacks] + [ck]
+    t = _trainer(args, [io], cbs, max_steps=40, **kw)
+    _no_kill(t)
+    t0 = time.monotonic()
+    try:
+        t.fit(TinyModel(width=128), loader(width=128))
+        report["raised"] = None
+    except CheckpointWriteError as e:
+        report["raised"] = {"type": type(e).__name__, "path": e.path, "ranks": list(e.ranks), "errno": e.errno,
+                            "error_type": e.error_type, "message": str(e)}
+    report["fit_s"] = time.monotonic() - t0
+    report["global_step"] = t.global_step
+    report["children_after_fit"] = _own_children(t)
+    torch.distributed.barrier()  # rank 0 has finished cleaning up before anyone looks at the directory
+    report["files"] = sorted(os.listdir(dirpath)) if os.path.isdir(dirpath) else []
+
+
+class FillDiskAt(L.Callback):
+    def __init__(self, io, mnt, step):
+        self.io, self.mnt, self.step = io, mnt, step
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step and trainer.global_rank == 0:
+            self.io._settle_local(blocking=True)  # the step-4 checkpoint is written first
+            st = os.statvfs(self.mnt)
+            with open(os.path.join(self.mnt, "filler"), "wb") as f:
+                f.write(b"\0" * (st.f_bavail * st.f_frsize - 4096))
+
+
+class KillWorkerAt(L.Callback):
+    def __init__(self, io, step):
+        self.io, self.step = io, step
+
+    def on_train_batch_start(self, trainer, *a):
+        if trainer.global_step == self.step and trainer.global_rank == 0:
+            self.io.write_hook = None
+            for pid in self.io.worker_pids():
+                os.kill(pid, signal.SIGKILL)
+
+
+class SlowWritesFrom(L.Callback):
+    def __init__(self, io, step):
+        self.io, self.step = io, step
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step - 1:
+            self.io.write_hook = testing.DelayWrite(30.0)
+
+
+class FailWritesFrom(L.Callback):
+    def __init__(self, io, step):
+        self.io, self.step = io, step
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step - 1:
+            self.io.write_hook = testing.FailWrite()
+
+
+def case_enospc(args, report):
+    _failing_run(args, report, [lambda io: FillDiskAt(io, args.dir, 6)])
+
+
+def case_kill(args, report):
+    _failing_run(args, report, [lambda io: SlowWritesFrom(io, 8), lambda io: KillWorkerAt(io, 9)])
+
+
+def case_auto(args, report):
+    _failing_run(args, report, [lambda io: FailWritesFrom(io, 8)], explicit_callback=False)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", required=True)
+    p.add_argument("--engine", default="nvrx")
+    p.add_argument("--worker", default="persistent")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dir", default=None)
+    args = p.parse_args()
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    report = {"rank": rank}
+    try:
+        globals()[f"case_{args.case}"](args, report)
+    except BaseException as e:  # noqa: BLE001
+        report["crash"] = "".join(traceback.format_exception(e))
+    if torch.distributed.is_initialized():
+        report["world_size"] = torch.distributed.get_world_size()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Two-rank DDP (gloo) jobs in real processes, each under a hard timeout, with the process group killed after."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import COMBOS
+
+JOB = os.path.join(os.path.dirname(__file__), "ddp_job.py")
+IDS = [f"{e}-{w}" for e, w in COMBOS]
+
+
+def run_job(tmp_path, case, engine, worker, timeout=180, **extra):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    cmd = [sys.executable, JOB, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
+    for k, v in extra.items():
+        cmd += [f"--{k}", str(v)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(20000 + os.getpid() % 20000))
+    log = open(out / "log.txt", "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"DDP job {case} hung for {timeout}s; log:\n{(out / 'log.txt').read_text()[-4000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+    reports = []
+    for rank in (0, 1):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
+        reports.append(json.loads(path.read_text()))
+    for r in reports:
+        assert "crash" not in r, f"rank {r['rank']} crashed:\n{r['crash']}"
+        assert r["world_size"] == 2
+    return reports
+
+
+@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)
+def test_ddp_top_k_snapshots_and_exact_resume(tmp_path, engine, worker):
+    r0, r1 = run_job(tmp_path, "fit", engine, worker)
+    expected = ["epoch=0-step=8.ckpt", "epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
+    assert r0["files"] == r1["files"] == expected
+    assert r0["verified"] == expected  # bit-exact against copies taken at save time
+    assert r0["steps_while_pending"] >= 4
+    assert r0["resume_exact"] and r1["resume_exact"]
+    assert r0["resumed_steps"] == r1["resumed_steps"] == [16, 16]
+    for r in (r0, r1):
+        assert r["children_after_fit"] == [] and r["children_after_resume"] == []
+
+
+def _assert_failed_everywhere(r0, r1, path_end, error_type):
+    for r in (r0, r1):
+        raised = r["raised"]
+        assert raised is not None, f"rank {r['rank']} did not raise"
+        assert raised["type"] == "CheckpointWriteError" and raised["ranks"] == [0]
+        assert raised["path"].endswith(path_end) and raised["error_type"] == error_type
+        assert "rank 0" in raised["message"] and path_end in raised["message"]
+        assert r["children_after_fit"] == []
+        assert r["files"] == ["epoch=0-step=4.ckpt"]  # the committed one survives, nothing partial
+    assert r0["global_step"] == r1["global_step"] < 40  # training stopped, at the same point on both ranks
+
+
+@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)
+def test_ddp_real_disk_full_raises_on_every_rank(tmp_path, small_tmpfs, engine, worker):
+    r0, r1 = run_job(tmp_path, "enospc", engine, worker, dir=small_tmpfs)
+    _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
+    assert r0["raised"]["errno"] == 28 and "ENOSPC" in r0["raised"]["message"]
+
+
+@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)
+def test_ddp_killed_worker_raises_on_every_rank(tmp_path, engine, worker):
+    r0, r1 = run_job(tmp_path, "kill", engine, worker)
+    _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "WorkerDied")
+    assert "SIGKILL" in r0["raised"]["message"]
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+def test_ddp_plugin_alone_gets_the_finalizer_on_every_rank(tmp_path, engine, worker):
+    r0, r1 = run_job(tmp_path, "auto", engine, worker)
+    _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
