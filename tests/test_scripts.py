@@ -1,0 +1,65 @@
+"""Whole scripts in fresh interpreters, as users run them (hard timeouts, process groups killed)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(cmd, cwd, timeout=180):
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = ""
+        pytest.fail(f"{cmd} hung for {timeout}s")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("engine", ["nvrx", "mcore"])
+def test_script_without_main_guard(tmp_path, engine):
+    """Many training scripts have no `if __name__ == "__main__"`; the spawned worker must not re-run them."""
+    script = tmp_path / "train_no_guard.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+        with open("runs.txt", "a") as f:
+            f.write(str(os.getpid()) + "\\n")
+        from lightning.pytorch.callbacks import ModelCheckpoint
+        from helpers import TinyModel, loader, trainer
+        from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
+        io = AsyncCheckpointIO({engine!r}, worker="persistent")
+        ck = ModelCheckpoint(dirpath="ckpts", every_n_train_steps=4, save_top_k=-1)
+        trainer(".", [io], [AsyncFinalizerCallback(), ck], max_steps=8).fit(TinyModel(), loader())
+        print("saved", sorted(os.listdir("ckpts")))
+    """))
+    code, out = _run([sys.executable, str(script)], cwd=tmp_path)
+    assert code == 0, out[-3000:]
+    assert len((tmp_path / "runs.txt").read_text().split()) == 1, "the script's top level ran more than once"
+    assert "saved ['epoch=0-step=4.ckpt', 'epoch=0-step=8.ckpt']" in out
+
+
+def test_demo_runs(tmp_path):
+    code, out = _run(
+        [sys.executable, os.path.join(ROOT, "examples", "train.py"), "--max-steps", "40", "--every", "10",
+         "--width", "128", "--out", str(tmp_path / "demo")],
+        cwd=tmp_path,
+    )
+    assert code == 0, out[-3000:]
+    assert "median stall" in out
+    assert sorted(os.listdir(tmp_path / "demo" / "checkpoints")) == [
+        "epoch=0-step=30.ckpt", "epoch=0-step=40.ckpt", "last.ckpt",
+    ]
