@@ -1,6 +1,6 @@
 """Atomic commit of a checkpoint directory.
 
-A checkpoint at ``P`` is written into a hidden sibling ``.<name>.incomplete-<token>`` on the same
+A checkpoint at ``P`` is written into a hidden sibling ``.asyncckpt-incomplete-<token>`` on the same
 filesystem and becomes ``P`` with one rename, after DCP's ``.metadata`` (its last write) is on disk.
 A reader never sees a half-written directory at ``P``: either the old checkpoint or the new one.
 """
@@ -16,7 +16,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-INCOMPLETE_MARK = ".incomplete-"
+# Leftover names never contain the target's name: ModelCheckpoint's `ckpt_path="last"` picks any entry
+# whose name contains "last", and must never pick an incomplete save.
+INCOMPLETE_PREFIX = ".asyncckpt-incomplete-"
 METADATA_FILE = ".metadata"
 
 _RENAME_EXCHANGE = 2
@@ -26,12 +28,12 @@ _libc = None
 
 def tmp_for(path: Path, token: str) -> Path:
     """The hidden sibling that a save to ``path`` writes into."""
-    return path.parent / f".{path.name}{INCOMPLETE_MARK}{token}"
+    return path.parent / f"{INCOMPLETE_PREFIX}{token}"
 
 
 def is_leftover(name: str) -> bool:
     """Whether a directory entry is the remains of an interrupted save."""
-    return name.startswith(".") and INCOMPLETE_MARK in name
+    return name.startswith(INCOMPLETE_PREFIX)
 
 
 def is_committed(path: Path) -> bool:

@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,6 +148,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._finalizer_attached = False
         self._cleaned_dirs: set[Path] = set()
         self._results_dir: Path | None = None
+        self._torn_down = False
 
     # ---------------------------------------------------------------------------------------------
     # Public properties
@@ -182,6 +184,41 @@ class AsyncCheckpointIO(CheckpointIO):
         Returns once the snapshot is taken: training may change every tensor right after.
         Errors of the write are raised later, by :meth:`finalize`.
         """
+        if self._agreement.active and not self._finalizer_attached:
+            raise RuntimeError(
+                "`AsyncCheckpointIO` with several ranks needs `AsyncFinalizerCallback` so that every rank learns"
+                " about failed saves: add `callbacks=[AsyncFinalizerCallback()]` to your `Trainer`"
+                " (`from lightning_asyncckpt import AsyncFinalizerCallback`)."
+            )
+        try:
+            path = self._check_save_args(path, storage_options)
+            self._start(path.parent)
+            self._settle_local(blocking=False)
+            if not self._agreement.active:
+                self._raise_local_failures()
+            while len(self._pending) >= self.max_pending:
+                self._settle_local(blocking=True, until=self._pending[0].order)
+            self._schedule(checkpoint, path)
+        except Exception as e:
+            if not self._agreement.active or isinstance(e, CheckpointWriteError):
+                raise
+            # Raising here, on rank 0 alone, would leave the other ranks waiting in Lightning's barrier:
+            # the failure is raised on every rank by the next finalize instead.
+            self._failures.append(_Failed(self._order, str(path), RankFailure.from_exception(self._agreement.rank, e)))
+            log.error("lightning-asyncckpt: save to %s failed at save time: %s", path, e)
+            return
+        if self._torn_down:
+            # After teardown nobody will finalize (e.g. `trainer.save_checkpoint` after `fit`): complete
+            # the save before returning, and stop the worker again, rather than lose it at exit.
+            try:
+                self._settle_local(blocking=True)
+                self._raise_local_failures()
+            finally:
+                self._close(abort=False)
+
+    @staticmethod
+    def _check_save_args(path: Any, storage_options: Any) -> Path:
+        """Bad input is an error in the trainer, at save time, never a background crash."""
         if storage_options:
             raise TypeError(
                 f"`storage_options` is not supported by `AsyncCheckpointIO.save_checkpoint`; got {storage_options!r}."
@@ -192,19 +229,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 f"`AsyncCheckpointIO` saves checkpoints as directories, but {str(path)!r} is an existing regular"
                 " file (perhaps from `TorchCheckpointIO`). Remove it or save to another path."
             )
-        if self._agreement.active and not self._finalizer_attached:
-            raise RuntimeError(
-                "`AsyncCheckpointIO` with several ranks needs `AsyncFinalizerCallback` so that every rank learns"
-                " about failed saves: add `callbacks=[AsyncFinalizerCallback()]` to your `Trainer`"
-                " (`from lightning_asyncckpt import AsyncFinalizerCallback`)."
-            )
-        self._start(path.parent)
-        self._settle_local(blocking=False)
-        if not self._agreement.active:
-            self._raise_local_failures()
-        while len(self._pending) >= self.max_pending:
-            self._settle_local(blocking=True, until=self._pending[0].order)
-        self._schedule(checkpoint, path)
+        return path
 
     @override
     def load_checkpoint(
@@ -247,13 +272,13 @@ class AsyncCheckpointIO(CheckpointIO):
         aborting = sys.exc_info()[1] is not None
         try:
             if not aborting:
-                self.finalize(blocking=True, _final=True)
+                self._finalize(blocking=True, final=True)
         finally:
             self._close(abort=aborting)
 
     # ---------------------------------------------------------------------------------------------
     # Finalization
-    def finalize(self, blocking: bool = False, _final: bool = False) -> list[str]:
+    def finalize(self, blocking: bool = False) -> list[str]:
         """(all ranks, same order) Commits the saves whose writes finished; ``blocking`` waits for all.
 
         1. (each rank) poll own writes; commit finished single-writer saves; 2. (all ranks) agree on
@@ -261,16 +286,18 @@ class AsyncCheckpointIO(CheckpointIO):
 
         Returns the paths committed by this rank during the call.
         """
+        return self._finalize(blocking, final=False)
+
+    def _finalize(self, blocking: bool, final: bool) -> list[str]:
+        """``final`` (teardown): also settle saves nobody announced, and agree at least once."""
         committed_before = len(self.history)
         if not self._agreement.active:
             self._settle_local(blocking=blocking)
             self._raise_local_failures()
             return [r.path for r in self.history[committed_before:]]
-        while self._announced > self._reported or _final:
-            if _final:  # saves nobody announced (weights-only) are settled here before the last agreement
-                self._settle_local(blocking=True)
-            else:
-                self._settle_local(blocking=False)
+        while self._announced > self._reported or final:
+            # saves nobody announced (weights-only) are settled before the last agreement
+            self._settle_local(blocking=final)
             done_through = min((p.seq for p in self._pending if p.seq is not None), default=self._announced + 1) - 1
             neg_done, any_failed = self._agreement.all_max([-done_through, 1 if self._failures else 0])
             self._reported = max(self._reported, -neg_done)
@@ -283,6 +310,7 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def warmup(self) -> None:
         """(writing ranks) Starts the background worker now, so that the first save does not pay for it."""
+        self._torn_down = False
         self._start(None)
         assert self._engine is not None
         self._engine.start()
@@ -290,6 +318,7 @@ class AsyncCheckpointIO(CheckpointIO):
     # Called by AsyncFinalizerCallback on every rank.
     def _attach_finalizer(self) -> None:
         self._finalizer_attached = True
+        self._torn_down = False
 
     def _announce_save(self) -> None:
         self._announced += 1
@@ -321,7 +350,7 @@ class AsyncCheckpointIO(CheckpointIO):
         if self._announced > self._consumed:
             self._consumed = self._announced
             seq = self._announced
-        tmp = commit.tmp_for(path, f"{os.getpid()}-{order}")
+        tmp = commit.tmp_for(path, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{order}")
         snapshot = None
         try:
             snapshot = self._stager.snapshot(checkpoint)
@@ -458,6 +487,7 @@ class AsyncCheckpointIO(CheckpointIO):
         return f"Saves to {paths} failed too."
 
     def _close(self, abort: bool) -> None:
+        self._torn_down = True
         if self._engine is not None:
             self._engine.close(abort=abort)
         for save in self._pending:  # only left when aborting

@@ -174,6 +174,23 @@ class FailWritesFrom(L.Callback):
             self.io.write_hook = testing.FailWrite()
 
 
+class UnpicklableAt(L.Callback):
+    """Puts an object that cannot be pickled into the checkpoint at one save (bad input, on rank 0)."""
+
+    def __init__(self, io, step):
+        self.step = step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if trainer.global_step == self.step:
+            import threading
+
+            checkpoint["bad"] = threading.Lock()
+
+
+def case_badinput(args, report):
+    _failing_run(args, report, [lambda io: UnpicklableAt(io, 8)])
+
+
 def case_enospc(args, report):
     _failing_run(args, report, [lambda io: FillDiskAt(io, args.dir, 6)])
 

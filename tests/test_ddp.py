@@ -89,3 +89,10 @@ def test_ddp_killed_worker_raises_on_every_rank(tmp_path, engine, worker):
 def test_ddp_plugin_alone_gets_the_finalizer_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "auto", engine, worker)
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
+
+
+def test_ddp_bad_input_on_rank0_raises_on_every_rank(tmp_path):
+    """A save that fails at save time on rank 0 must not leave rank 1 waiting in Lightning's barrier."""
+    r0, r1 = run_job(tmp_path, "badinput", "nvrx", "persistent")
+    _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "TypeError")
+    assert "pickle" in r0["raised"]["message"]

@@ -178,3 +178,12 @@ def test_bad_input_fails_at_save_time(io, tmp_path):
 def test_loads_a_torch_save_file(io, tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "plain.ckpt")
     assert torch.equal(io.load_checkpoint(tmp_path / "plain.ckpt")["w"], torch.ones(2))
+
+
+def test_leftovers_of_interrupted_saves_are_removed(io, tmp_path):
+    stale = commit.tmp_for(tmp_path / "a.ckpt", "999-1")
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "b.ckpt")
+    io.finalize(blocking=True)
+    assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]

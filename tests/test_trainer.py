@@ -142,6 +142,15 @@ def test_fit_twice_then_validate_and_test(engine_worker, tmp_path):
     t.validate(model, loader(), ckpt_path="last")
     t.test(model, loader(), ckpt_path=str(tmp_path / "c" / "epoch=1-step=12.ckpt"))
     assert live_children() == []
+    # a save after fit completes before it returns (nobody would finalize it later)
+    t.save_checkpoint(tmp_path / "final.ckpt")
+    assert commit.is_committed(tmp_path / "final.ckpt") and live_children() == []
+    assert io.load_checkpoint(tmp_path / "final.ckpt")["global_step"] == 16
+    # the engines' own helper processes were never started (nvrx keeps a Manager in a module global)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as mcore_fs
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as nvrx_fs
+
+    assert nvrx_fs._results_queue is None and mcore_fs._results_queue is None
 
 
 class _FillDisk(L.Callback):
