@@ -15,18 +15,14 @@ import threading
 import time
 from typing import Any
 
+from lightning_asyncckpt.errors import RankFailure
+
 
 def _describe(exc: BaseException, buckets: list) -> dict[str, Any]:
-    code = getattr(exc, "errno", None)
-    cause = exc
-    while code is None and cause.__cause__ is not None:
-        cause = cause.__cause__
-        code = getattr(cause, "errno", None)
-    if code is not None:
-        exc = cause
-    out = {"error_type": type(exc).__name__, "message": str(exc), "errno": code}
-    if code is None:
-        out.update(_diagnose_os_cause(buckets, str(exc)))
+    failure = RankFailure.from_exception(0, exc)
+    out = {"error_type": failure.error_type, "message": failure.message, "errno": failure.errno}
+    if failure.errno is None:
+        out.update(_diagnose_os_cause(buckets, failure.message))
     return out
 
 

@@ -72,12 +72,12 @@ class AsyncFinalizerCallback(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._io is not None:
-            self._io.finalize(blocking=False)
+            self._io._finalize(blocking=False, force=False)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._io is not None:
-            self._io.finalize(blocking=True)
+            self._io._finalize(blocking=True, force=False)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

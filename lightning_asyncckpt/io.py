@@ -184,12 +184,6 @@ class AsyncCheckpointIO(CheckpointIO):
         Returns once the snapshot is taken: training may change every tensor right after.
         Errors of the write are raised later, by :meth:`finalize`.
         """
-        if self._agreement.active and not self._finalizer_attached:
-            raise RuntimeError(
-                "`AsyncCheckpointIO` with several ranks needs `AsyncFinalizerCallback` so that every rank learns"
-                " about failed saves: add `callbacks=[AsyncFinalizerCallback()]` to your `Trainer`"
-                " (`from lightning_asyncckpt import AsyncFinalizerCallback`)."
-            )
         try:
             path = self._check_save_args(path, storage_options)
             self._start(path.parent)
@@ -269,10 +263,12 @@ class AsyncCheckpointIO(CheckpointIO):
         Inside an exception handler (Lightning tears down on errors) it only stops the workers and
         removes unfinished saves, so that the original exception is not masked.
         """
-        aborting = sys.exc_info()[1] is not None
+        self._teardown(aborting=sys.exc_info()[1] is not None)
+
+    def _teardown(self, aborting: bool) -> None:
         try:
             if not aborting:
-                self._finalize(blocking=True, final=True)
+                self._finalize(blocking=True, force=True)
         finally:
             self._close(abort=aborting)
 
@@ -286,27 +282,41 @@ class AsyncCheckpointIO(CheckpointIO):
 
         Returns the paths committed by this rank during the call.
         """
-        return self._finalize(blocking, final=False)
+        return self._finalize(blocking, force=True)
 
-    def _finalize(self, blocking: bool, final: bool) -> list[str]:
-        """``final`` (teardown): also settle saves nobody announced, and agree at least once."""
+    def _finalize(self, blocking: bool, force: bool) -> list[str]:
+        """With several ranks, one agreement round per poll. ``force`` agrees even when no rank announced a
+        save (explicit calls, teardown, Fabric); the callback's per-batch call agrees only while an
+        announced save is unsettled, so that a run without pending saves pays no collective."""
         committed_before = len(self.history)
         if not self._agreement.active:
             self._settle_local(blocking=blocking)
             self._raise_local_failures()
             return [r.path for r in self.history[committed_before:]]
-        while self._announced > self._reported or final:
-            # saves nobody announced (weights-only) are settled before the last agreement
-            self._settle_local(blocking=final)
+        if not (force or self._announced > self._reported):
+            return []
+        while True:
+            self._settle_local(blocking=False)
             done_through = min((p.seq for p in self._pending if p.seq is not None), default=self._announced + 1) - 1
-            neg_done, any_failed = self._agreement.all_max([-done_through, 1 if self._failures else 0])
+            neg_done, any_failed, any_pending = self._agreement.all_max(
+                [-done_through, 1 if self._failures else 0, 1 if self._pending else 0]
+            )
             self._reported = max(self._reported, -neg_done)
             if any_failed:
                 self._raise_agreed_failures()
-            if not blocking or self._reported >= self._announced:
+            if not blocking or (not any_pending and self._reported >= self._announced):
                 break
             time.sleep(self.poll_interval_s)
         return [r.path for r in self.history[committed_before:]]
+
+    def __enter__(self) -> AsyncCheckpointIO:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """``with AsyncCheckpointIO(...) as io:`` (all ranks): on a normal exit every save is committed
+        (errors raised on every rank) and the workers stop; on an exception the workers stop without
+        masking it. For loops that never call ``teardown``, such as Fabric's."""
+        self._teardown(aborting=exc is not None)
 
     def warmup(self) -> None:
         """(writing ranks) Starts the background worker now, so that the first save does not pay for it."""

@@ -162,6 +162,8 @@ class SlowWritesFrom(L.Callback):
 
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == self.step - 1:
+            if trainer.global_rank == 0:
+                self.io._settle_local(blocking=True)  # earlier saves are written before the slow one
             self.io.write_hook = testing.DelayWrite(30.0)
 
 
@@ -178,12 +180,14 @@ class UnpicklableAt(L.Callback):
     """Puts an object that cannot be pickled into the checkpoint at one save (bad input, on rank 0)."""
 
     def __init__(self, io, step):
-        self.step = step
+        self.io, self.step = io, step
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         if trainer.global_step == self.step:
             import threading
 
+            if trainer.global_rank == 0:
+                self.io._settle_local(blocking=True)  # the earlier save is committed first
             checkpoint["bad"] = threading.Lock()
 
 

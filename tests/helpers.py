@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -131,3 +136,35 @@ def wait_no_children(timeout: float = 5.0) -> list[psutil.Process]:
 
 def dir_entries(path: Any) -> list[str]:
     return sorted(os.listdir(path))
+
+
+def run_ranks(script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, **extra: Any) -> list:
+    """Runs a 2-rank job script under a hard timeout, kills its whole process group after, and returns
+    each rank's JSON report (a rank that crashed fails the test with its traceback)."""
+    import pytest
+
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    cmd = [sys.executable, script, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
+    for k, v in extra.items():
+        cmd += [f"--{k}", str(v)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(20000 + os.getpid() % 20000))
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"job {case} hung for {timeout}s; log:\n{(out / 'log.txt').read_text()[-4000:]}")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reports = []
+    for rank in (0, 1):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
+        reports.append(json.loads(path.read_text()))
+    for r in reports:
+        assert "crash" not in r, f"rank {r['rank']} crashed:\n{r['crash']}"
+        assert r["world_size"] == 2
+    return reports

@@ -2,48 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from helpers import COMBOS
+from helpers import COMBOS, run_ranks
 
 JOB = os.path.join(os.path.dirname(__file__), "ddp_job.py")
 IDS = [f"{e}-{w}" for e, w in COMBOS]
 
 
-def run_job(tmp_path, case, engine, worker, timeout=180, **extra):
-    out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
-    cmd = [sys.executable, JOB, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
-    for k, v in extra.items():
-        cmd += [f"--{k}", str(v)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(20000 + os.getpid() % 20000))
-    log = open(out / "log.txt", "w")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"DDP job {case} hung for {timeout}s; log:\n{(out / 'log.txt').read_text()[-4000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        log.close()
-    reports = []
-    for rank in (0, 1):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
-        reports.append(json.loads(path.read_text()))
-    for r in reports:
-        assert "crash" not in r, f"rank {r['rank']} crashed:\n{r['crash']}"
-        assert r["world_size"] == 2
-    return reports
+def run_job(tmp_path, case, engine, worker, **extra):
+    return run_ranks(JOB, tmp_path, case, engine, worker, **extra)
 
 
 @pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)

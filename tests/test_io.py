@@ -187,3 +187,19 @@ def test_leftovers_of_interrupted_saves_are_removed(io, tmp_path):
     io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "b.ckpt")
     io.finalize(blocking=True)
     assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]
+
+
+def test_context_manager_commits_on_exit_and_does_not_mask_errors(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    with AsyncCheckpointIO(engine, worker=worker) as io:
+        io.write_hook = testing.DelayWrite(0.3)
+        io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+        assert not (tmp_path / "a.ckpt").exists()
+    assert commit.is_committed(tmp_path / "a.ckpt") and io.worker_pids() == []
+
+    with pytest.raises(KeyError, match="user error"):
+        with AsyncCheckpointIO(engine, worker=worker) as io:
+            io.write_hook = testing.FailWrite()
+            io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "b.ckpt")
+            raise KeyError("user error")  # not masked by the failing save
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt"]

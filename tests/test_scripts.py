@@ -63,3 +63,13 @@ def test_demo_runs(tmp_path):
     assert sorted(os.listdir(tmp_path / "demo" / "checkpoints")) == [
         "epoch=0-step=30.ckpt", "epoch=0-step=40.ckpt", "last.ckpt",
     ]
+
+
+def test_fabric_example_runs(tmp_path):
+    code, out = _run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_fabric.py"), "--steps", "20", "--every", "10",
+         "--out", str(tmp_path / "fabric")],
+        cwd=tmp_path,
+    )
+    assert code == 0, out[-3000:]
+    assert "restored step 20; checkpoints: ['step-10', 'step-20']" in out

@@ -1,0 +1,111 @@
+"""A 2-rank Fabric DDP (gloo, CPU) loop for tests/test_fabric.py. Each rank writes <out>/rank<r>.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import assert_tree_equal, clone_tree, live_children  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, testing  # noqa: E402
+
+
+def _setup(fabric, width=64):
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return fabric.setup(model, opt)
+
+
+def _step(fabric, model, opt, i, width=64):
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(100 * fabric.global_rank + i))
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    fabric.backward(loss)
+    opt.step()
+
+
+def case_exact(args, fabric, io, report):
+    path = os.path.join(args.out, "ckpt", "step-5")
+    with io:
+        model, opt = _setup(fabric)
+        expected = None
+        for i in range(12):
+            _step(fabric, model, opt, i)
+            if i == 5:
+                io.write_hook = testing.DelayWrite(0.5)
+                state = {"model": model, "optimizer": opt, "step": i, "extra": {"lr": [1e-2], 7: "seven"}}
+                fabric.save(path, state)
+                report["complete_right_after_save"] = commit.is_committed(__import__("pathlib").Path(path))
+                expected = clone_tree({
+                    "model": model.module.state_dict(), "optimizer": opt.optimizer.state_dict()["state"],
+                })
+            io.finalize()  # every rank, every step: commits the save once it is written
+        report["committed_before_exit"] = commit.is_committed(__import__("pathlib").Path(path))
+    report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
+
+    model2, opt2 = _setup(fabric)
+    state2 = {"model": model2, "optimizer": opt2, "step": -1, "extra": {}}
+    remainder = fabric.load(path, state2)
+    assert_tree_equal(clone_tree(model2.module.state_dict()), expected["model"], "model")
+    assert_tree_equal(clone_tree(opt2.optimizer.state_dict()["state"]), expected["optimizer"], "optimizer")
+    assert state2["step"] == 5 and state2["extra"] == {"lr": [1e-2], 7: "seven"}, state2
+    report["remainder"] = sorted(map(str, remainder))
+    report["loaded_exact"] = True
+    io.teardown()  # the load started nothing; a second teardown is harmless
+
+
+def case_fail(args, fabric, io, report):
+    try:
+        with io:
+            model, opt = _setup(fabric)
+            for i in range(40):
+                _step(fabric, model, opt, i)
+                if i == 3:
+                    fabric.save(os.path.join(args.out, "ckpt", "good"), {"model": model})
+                if i == 6:
+                    io.write_hook = testing.FailWrite()
+                    fabric.save(os.path.join(args.out, "ckpt", "bad"), {"model": model})
+                io.finalize()
+        report["raised"] = None
+    except CheckpointWriteError as e:
+        report["raised"] = {"path": e.path, "ranks": list(e.ranks), "errno": e.errno, "message": str(e)}
+        report["raised_at_step"] = i
+    fabric.barrier()
+    report["files"] = sorted(os.listdir(os.path.join(args.out, "ckpt")))
+    report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
+
+
+def _peers(fabric):
+    launcher = getattr(fabric.strategy, "launcher", None)
+    return {p.pid for p in getattr(launcher, "procs", [])}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", required=True)
+    p.add_argument("--engine", default="nvrx")
+    p.add_argument("--worker", default="persistent")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[io])
+    fabric.launch()
+    report = {"rank": fabric.global_rank}
+    try:
+        globals()[f"case_{args.case}"](args, fabric, io, report)
+    except BaseException as e:  # noqa: BLE001
+        report["crash"] = "".join(traceback.format_exception(e))
+    report["world_size"] = fabric.world_size
+    with open(os.path.join(args.out, f"rank{fabric.global_rank}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

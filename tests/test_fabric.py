@@ -1,0 +1,32 @@
+"""Fabric with `strategy="ddp"` and the plugin: two gloo ranks in real processes, under hard timeouts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import COMBOS, run_ranks
+
+JOB = os.path.join(os.path.dirname(__file__), "fabric_job.py")
+
+
+@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=[f"{e}-{w}" for e, w in COMBOS])
+def test_fabric_save_finalize_load_is_exact(tmp_path, engine, worker):
+    r0, r1 = run_ranks(JOB, tmp_path, "exact", engine, worker)
+    for r in (r0, r1):
+        assert r["complete_right_after_save"] is False  # fabric.save returned before the write was done
+        assert r["loaded_exact"] is True  # model, optimizer and plain values, on both ranks
+        assert r["remainder"] == []
+        assert r["children_after_exit"] == []  # leaving the `with io:` block stopped the worker
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), ("mcore", "persistent")], ids=["nvrx-fork", "mcore-persistent"])
+def test_fabric_failed_write_raises_on_both_ranks(tmp_path, engine, worker):
+    r0, r1 = run_ranks(JOB, tmp_path, "fail", engine, worker)
+    for r in (r0, r1):
+        assert r["raised"] is not None, f"rank {r['rank']} did not raise"
+        assert r["raised"]["path"].endswith("bad") and r["raised"]["ranks"] == [0] and r["raised"]["errno"] == 28
+        assert r["files"] == ["good"]
+        assert r["children_after_exit"] == []
+    assert r0["raised_at_step"] == r1["raised_at_step"]
