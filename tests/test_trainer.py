@@ -254,3 +254,23 @@ def test_state_from_checkpoint_dtypes(engine_worker, tmp_path):
     assert all(v.dtype == torch.bfloat16 for v in loaded["state_dict"].values())
     assert loaded["hyper_parameters"]["width"] == 64
     io.teardown()
+
+
+def test_user_exception_is_not_masked_and_workers_stop(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker)
+    io.write_hook = testing.FailWrite()  # a failing save is pending when the user's code raises
+
+    class Boom(TinyModel):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 5:
+                raise ValueError("boom in training_step")
+            return super().training_step(batch, batch_idx)
+
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=5, save_top_k=-1)
+    t = trainer(tmp_path, [io], [ck], max_steps=20)
+    t.callbacks[:] = [cb for cb in t.callbacks if not isinstance(cb, AsyncFinalizerCallback)]
+    with pytest.raises(ValueError, match="boom in training_step"):
+        t.fit(Boom(), loader())
+    assert live_children() == []
+    assert not (tmp_path / "c").exists() or dir_entries(tmp_path / "c") == []
