@@ -96,14 +96,14 @@ def publish(tmp: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
-def cleanup_leftovers(dirpath: Path, keep: set[Path] | None = None) -> list[Path]:
-    """(coordinator) Removes the remains of interrupted saves in ``dirpath``, except those in ``keep``."""
+def cleanup_leftovers(dirpath: Path, keep_prefix: str | None = None) -> list[Path]:
+    """(coordinator) Removes the remains of interrupted saves in ``dirpath``, except the current run's
+    (names starting with ``keep_prefix``), which may be in flight on any rank."""
     removed: list[Path] = []
     if not dirpath.is_dir():
         return removed
-    keep = keep or set()
     for entry in dirpath.iterdir():
-        if is_leftover(entry.name) and entry not in keep:
+        if is_leftover(entry.name) and not (keep_prefix and entry.name.startswith(keep_prefix)):
             remove_path(entry)
             removed.append(entry)
     if removed:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lightning_asyncckpt import staging
 
@@ -42,28 +43,52 @@ def _call_with_known_kwargs(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
 
 
-def plan_local_save(
-    snapshot: staging.Snapshot,
+def plan_save(
+    state: dict[str, Any],
     tmp: Path,
     writer_cls: type,
     thread_count: int,
     split_by_size: Callable[[int, list], list],
+    distributed: bool,
 ) -> WritePlan:
-    """Plans a save that this rank writes alone (no collectives)."""
-    state: dict[str, Any] = dict(snapshot.tensors)
-    state[staging.SKELETON_KEY] = snapshot.skeleton
+    """Plans this rank's part of a save with DCP's planner and the engine's storage writer.
+
+    ``distributed=False``: this rank writes the whole checkpoint; no collectives.
+    ``distributed=True``: (all ranks of the default group) each rank passes the items it writes; the
+    coordinator (rank 0) merges the plans into one metadata for the whole checkpoint.
+    """
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     writer = writer_cls(str(tmp), thread_count=thread_count)
+    wrapper = _DistWrapper(None, distributed, 0)
     storage_meta = writer.storage_meta() if hasattr(writer, "storage_meta") else None
-    _call_with_known_kwargs(planner.set_up_planner, state, storage_meta=storage_meta, is_coordinator=True)
-    _call_with_known_kwargs(writer.set_up_storage_writer, True, rank=0, use_collectives=False)
-    local_plan = writer.prepare_local_plan(planner.create_local_plan())
-    global_plans, metadata = planner.create_global_plan([local_plan])
-    global_plans = writer.prepare_global_plan(global_plans)
-    central_plan = planner.finish_plan(global_plans[0])
+    metadata: Metadata | None = None
+
+    def local_step():
+        _call_with_known_kwargs(
+            planner.set_up_planner, state, storage_meta=storage_meta, is_coordinator=wrapper.is_coordinator
+        )
+        _call_with_known_kwargs(
+            writer.set_up_storage_writer, wrapper.is_coordinator, rank=wrapper.rank, use_collectives=distributed
+        )
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(all_plans):
+        nonlocal metadata
+        all_plans, metadata = planner.create_global_plan(all_plans)
+        return writer.prepare_global_plan(all_plans)
+
+    central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", local_step, global_step))
     buckets = make_buckets(central_plan, planner, tmp, thread_count, split_by_size)
     transforms = [writer.transforms] if hasattr(writer, "transforms") else []
     return WritePlan(writer=writer, metadata=metadata, buckets=buckets, transforms=transforms)
+
+
+def plan_local_save(snapshot: staging.Snapshot, tmp: Path, writer_cls: type, thread_count: int,
+                    split_by_size: Callable[[int, list], list]) -> WritePlan:
+    """Plans a save that this rank writes alone (no collectives)."""
+    state: dict[str, Any] = dict(snapshot.tensors)
+    state[staging.SKELETON_KEY] = snapshot.skeleton
+    return plan_save(state, tmp, writer_cls, thread_count, split_by_size, distributed=False)
 
 
 def make_buckets(plan, planner, tmp: Path, bins: int, split_by_size: Callable) -> list[WriteBucket]:

@@ -31,7 +31,7 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_asyncckpt import _worker, commit, dcp_format, engines
+from lightning_asyncckpt import _worker, commit, dcp_format, engines, staging
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
@@ -63,6 +63,9 @@ class _PendingSave:
     buffer_set: Any
     stall_s: float
     nbytes: int
+    collective: bool = False  # every rank writes a part; committed by all ranks together
+    write_s: float = 0.0
+    written: list | None = None  # a collective save's local write results, once this rank's part is on disk
     started: float = field(default_factory=time.monotonic)
 
 
@@ -149,6 +152,9 @@ class AsyncCheckpointIO(CheckpointIO):
         self._cleaned_dirs: set[Path] = set()
         self._results_dir: Path | None = None
         self._torn_down = False
+        self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
+        self._run_token_agreed = False
+        self._collective_count = 0
 
     # ---------------------------------------------------------------------------------------------
     # Public properties
@@ -184,15 +190,25 @@ class AsyncCheckpointIO(CheckpointIO):
         Returns once the snapshot is taken: training may change every tensor right after.
         Errors of the write are raised later, by :meth:`finalize`.
         """
+        self._save(checkpoint, path, storage_options, collective=False)
+
+    def save_checkpoint_distributed(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """(all ranks, same order) Saves a checkpoint whose state is replicated on every rank; each rank
+        snapshots and writes a disjoint share of the tensors, so every byte is written once and the write
+        is spread across ranks. The result is one checkpoint that loads on any number of ranks.
+        Used by :class:`~lightning_asyncckpt.AsyncDDPStrategy`."""
+        self._save(checkpoint, path, storage_options, collective=self._agreement.active)
+
+    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, collective: bool) -> None:
         try:
             path = self._check_save_args(path, storage_options)
             self._start(path.parent)
             self._settle_local(blocking=False)
             if not self._agreement.active:
                 self._raise_local_failures()
-            while len(self._pending) >= self.max_pending:
+            while len(self._pending) >= self.max_pending and not self._pending[0].collective:
                 self._settle_local(blocking=True, until=self._pending[0].order)
-            self._schedule(checkpoint, path)
+            self._schedule(checkpoint, path, collective)
         except Exception as e:
             if not self._agreement.active or isinstance(e, CheckpointWriteError):
                 raise
@@ -297,13 +313,18 @@ class AsyncCheckpointIO(CheckpointIO):
             return []
         while True:
             self._settle_local(blocking=False)
-            done_through = min((p.seq for p in self._pending if p.seq is not None), default=self._announced + 1) - 1
-            neg_done, any_failed, any_pending = self._agreement.all_max(
-                [-done_through, 1 if self._failures else 0, 1 if self._pending else 0]
+            # a save is "ready" on this rank when committed here, or, if collective, when its part is written
+            ready_through = min(
+                (p.seq for p in self._pending if p.seq is not None and p.written is None), default=self._announced + 1
+            ) - 1
+            neg_ready, any_failed, any_pending = self._agreement.all_max(
+                [-ready_through, 1 if self._failures else 0, 1 if self._pending else 0]
             )
-            self._reported = max(self._reported, -neg_done)
             if any_failed:
                 self._raise_agreed_failures()
+            while self._pending and self._pending[0].written is not None and self._pending[0].seq <= -neg_ready:
+                self._commit_collective(self._pending[0])  # same saves, same order, on every rank
+            self._reported = max(self._reported, -neg_ready)
             if not blocking or (not any_pending and self._reported >= self._announced):
                 break
             time.sleep(self.poll_interval_s)
@@ -321,6 +342,9 @@ class AsyncCheckpointIO(CheckpointIO):
     def warmup(self) -> None:
         """(writing ranks) Starts the background worker now, so that the first save does not pay for it."""
         self._torn_down = False
+        self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
+        self._run_token_agreed = False
+        self._collective_count = 0
         self._start(None)
         assert self._engine is not None
         self._engine.start()
@@ -329,6 +353,9 @@ class AsyncCheckpointIO(CheckpointIO):
     def _attach_finalizer(self) -> None:
         self._finalizer_attached = True
         self._torn_down = False
+        self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
+        self._run_token_agreed = False
+        self._collective_count = 0
 
     def _announce_save(self) -> None:
         self._announced += 1
@@ -348,10 +375,11 @@ class AsyncCheckpointIO(CheckpointIO):
             self._results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))
         if dirpath is not None and dirpath not in self._cleaned_dirs:
             dirpath.mkdir(parents=True, exist_ok=True)
-            commit.cleanup_leftovers(dirpath, keep={p.tmp for p in self._pending})
+            if self._agreement.rank == 0:
+                commit.cleanup_leftovers(dirpath, keep_prefix=commit.tmp_for(dirpath, self._run_token).name)
             self._cleaned_dirs.add(dirpath)
 
-    def _schedule(self, checkpoint: dict[str, Any], path: Path) -> None:
+    def _schedule(self, checkpoint: dict[str, Any], path: Path, collective: bool) -> None:
         assert self._engine is not None and self._results_dir is not None
         t0 = time.perf_counter()
         self._order += 1
@@ -360,12 +388,27 @@ class AsyncCheckpointIO(CheckpointIO):
         if self._announced > self._consumed:
             self._consumed = self._announced
             seq = self._announced
-        tmp = commit.tmp_for(path, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{order}")
+        if collective:
+            if seq is None:
+                raise RuntimeError(
+                    "a distributed save must be announced on every rank (through `AsyncFinalizerCallback`)"
+                )
+            if not self._run_token_agreed:  # every rank writes into the same temporary directory
+                self._run_token = self._agreement.all_gather(self._run_token)[0]
+                self._run_token_agreed = True
+            self._collective_count += 1
+            tmp = commit.tmp_for(path, f"{self._run_token}-c{self._collective_count}")
+        else:
+            tmp = commit.tmp_for(path, f"{self._run_token}-{order}")
+        rank, world = (self._agreement.rank, self._agreement.world_size) if collective else (0, 1)
         snapshot = None
         try:
-            snapshot = self._stager.snapshot(checkpoint)
-            plan = dcp_format.plan_local_save(
-                snapshot, tmp, self._engine.writer_cls, self.thread_count, self._engine.split_by_size
+            snapshot = self._stager.snapshot(checkpoint, rank=rank, world_size=world)
+            state: dict[str, Any] = dict(snapshot.tensors)
+            if rank == 0:
+                state[staging.SKELETON_KEY] = snapshot.skeleton
+            plan = dcp_format.plan_save(
+                state, tmp, self._engine.writer_cls, self.thread_count, self._engine.split_by_size, collective
             )
             result_path = self._results_dir / f"{order}.result"
             ticket = self._engine.schedule(
@@ -374,23 +417,25 @@ class AsyncCheckpointIO(CheckpointIO):
             )
         except BaseException:
             # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
-            commit.remove_path(tmp)
+            if not collective:
+                commit.remove_path(tmp)
             self._stager.release(snapshot.buffer_set if snapshot is not None else None)
             raise
         stall = time.perf_counter() - t0
         self._pending.append(
             _PendingSave(
                 order=order, seq=seq, path=path, tmp=tmp, ticket=ticket, plan=plan, result_path=result_path,
-                buffer_set=snapshot.buffer_set, stall_s=stall, nbytes=snapshot.nbytes,
+                buffer_set=snapshot.buffer_set, stall_s=stall, nbytes=snapshot.nbytes, collective=collective,
             )
         )
         log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", path, snapshot.nbytes, stall)
 
     def _settle_local(self, blocking: bool, until: int | None = None) -> None:
-        """(this rank) Polls own writes in order; commits finished ones, records failures."""
+        """(this rank) Polls own writes in order; commits finished single-writer saves, marks finished
+        parts of collective saves as written (they commit in ``_finalize``), records failures."""
         while self._pending:
             save = self._pending[0]
-            if until is not None and save.order > until:
+            if (until is not None and save.order > until) or save.written is not None:
                 return
             assert self._engine is not None
             status = self._engine.poll(save.ticket)
@@ -412,33 +457,43 @@ class AsyncCheckpointIO(CheckpointIO):
             if status is Status.DEAD:
                 self._fail_all(RankFailure(self._agreement.rank, "WorkerDied", save.ticket.detail))
                 return
-            self._pending.popleft()
             self._stager.release(save.buffer_set)
-            failure = self._commit(save)
+            results, failure = self._read_outcome(save)
+            if failure is None and save.collective:
+                save.written = results
+                return
+            self._pending.popleft()
+            if failure is None:
+                failure = self._commit(save, [results], coordinator=True)
             if failure is not None:
                 self._record_failure(save, failure)
 
-    def _commit(self, save: _PendingSave) -> RankFailure | None:
-        """(coordinator of a single-writer save) write complete -> .metadata -> rename."""
+    def _read_outcome(self, save: _PendingSave) -> tuple[list, RankFailure | None]:
+        """The worker's report for ``save``: its write results, or what went wrong."""
         rank = self._agreement.rank
         try:
             with open(save.result_path, "rb") as f:
                 outcome = pickle.load(f)
             os.unlink(save.result_path)
         except FileNotFoundError:
-            return RankFailure(rank, "WorkerDied", "the checkpoint worker exited without reporting a result")
+            return [], RankFailure(rank, "WorkerDied", "the checkpoint worker exited without reporting a result")
         if not outcome["ok"]:
-            return RankFailure(rank, outcome["error_type"], outcome["message"], outcome["errno"])
-        try:
-            save.plan.writer.finish(save.plan.metadata, [outcome["results"]])
-            commit.publish(save.tmp, save.path)
-        except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
-            return RankFailure.from_exception(rank, e)
-        now = time.monotonic()
+            return [], RankFailure(rank, outcome["error_type"], outcome["message"], outcome["errno"])
+        save.write_s = float(outcome.get("write_s", 0.0))
+        return outcome["results"], None
+
+    def _commit(self, save: _PendingSave, all_results: list, coordinator: bool) -> RankFailure | None:
+        """write complete -> (coordinator) .metadata -> rename -> removals that waited for it."""
+        if coordinator:
+            try:
+                save.plan.writer.finish(save.plan.metadata, all_results)
+                commit.publish(save.tmp, save.path)
+            except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
+                return RankFailure.from_exception(self._agreement.rank, e)
         self.history.append(
             SaveRecord(
-                path=str(save.path), stall_s=save.stall_s, write_s=float(outcome.get("write_s", 0.0)),
-                total_s=now - save.started, nbytes=save.nbytes,
+                path=str(save.path), stall_s=save.stall_s, write_s=save.write_s,
+                total_s=time.monotonic() - save.started, nbytes=save.nbytes,
             )
         )
         self._last_ok_order = save.order
@@ -446,8 +501,46 @@ class AsyncCheckpointIO(CheckpointIO):
         self._run_removals()
         return None
 
+    def _commit_collective(self, save: _PendingSave) -> None:
+        """(all ranks, same order) Gathers every rank's write results to the coordinator, which writes
+        the metadata and renames; then every rank learns the outcome and raises the same error."""
+        self._pending.popleft()
+        all_results = self._agreement.all_gather(save.written)
+        coordinator = self._agreement.rank == 0
+        failure = self._commit(save, all_results, coordinator) if coordinator else None
+        failure = self._agreement.all_gather(failure)[0]
+        if failure is not None:
+            if coordinator:
+                commit.remove_path(save.tmp)
+            self._drop_collective_pending()
+            raise CheckpointWriteError(str(save.path), [failure])
+        if not coordinator:
+            self._commit(save, all_results, coordinator=False)
+
+    def _drop_collective_pending(self) -> None:
+        """After an agreed failure, the other saves written by all ranks together cannot complete
+        consistently: stop them everywhere."""
+        keep: deque[_PendingSave] = deque()
+        for save in self._pending:
+            if save.collective:
+                if self._engine is not None:
+                    self._engine.kill(save.ticket)
+                self._stager.release(save.buffer_set)
+                if self._owns_tmp(save):
+                    commit.remove_path(save.tmp)
+            else:
+                keep.append(save)
+        if len(keep) != len(self._pending) and self._engine is not None and self._engine.persistent:
+            self._engine.reset_after_failure()
+        self._pending = keep
+
+    def _owns_tmp(self, save: _PendingSave) -> bool:
+        # every rank writes into a collective save's directory: only the coordinator removes it
+        return not save.collective or self._agreement.rank == 0
+
     def _record_failure(self, save: _PendingSave, failure: RankFailure) -> None:
-        commit.remove_path(save.tmp)
+        if self._owns_tmp(save):
+            commit.remove_path(save.tmp)
         with contextlib.suppress(OSError):
             os.unlink(save.result_path)
         self._failures.append(_Failed(save.order, str(save.path), failure))
@@ -482,6 +575,7 @@ class AsyncCheckpointIO(CheckpointIO):
         """(all ranks) Every rank learns every failure and raises the same error."""
         mine = [(f.path, f.failure) for f in self._failures]
         self._failures = []
+        self._drop_collective_pending()
         gathered = [item for per_rank in self._agreement.all_gather(mine) for item in per_rank]
         by_path: dict[str, list[RankFailure]] = {}
         for p, failure in gathered:
@@ -503,7 +597,8 @@ class AsyncCheckpointIO(CheckpointIO):
         for save in self._pending:  # only left when aborting
             if self._engine is not None:
                 self._engine.kill(save.ticket)
-            commit.remove_path(save.tmp)
+            if self._owns_tmp(save):
+                commit.remove_path(save.tmp)
         if self._pending:
             log.warning("lightning-asyncckpt: %d unfinished save(s) dropped", len(self._pending))
         self._pending.clear()

@@ -83,6 +83,20 @@ def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return _walk(skeleton, (), put)
 
 
+def partition(tensors: dict[str, torch.Tensor], world_size: int) -> list[set[str]]:
+    """Assigns each tensor to one rank so that every rank writes about the same number of bytes.
+
+    Deterministic: every rank computes the same assignment from the same (replicated) state.
+    """
+    loads = [0] * world_size
+    parts: list[set[str]] = [set() for _ in range(world_size)]
+    for name, t in sorted(tensors.items(), key=lambda kv: (-kv[1].numel() * kv[1].element_size(), kv[0])):
+        r = min(range(world_size), key=lambda i: (loads[i], i))
+        parts[r].add(name)
+        loads[r] += t.numel() * t.element_size()
+    return parts
+
+
 def _is_whole_storage(t: torch.Tensor) -> bool:
     # torch.save of a view writes its whole storage: such tensors must be copied before writing.
     return (
@@ -154,9 +168,15 @@ class Stager:
             bs.buffers[name] = buf
         return buf
 
-    def snapshot(self, checkpoint: dict[str, Any]) -> Snapshot:
-        """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete."""
+    def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1) -> Snapshot:
+        """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete.
+
+        With ``world_size > 1`` only this rank's share of the (replicated) tensors is copied.
+        """
         skeleton, tensors = split(checkpoint)
+        if world_size > 1:
+            mine = partition(tensors, world_size)[rank]
+            tensors = {k: v for k, v in tensors.items() if k in mine}
         bs = self._acquire()
         staged: dict[str, torch.Tensor] = {}
         nbytes = 0

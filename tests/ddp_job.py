@@ -49,7 +49,12 @@ def _own_children(trainer):
     """Child processes other than the DDP ranks Lightning launched (rank 0 is their parent)."""
     launcher = getattr(trainer.strategy, "launcher", None)
     _PEERS.update(p.pid for p in getattr(launcher, "procs", []))
-    return [p.pid for p in live_children() if p.pid not in _PEERS]
+    deadline = time.monotonic() + 2.0  # a process that is already exiting gets a moment to go
+    while True:
+        left = [(p.pid, " ".join(p.cmdline())[:120]) for p in live_children() if p.pid not in _PEERS]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 def _no_kill(trainer):
@@ -110,6 +115,60 @@ class ResumeCheck(L.Callback):
         self.step = trainer.global_step
         self.weights = clone_tree(pl_module.state_dict())
         self.optim = clone_tree(trainer.optimizers[0].state_dict()["state"])
+
+
+def case_parallel(args, report):
+    """AsyncDDPStrategy: every rank writes a share of the replicated state."""
+    from lightning_asyncckpt import AsyncDDPStrategy
+
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    io.write_hook = testing.DelayWrite(0.1)
+    rec = SnapshotRecorder()
+    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), monitor="step", mode="max", save_top_k=2,
+                         every_n_train_steps=4, save_last=True)
+    data = dict(width=96, n=64, batch_size=4)
+    L.seed_everything(1)
+    t = _trainer(args, [io], [AsyncFinalizerCallback(), rec, ck], max_steps=16, strategy=AsyncDDPStrategy())
+    t.fit(TinyModel(width=96, layers=3), loader(**data))
+    report["children_after_fit"] = _own_children(t)
+    torch.distributed.barrier()
+    report["files"] = sorted(os.listdir(ck.dirpath))
+    report["steps_while_pending"] = rec.steps_while_pending
+    if t.global_rank == 0:
+        for name in report["files"]:
+            path = os.path.join(ck.dirpath, name)
+            loaded = io.load_checkpoint(path, weights_only=False)
+            got = {"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]}
+            assert_tree_equal(got, rec.copies[loaded["global_step"]], name)
+            report.setdefault("shards", {})[name] = {
+                f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))
+            }
+        state = rec.copies[16]
+        report["state_bytes"] = sum(
+            t.numel() * t.element_size() for t in _tensors(state)
+        )
+    # resume on 2 ranks with the same strategy: exact at the start of training
+    saved = io.load_checkpoint(os.path.join(ck.dirpath, "epoch=1-step=12.ckpt"), weights_only=False)
+    check = ResumeCheck()
+    t2 = _trainer(args, [io], [AsyncFinalizerCallback(), check], max_steps=16, enable_checkpointing=False,
+                  strategy=AsyncDDPStrategy())
+    t2.fit(TinyModel(width=96, layers=3), loader(**data), ckpt_path=os.path.join(ck.dirpath, "epoch=1-step=12.ckpt"))
+    assert check.step == 12
+    assert_tree_equal(check.weights, clone_tree(dict(saved["state_dict"])), "weights at resume")
+    assert_tree_equal(check.optim, saved["optimizer_states"][0]["state"], "optimizer at resume")
+    report["resume_exact"] = True
+    report["children_after_resume"] = _own_children(t2)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def _failing_run(args, report, callbacks, explicit_callback=True, **kw):

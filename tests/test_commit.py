@@ -45,11 +45,11 @@ def test_publish_replaces_existing_checkpoint_and_link(tmp_path):
 
 
 def test_cleanup_leftovers_keeps_what_is_asked(tmp_path):
-    keep = commit.tmp_for(tmp_path / "b.ckpt", "9")
+    keep = commit.tmp_for(tmp_path / "b.ckpt", "run9-1")
     keep.mkdir()
-    stale = commit.tmp_for(tmp_path / "a.ckpt", "1")
+    stale = commit.tmp_for(tmp_path / "a.ckpt", "run1-1")
     stale.mkdir()
     (tmp_path / "a.ckpt").mkdir()
-    removed = commit.cleanup_leftovers(tmp_path, keep={keep})
+    removed = commit.cleanup_leftovers(tmp_path, keep_prefix=commit.tmp_for(tmp_path, "run9-").name)
     assert removed == [stale]
     assert sorted(os.listdir(tmp_path)) == sorted([keep.name, "a.ckpt"])

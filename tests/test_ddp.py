@@ -66,3 +66,37 @@ def test_ddp_bad_input_on_rank0_raises_on_every_rank(tmp_path):
     r0, r1 = run_job(tmp_path, "badinput", "nvrx", "persistent")
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "TypeError")
     assert "pickle" in r0["raised"]["message"]
+
+
+@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)
+def test_async_ddp_strategy_writes_on_every_rank(tmp_path, engine, worker):
+    r0, r1 = run_job(tmp_path, "parallel", engine, worker)
+    assert r0["files"] == r1["files"] == ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
+    for name, shards in r0["shards"].items():
+        assert sorted(shards) == [".metadata", "__0_0.distcp", "__1_0.distcp"], name  # both ranks wrote
+        a, b = shards["__0_0.distcp"], shards["__1_0.distcp"]
+        assert 0.7 < a / b < 1.4, (name, shards)  # comparable shares
+        # one copy of the state, plus torch.save's per-tensor framing and the skeleton
+        assert r0["state_bytes"] <= a + b < 1.3 * r0["state_bytes"] + 65536, (name, shards, r0["state_bytes"])
+    for r in (r0, r1):
+        assert r["resume_exact"] and r["children_after_fit"] == [] and r["children_after_resume"] == []
+    # the same checkpoint resumes exactly on a single rank
+    from lightning.pytorch import Callback
+
+    from helpers import TinyModel, assert_tree_equal, clone_tree, loader, trainer
+    from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
+
+    path = tmp_path / "out" / "c" / "epoch=1-step=12.ckpt"
+    io = AsyncCheckpointIO(engine, worker=worker)
+    saved = io.load_checkpoint(path, weights_only=False)
+    seen = {}
+
+    class Check(Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["step"] = trainer.global_step
+            seen["weights"] = clone_tree(pl_module.state_dict())
+
+    t = trainer(tmp_path, [io], [AsyncFinalizerCallback(), Check()], max_steps=14, enable_checkpointing=False)
+    t.fit(TinyModel(width=96, layers=3), loader(width=96), ckpt_path=str(path))
+    assert seen["step"] == 12
+    assert_tree_equal(seen["weights"], clone_tree(dict(saved["state_dict"])))
