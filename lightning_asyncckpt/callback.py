@@ -61,7 +61,9 @@ class AsyncFinalizerCallback(Callback):
             return
         self._io = io
         io._attach_finalizer()
-        if stage == "fit" and trainer.is_global_zero:
+        # start the worker now on every rank that writes, not inside a training step
+        writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
+        if stage == "fit" and (trainer.is_global_zero or writes_everywhere):
             io.warmup()
 
     @override

@@ -74,6 +74,7 @@ class _Failed:
     order: int
     path: str
     failure: RankFailure
+    seq: int | None = None
 
 
 def _local_path(path: Any) -> Path:
@@ -317,13 +318,22 @@ class AsyncCheckpointIO(CheckpointIO):
             ready_through = min(
                 (p.seq for p in self._pending if p.seq is not None and p.written is None), default=self._announced + 1
             ) - 1
-            neg_ready, any_failed, any_pending = self._agreement.all_max(
-                [-ready_through, 1 if self._failures else 0, 1 if self._pending else 0]
+            # saves before the first failed one still commit: a failing rank has no entry for the failed save
+            first_failed = min(
+                (f.seq if f.seq is not None else 0 for f in self._failures), default=self._announced + 1
             )
+            neg_ready, any_failed, any_pending, neg_first_failed = self._agreement.all_max(
+                [-ready_through, 1 if self._failures else 0, 1 if self._pending else 0, -first_failed]
+            )
+            while (
+                self._pending
+                and self._pending[0].written is not None
+                and self._pending[0].seq <= -neg_ready
+                and self._pending[0].seq < -neg_first_failed
+            ):
+                self._commit_collective(self._pending[0])  # same saves, same order, on every rank
             if any_failed:
                 self._raise_agreed_failures()
-            while self._pending and self._pending[0].written is not None and self._pending[0].seq <= -neg_ready:
-                self._commit_collective(self._pending[0])  # same saves, same order, on every rank
             self._reported = max(self._reported, -neg_ready)
             if not blocking or (not any_pending and self._reported >= self._announced):
                 break
@@ -543,7 +553,7 @@ class AsyncCheckpointIO(CheckpointIO):
             commit.remove_path(save.tmp)
         with contextlib.suppress(OSError):
             os.unlink(save.result_path)
-        self._failures.append(_Failed(save.order, str(save.path), failure))
+        self._failures.append(_Failed(save.order, str(save.path), failure, save.seq))
         log.error("lightning-asyncckpt: save to %s failed: %s", save.path, failure.describe())
 
     def _fail_all(self, failure: RankFailure) -> None:

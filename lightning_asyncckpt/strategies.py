@@ -25,6 +25,8 @@ class AsyncDDPStrategy(DDPStrategy):
     global rank 0; finalization through ``AsyncFinalizerCallback`` on every rank.
     """
 
+    _asyncckpt_all_ranks_write = True  # AsyncFinalizerCallback warms the worker up on every rank
+
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:

@@ -254,6 +254,23 @@ def case_badinput(args, report):
     _failing_run(args, report, [lambda io: UnpicklableAt(io, 8)])
 
 
+class FailOnRankFrom(L.Callback):
+    """From ``step`` on, writes fail on one rank only."""
+
+    def __init__(self, io, step, rank):
+        self.io, self.step, self.rank = io, step, rank
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
+            self.io.write_hook = testing.FailWrite()
+
+
+def case_parallel_fail(args, report):
+    from lightning_asyncckpt import AsyncDDPStrategy
+
+    _failing_run(args, report, [lambda io: FailOnRankFrom(io, 8, rank=1)], strategy=AsyncDDPStrategy())
+
+
 def case_enospc(args, report):
     _failing_run(args, report, [lambda io: FillDiskAt(io, args.dir, 6)])
 
