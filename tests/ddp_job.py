@@ -5,7 +5,6 @@ Each rank writes ``<out>/rank<r>.json`` with what it saw. Lightning relaunches t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ from helpers import (  # noqa: E402
     TinyModel,
     assert_tree_equal,
     clone_tree,
+    job_args,
     live_children,
     loader,
 )
@@ -64,12 +64,17 @@ def _no_kill(trainer):
         launcher.kill = lambda *a, **k: None
 
 
-def case_fit(args, report):
+def _recorded_checkpointing(args, top_k):
+    """A plugin whose writes outlast a few steps, a snapshot recorder, and a top-k ModelCheckpoint."""
     io = AsyncCheckpointIO(args.engine, worker=args.worker)
     io.write_hook = testing.DelayWrite(0.1)
-    rec = SnapshotRecorder()
-    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), monitor="step", mode="max", save_top_k=3,
+    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), monitor="step", mode="max", save_top_k=top_k,
                          every_n_train_steps=4, save_last=True)
+    return io, SnapshotRecorder(), ck
+
+
+def case_fit(args, report):
+    io, rec, ck = _recorded_checkpointing(args, top_k=3)
     data = dict(width=64, n=64, batch_size=4)  # 8 steps per epoch per rank
     L.seed_everything(1)
     model = TinyModel(width=64)
@@ -121,11 +126,7 @@ def case_parallel(args, report):
     """AsyncDDPStrategy: every rank writes a share of the replicated state."""
     from lightning_asyncckpt import AsyncDDPStrategy
 
-    io = AsyncCheckpointIO(args.engine, worker=args.worker)
-    io.write_hook = testing.DelayWrite(0.1)
-    rec = SnapshotRecorder()
-    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), monitor="step", mode="max", save_top_k=2,
-                         every_n_train_steps=4, save_last=True)
+    io, rec, ck = _recorded_checkpointing(args, top_k=2)
     data = dict(width=96, n=64, batch_size=4)
     L.seed_everything(1)
     t = _trainer(args, [io], [AsyncFinalizerCallback(), rec, ck], max_steps=16, strategy=AsyncDDPStrategy())
@@ -284,13 +285,7 @@ def case_auto(args, report):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--case", required=True)
-    p.add_argument("--engine", default="nvrx")
-    p.add_argument("--worker", default="persistent")
-    p.add_argument("--out", required=True)
-    p.add_argument("--dir", default=None)
-    args = p.parse_args()
+    args = job_args(extra=("--dir",))
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     report = {"rank": rank}
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -13,7 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import assert_tree_equal, clone_tree, live_children  # noqa: E402
+from helpers import assert_tree_equal, clone_tree, job_args, live_children  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, testing  # noqa: E402
 
 
@@ -88,12 +87,7 @@ def _peers(fabric):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--case", required=True)
-    p.add_argument("--engine", default="nvrx")
-    p.add_argument("--worker", default="persistent")
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = job_args()
     io = AsyncCheckpointIO(args.engine, worker=args.worker)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[io])
     fabric.launch()

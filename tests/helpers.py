@@ -138,6 +138,20 @@ def dir_entries(path: Any) -> list[str]:
     return sorted(os.listdir(path))
 
 
+def job_args(extra: tuple = ()) -> Any:
+    """Arguments of the job scripts that ``run_ranks`` starts."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", required=True)
+    p.add_argument("--engine", default="nvrx")
+    p.add_argument("--worker", default="persistent")
+    p.add_argument("--out", required=True)
+    for name in extra:
+        p.add_argument(name, default=None)
+    return p.parse_args()
+
+
 def run_ranks(script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, **extra: Any) -> list:
     """Runs a 2-rank job script under a hard timeout, kills its whole process group after, and returns
     each rank's JSON report (a rank that crashed fails the test with its traceback)."""
