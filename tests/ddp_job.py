@@ -161,6 +161,23 @@ def case_parallel(args, report):
     report["children_after_resume"] = _own_children(t2)
 
 
+def case_load1(args, report):
+    """Resume on 2 ranks (AsyncDDPStrategy) from a checkpoint written on 1 rank (``--dir``)."""
+    from lightning_asyncckpt import AsyncDDPStrategy
+
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    saved = io.load_checkpoint(args.dir, weights_only=False)
+    check = ResumeCheck()
+    t = _trainer(args, [io], [AsyncFinalizerCallback(), check], max_steps=saved["global_step"] + 2,
+                 enable_checkpointing=False, strategy=AsyncDDPStrategy())
+    t.fit(TinyModel(width=96, layers=3), loader(width=96, n=64, batch_size=4), ckpt_path=args.dir)
+    assert check.step == saved["global_step"]
+    assert_tree_equal(check.weights, clone_tree(dict(saved["state_dict"])), "weights at resume")
+    assert_tree_equal(check.optim, saved["optimizer_states"][0]["state"], "optimizer at resume")
+    report["resume_exact"] = True
+    report["children_after_fit"] = _own_children(t)
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj

@@ -113,3 +113,18 @@ def test_async_ddp_strategy_one_failing_rank_raises_on_every_rank(tmp_path, engi
     r0, r1 = run_job(tmp_path, "parallel_fail", engine, worker)
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError", ranks=(1,))
     assert "rank 1" in r0["raised"]["message"] and "ENOSPC" in r0["raised"]["message"]
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), ("mcore", "persistent")], ids=["nvrx-fork", "mcore-persistent"])
+def test_checkpoint_from_one_rank_resumes_on_two(tmp_path, engine, worker):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from helpers import TinyModel, loader, trainer
+    from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
+
+    io = AsyncCheckpointIO(engine, worker=worker)
+    ck = ModelCheckpoint(dirpath=tmp_path / "one", every_n_train_steps=6, save_top_k=-1)
+    trainer(tmp_path, [io], [AsyncFinalizerCallback(), ck], max_steps=6).fit(TinyModel(width=96, layers=3), loader(width=96))
+    r0, r1 = run_job(tmp_path, "load1", engine, worker, dir=tmp_path / "one" / "epoch=0-step=6.ckpt")
+    for r in (r0, r1):
+        assert r["resume_exact"] and r["children_after_fit"] == []
