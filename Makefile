@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all lint bench clean
+.PHONY: demo test test-all lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -26,10 +26,7 @@ test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks
-
-bench: $(STAMP)
-	$(VENV)/bin/python benchmarks/bench_save.py
+	$(VENV)/bin/ruff check lightning_asyncckpt tests examples
 
 clean:
-	rm -rf $(VENV) demo_output bench_output .pytest_cache
+	rm -rf $(VENV) demo_output .pytest_cache
