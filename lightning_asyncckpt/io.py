@@ -202,14 +202,33 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, collective: bool) -> None:
         try:
-            path = self._check_save_args(path, storage_options)
-            self._start(path.parent)
-            self._settle_local(blocking=False)
-            if not self._agreement.active:
-                self._raise_local_failures()
-            while len(self._pending) >= self.max_pending and not self._pending[0].collective:
-                self._settle_local(blocking=True, until=self._pending[0].order)
-            self._schedule(checkpoint, path, collective)
+            snapshot, local_error = None, None
+            try:
+                path = self._check_save_args(path, storage_options)
+                self._start(path.parent)
+                self._settle_local(blocking=False)
+                if not self._agreement.active:
+                    self._raise_local_failures()
+                while len(self._pending) >= self.max_pending and not self._pending[0].collective:
+                    self._settle_local(blocking=True, until=self._pending[0].order)
+                if collective:
+                    rank, world = self._agreement.rank, self._agreement.world_size
+                    snapshot = self._stager.snapshot(checkpoint, rank=rank, world_size=world)
+            except Exception as e:
+                if not collective:
+                    raise
+                local_error = e
+            if collective and self._agreement.all_max([int(local_error is not None)])[0]:
+                # A rank that failed before the collective planning must not leave the others in it. The
+                # failing rank records its error (raised on every rank at the next finalize); the others
+                # drop this save.
+                self._stager.release(snapshot.buffer_set if snapshot is not None else None)
+                if self._announced > self._consumed:
+                    self._consumed = self._announced
+                if local_error is not None:
+                    raise local_error
+                return
+            self._schedule(checkpoint, path, collective, snapshot)
         except Exception as e:
             if not self._agreement.active or isinstance(e, CheckpointWriteError):
                 raise
@@ -389,7 +408,10 @@ class AsyncCheckpointIO(CheckpointIO):
                 commit.cleanup_leftovers(dirpath, keep_prefix=commit.tmp_for(dirpath, self._run_token).name)
             self._cleaned_dirs.add(dirpath)
 
-    def _schedule(self, checkpoint: dict[str, Any], path: Path, collective: bool) -> None:
+    def _schedule(
+        self, checkpoint: dict[str, Any], path: Path, collective: bool, snapshot: staging.Snapshot | None = None
+    ) -> None:
+        """Plans and hands over one save. A collective save arrives with its snapshot taken and agreed."""
         assert self._engine is not None and self._results_dir is not None
         t0 = time.perf_counter()
         self._order += 1
@@ -410,10 +432,10 @@ class AsyncCheckpointIO(CheckpointIO):
             tmp = commit.tmp_for(path, f"{self._run_token}-c{self._collective_count}")
         else:
             tmp = commit.tmp_for(path, f"{self._run_token}-{order}")
-        rank, world = (self._agreement.rank, self._agreement.world_size) if collective else (0, 1)
-        snapshot = None
+        rank = self._agreement.rank if collective else 0
         try:
-            snapshot = self._stager.snapshot(checkpoint, rank=rank, world_size=world)
+            if snapshot is None:
+                snapshot = self._stager.snapshot(checkpoint)
             state: dict[str, Any] = dict(snapshot.tensors)
             if rank == 0:
                 state[staging.SKELETON_KEY] = snapshot.skeleton

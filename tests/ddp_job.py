@@ -289,6 +289,26 @@ def case_parallel_fail(args, report):
     _failing_run(args, report, [lambda io: FailOnRankFrom(io, 8, rank=1)], strategy=AsyncDDPStrategy())
 
 
+class SnapshotFailsOnRank(L.Callback):
+    """From ``step`` on, taking the snapshot fails on one rank only (as an out-of-memory would)."""
+
+    def __init__(self, io, step, rank):
+        self.io, self.step, self.rank = io, step, rank
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
+            def fail(*args, **kwargs):
+                raise MemoryError("injected: cannot allocate the staging buffers")
+
+            self.io._stager.snapshot = fail
+
+
+def case_parallel_snapfail(args, report):
+    from lightning_asyncckpt import AsyncDDPStrategy
+
+    _failing_run(args, report, [lambda io: SnapshotFailsOnRank(io, 8, rank=1)], strategy=AsyncDDPStrategy())
+
+
 def case_enospc(args, report):
     _failing_run(args, report, [lambda io: FillDiskAt(io, args.dir, 6)])
 

@@ -128,3 +128,9 @@ def test_checkpoint_from_one_rank_resumes_on_two(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "load1", engine, worker, dir=tmp_path / "one" / "epoch=0-step=6.ckpt")
     for r in (r0, r1):
         assert r["resume_exact"] and r["children_after_fit"] == []
+
+
+def test_async_ddp_strategy_local_failure_before_planning_does_not_hang(tmp_path):
+    """A rank that fails before the collective planning must not leave the other ranks inside it."""
+    r0, r1 = run_job(tmp_path, "parallel_snapfail", "nvrx", "persistent", timeout=120)
+    _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "MemoryError", ranks=(1,))
