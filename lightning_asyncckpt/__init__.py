@@ -7,18 +7,25 @@ Public names are imported lazily, so that the background worker (which imports
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
-__all__ = ["AsyncCheckpointIO", "AsyncDDPStrategy", "AsyncFinalizerCallback", "CheckpointWriteError"]
+__all__ = [
+    "AsyncCheckpointIO",
+    "AsyncDDPStrategy",
+    "AsyncFinalizerCallback",
+    "AsyncModelParallelStrategy",
+    "CheckpointWriteError",
+]
 
 if TYPE_CHECKING:
     from lightning_asyncckpt.callback import AsyncFinalizerCallback
     from lightning_asyncckpt.errors import CheckpointWriteError
     from lightning_asyncckpt.io import AsyncCheckpointIO
-    from lightning_asyncckpt.strategies import AsyncDDPStrategy
+    from lightning_asyncckpt.strategies import AsyncDDPStrategy, AsyncModelParallelStrategy
 
 _LOCATIONS = {
     "AsyncCheckpointIO": "lightning_asyncckpt.io",
     "AsyncDDPStrategy": "lightning_asyncckpt.strategies",
     "AsyncFinalizerCallback": "lightning_asyncckpt.callback",
+    "AsyncModelParallelStrategy": "lightning_asyncckpt.strategies",
     "CheckpointWriteError": "lightning_asyncckpt.errors",
 }
 

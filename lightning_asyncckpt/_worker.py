@@ -76,13 +76,27 @@ def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
     return results
 
 
-def write_job(writer_cls: type, transforms: list, buckets: list, result_path: str, hook: Any | None = None) -> None:
-    """The async function handed to the engine's queue: writes the shards, then reports."""
+def _write_file(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_job(
+    writer_cls: type, transforms: list, buckets: list, result_path: str, hook: Any | None = None,
+    extra_files: list | tuple = (),
+) -> None:
+    """The async function handed to the engine's queue: writes the shards (and small extra files,
+    such as a sharded checkpoint's ``meta.pt``), then reports."""
     t0 = time.monotonic()
     try:
         if hook is not None:
             hook(buckets)
         outcome: dict[str, Any] = {"ok": True, "results": _write_all(writer_cls, transforms, buckets)}
+        for path, data in extra_files:
+            _write_file(path, data)
     except BaseException as e:  # noqa: BLE001
         outcome = {"ok": False, **_describe(e, buckets)}
     outcome["write_s"] = time.monotonic() - t0

@@ -50,14 +50,18 @@ def plan_save(
     thread_count: int,
     split_by_size: Callable[[int, list], list],
     distributed: bool,
+    flatten: bool = False,
 ) -> WritePlan:
     """Plans this rank's part of a save with DCP's planner and the engine's storage writer.
 
     ``distributed=False``: this rank writes the whole checkpoint; no collectives.
     ``distributed=True``: (all ranks of the default group) each rank passes the items it writes; the
-    coordinator (rank 0) merges the plans into one metadata for the whole checkpoint.
+    coordinator (rank 0) merges the plans into one metadata for the whole checkpoint; DCP's planner
+    writes each replicated item once.
+    ``flatten=True``: plan as ``torch.distributed.checkpoint.save`` does by default (nested keys flattened
+    to dotted names, the mapping stored in the metadata), so the result matches a stock DCP save.
     """
-    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = DefaultSavePlanner(flatten_state_dict=flatten, flatten_sharded_tensors=flatten)
     writer = writer_cls(str(tmp), thread_count=thread_count)
     wrapper = _DistWrapper(None, distributed, 0)
     storage_meta = writer.storage_meta() if hasattr(writer, "storage_meta") else None

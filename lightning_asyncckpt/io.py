@@ -14,6 +14,7 @@ One save, step by step:
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import pickle
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
@@ -38,6 +40,11 @@ from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.staging import Stager
 
 log = logging.getLogger(__name__)
+
+
+_REPLICATED = "replicated"  # a checkpoint dict (skeleton + tensors); one writer, or a share per rank
+_SHARDED = "sharded"  # each rank's own shards, in Lightning's ModelParallelStrategy layout
+META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a sharded checkpoint
 
 
 @dataclass
@@ -191,16 +198,32 @@ class AsyncCheckpointIO(CheckpointIO):
         Returns once the snapshot is taken: training may change every tensor right after.
         Errors of the write are raised later, by :meth:`finalize`.
         """
-        self._save(checkpoint, path, storage_options, collective=False)
+        self._save(checkpoint, path, storage_options, collective=False, mode=_REPLICATED)
 
     def save_checkpoint_distributed(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """(all ranks, same order) Saves a checkpoint whose state is replicated on every rank; each rank
         snapshots and writes a disjoint share of the tensors, so every byte is written once and the write
         is spread across ranks. The result is one checkpoint that loads on any number of ranks.
         Used by :class:`~lightning_asyncckpt.AsyncDDPStrategy`."""
-        self._save(checkpoint, path, storage_options, collective=self._agreement.active)
+        self._save(checkpoint, path, storage_options, collective=self._agreement.active, mode=_REPLICATED)
 
-    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, collective: bool) -> None:
+    def save_checkpoint_sharded(self, state: dict[str, Any], path: Any, meta: dict[str, Any] | None = None) -> None:
+        """(all ranks, same order) Saves a sharded state the way Lightning's ``ModelParallelStrategy`` lays
+        it out: each rank writes its own shards of ``state`` (``DTensor`` local shards, and its share of
+        the replicated tensors), and global rank 0 writes ``meta`` to ``meta.pt`` beside them. Nothing is
+        gathered on one rank. Stock Lightning and plain ``torch.distributed.checkpoint`` read the result.
+        Used by :class:`~lightning_asyncckpt.AsyncModelParallelStrategy`."""
+        extra: list[tuple[str, bytes]] = []
+        if meta is not None and self._agreement.rank == 0:
+            buf = io.BytesIO()
+            torch.save(meta, buf)  # serialized now: a snapshot of the non-tensor state
+            extra.append((META_FILE, buf.getvalue()))
+        self._save(state, path, None, collective=self._agreement.active, mode=_SHARDED, extra_files=extra)
+
+    def _save(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any, collective: bool, mode: str,
+        extra_files: list[tuple[str, bytes]] | None = None,
+    ) -> None:
         try:
             snapshot, local_error = None, None
             try:
@@ -212,8 +235,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 while len(self._pending) >= self.max_pending and not self._pending[0].collective:
                     self._settle_local(blocking=True, until=self._pending[0].order)
                 if collective:
-                    rank, world = self._agreement.rank, self._agreement.world_size
-                    snapshot = self._stager.snapshot(checkpoint, rank=rank, world_size=world)
+                    snapshot = self._take_snapshot(checkpoint, mode, collective)
             except Exception as e:
                 if not collective:
                     raise
@@ -228,7 +250,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 if local_error is not None:
                     raise local_error
                 return
-            self._schedule(checkpoint, path, collective, snapshot)
+            self._schedule(checkpoint, path, collective, mode, snapshot, extra_files or [])
         except Exception as e:
             if not self._agreement.active or isinstance(e, CheckpointWriteError):
                 raise
@@ -408,8 +430,16 @@ class AsyncCheckpointIO(CheckpointIO):
                 commit.cleanup_leftovers(dirpath, keep_prefix=commit.tmp_for(dirpath, self._run_token).name)
             self._cleaned_dirs.add(dirpath)
 
+    def _take_snapshot(self, checkpoint: dict[str, Any], mode: str, collective: bool) -> staging.Snapshot:
+        if mode == _SHARDED:
+            return self._stager.snapshot_tree(checkpoint)
+        if collective:  # replicated state: this rank copies and writes its share only
+            return self._stager.snapshot(checkpoint, rank=self._agreement.rank, world_size=self._agreement.world_size)
+        return self._stager.snapshot(checkpoint)
+
     def _schedule(
-        self, checkpoint: dict[str, Any], path: Path, collective: bool, snapshot: staging.Snapshot | None = None
+        self, checkpoint: dict[str, Any], path: Path, collective: bool, mode: str,
+        snapshot: staging.Snapshot | None, extra_files: list[tuple[str, bytes]],
     ) -> None:
         """Plans and hands over one save. A collective save arrives with its snapshot taken and agreed."""
         assert self._engine is not None and self._results_dir is not None
@@ -435,17 +465,22 @@ class AsyncCheckpointIO(CheckpointIO):
         rank = self._agreement.rank if collective else 0
         try:
             if snapshot is None:
-                snapshot = self._stager.snapshot(checkpoint)
-            state: dict[str, Any] = dict(snapshot.tensors)
-            if rank == 0:
-                state[staging.SKELETON_KEY] = snapshot.skeleton
+                snapshot = self._take_snapshot(checkpoint, mode, collective)
+            if mode == _SHARDED:
+                state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
+            else:
+                state = dict(snapshot.tensors)
+                if rank == 0:
+                    state[staging.SKELETON_KEY] = snapshot.skeleton
             plan = dcp_format.plan_save(
-                state, tmp, self._engine.writer_cls, self.thread_count, self._engine.split_by_size, collective
+                state, tmp, self._engine.writer_cls, self.thread_count, self._engine.split_by_size, collective,
+                flatten=mode == _SHARDED,
             )
             result_path = self._results_dir / f"{order}.result"
+            extra = [(str(tmp / name), data) for name, data in extra_files]
             ticket = self._engine.schedule(
                 _worker.write_job,
-                (self._engine.writer_cls, plan.transforms, plan.buckets, str(result_path), self.write_hook),
+                (self._engine.writer_cls, plan.transforms, plan.buckets, str(result_path), self.write_hook, extra),
             )
         except BaseException:
             # bad input (e.g. an object that cannot be pickled): raised here, in the trainer

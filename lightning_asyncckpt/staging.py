@@ -168,6 +168,62 @@ class Stager:
             bs.buffers[name] = buf
         return buf
 
+    def _stage(self, bs: BufferSet, name: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Copies ``t`` into ``bs`` (or keeps it, when fork's copy-on-write is the snapshot).
+        Returns the staged tensor and whether a CUDA copy is still in flight."""
+        if not self.copy_cpu and t.device.type == "cpu" and _is_whole_storage(t):
+            return t, False
+        buf = self._buffer(bs, name, t)
+        non_blocking = t.device.type == "cuda" and buf.is_pinned()
+        buf.copy_(t, non_blocking=non_blocking)
+        return buf, non_blocking
+
+    @staticmethod
+    def _drop_unused(bs: BufferSet, used: set[str]) -> None:
+        # drop buffers of tensors that are gone, so that memory does not grow with changing states
+        for name in list(bs.buffers):
+            if name not in used:
+                del bs.buffers[name]
+
+    def snapshot_tree(self, state: dict[str, Any]) -> Snapshot:
+        """Copies every tensor of ``state`` in place of the original, keeping the structure (for a save
+        that DCP plans as is, e.g. a sharded model's state). A ``DTensor`` keeps its mesh, placements and
+        global shape; only its local shard is copied. ``skeleton`` is the copied tree."""
+        from torch.distributed.tensor import DTensor
+
+        bs = self._acquire()
+        namer = _FqnNamer()
+        staged: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        pending_cuda = False
+
+        def take(path: tuple, t: torch.Tensor) -> torch.Tensor:
+            nonlocal nbytes, pending_cuda
+            name = namer(path)
+            local = t.to_local() if isinstance(t, DTensor) else t
+            local = local.detach()
+            if local.device.type == "meta":
+                return t
+            nbytes += local.numel() * local.element_size()
+            copy, in_flight = self._stage(bs, name, local)
+            pending_cuda |= in_flight
+            staged[name] = copy
+            if isinstance(t, DTensor):
+                return DTensor.from_local(
+                    copy, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+                )
+            return copy
+
+        try:
+            tree = _walk(state, (), take)
+            if pending_cuda:
+                torch.cuda.synchronize()
+        except BaseException:
+            self.release(bs)
+            raise
+        self._drop_unused(bs, set(staged))
+        return Snapshot(skeleton=tree, tensors=staged, nbytes=nbytes, buffer_set=bs)
+
     def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1) -> Snapshot:
         """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete.
 
@@ -181,20 +237,15 @@ class Stager:
         staged: dict[str, torch.Tensor] = {}
         nbytes = 0
         pending_cuda = False
-        for name, t in tensors.items():
-            nbytes += t.numel() * t.element_size()
-            if not self.copy_cpu and t.device.type == "cpu" and _is_whole_storage(t):
-                staged[name] = t
-                continue
-            buf = self._buffer(bs, name, t)
-            non_blocking = t.device.type == "cuda" and buf.is_pinned()
-            buf.copy_(t, non_blocking=non_blocking)
-            pending_cuda |= non_blocking
-            staged[name] = buf
-        if pending_cuda:
-            torch.cuda.synchronize()
-        # drop buffers of tensors that are gone, so that memory does not grow with changing states
-        for name in list(bs.buffers):
-            if name not in staged:
-                del bs.buffers[name]
+        try:
+            for name, t in tensors.items():
+                nbytes += t.numel() * t.element_size()
+                staged[name], in_flight = self._stage(bs, name, t)
+                pending_cuda |= in_flight
+            if pending_cuda:
+                torch.cuda.synchronize()
+        except BaseException:
+            self.release(bs)
+            raise
+        self._drop_unused(bs, set(staged))
         return Snapshot(skeleton=skeleton, tensors=staged, nbytes=nbytes, buffer_set=bs)

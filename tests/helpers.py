@@ -42,6 +42,18 @@ class TinyModel(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
 
+class ShardedModel(TinyModel):
+    """``TinyModel`` with FSDP2 (``fully_shard``) over the strategy's data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
 def loader(width: int = 64, n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     return DataLoader(TensorDataset(torch.randn(n, width, generator=g)), batch_size=batch_size, shuffle=False)
@@ -152,13 +164,15 @@ def job_args(extra: tuple = ()) -> Any:
     return p.parse_args()
 
 
-def run_ranks(script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, **extra: Any) -> list:
-    """Runs a 2-rank job script under a hard timeout, kills its whole process group after, and returns
+def run_ranks(
+    script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, ranks: int = 2, **extra: Any
+) -> list:
+    """Runs a ``ranks``-rank job script under a hard timeout, kills its whole process group after, and returns
     each rank's JSON report (a rank that crashed fails the test with its traceback)."""
     import pytest
 
     out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, script, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
@@ -174,11 +188,11 @@ def run_ranks(script: str, tmp_path: Any, case: str, engine: str, worker: str, t
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     reports = []
-    for rank in (0, 1):
+    for rank in range(ranks):
         path = out / f"rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
         reports.append(json.loads(path.read_text()))
     for r in reports:
         assert "crash" not in r, f"rank {r['rank']} crashed:\n{r['crash']}"
-        assert r["world_size"] == 2
+        assert r["world_size"] == ranks
     return reports

@@ -1,0 +1,240 @@
+"""ModelParallel (FSDP2) jobs on gloo/CPU for tests/test_model_parallel.py. Each rank writes <out>/rank<r>.json.
+
+``fit`` runs on 2 ranks; ``resume1`` on 1 rank (from a 2-rank checkpoint, then saves one of its own);
+``resume2`` on 2 ranks from that 1-rank checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
+
+from helpers import ShardedModel, assert_tree_equal, clone_tree, job_args, live_children, loader  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
+
+WIDTH = 64
+DATA = dict(width=WIDTH, n=64, batch_size=4)  # 8 steps per epoch per rank on 2 ranks
+
+
+def full_state(trainer, pl_module):
+    """(all ranks) The full model and optimizer state, gathered: what a checkpoint must contain."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it on rank 0 only)
+    model = get_model_state_dict(pl_module, options=opts)
+    optim = get_optimizer_state_dict(pl_module, trainer.optimizers[0], options=opts)
+    return _sorted({"state_dict": dict(model), "optimizer_0": {"state": dict(optim["state"])}})
+
+
+def _sorted(tree):
+    """A copy with dict keys in sorted order (DCP does not keep the order of optimizer state keys)."""
+    if isinstance(tree, dict):
+        return {k: _sorted(tree[k]) for k in sorted(tree, key=str)}
+    return clone_tree(tree)
+
+
+class FullStateRecorder(L.Callback):
+    def __init__(self):
+        self.copies = {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.copies[trainer.global_step] = full_state(trainer, pl_module)
+
+
+class ResumeCheck(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+        self.state = full_state(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        self.final = full_state(trainer, pl_module)
+
+
+class ProbedStrategy(AsyncModelParallelStrategy):
+    """Records whether each checkpoint was already complete when ``save_checkpoint`` returned."""
+
+    complete_on_return: list
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        existed = Path(filepath).exists()  # `last.ckpt` is saved again over the committed one
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.complete_on_return = getattr(self, "complete_on_return", [])
+        if not existed:
+            self.complete_on_return.append((Path(filepath) / ".metadata").exists())
+
+
+def read_with_dcp(path, out):
+    """The checkpoint read with torch.distributed.checkpoint alone (nothing from this package)."""
+    target = os.path.join(out, f"read-{os.path.basename(path)}-{os.getpid()}.pt")
+    dcp_to_torch_save(path, target)
+    got = torch.load(target, weights_only=False)
+    os.unlink(target)
+    return _sorted({"state_dict": got["state_dict"], "optimizer_0": {"state": got["optimizer_0"]["state"]}})
+
+
+def _trainer(args, strategy, callbacks, devices=2, plugins=(), **kw):
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, plugins=list(plugins), callbacks=callbacks,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out, **kw,
+    )
+
+
+def _own_children():
+    """Child processes other than the ranks (a process that is already exiting gets a moment to go)."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        left = [(p.pid, " ".join(p.cmdline())[:100]) for p in live_children() if "mp_job.py" not in " ".join(p.cmdline())]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _resume(args, strategy, ckpt_path, max_steps, callbacks=(), plugins=()):
+    L.seed_everything(7)
+    check = ResumeCheck()
+    t = _trainer(args, strategy, [check, *callbacks], plugins=plugins, max_steps=max_steps,
+                 devices=2 if args.case != "resume1" else 1, enable_checkpointing=bool(callbacks))
+    t.fit(ShardedModel(width=WIDTH), loader(**DATA), ckpt_path=ckpt_path)
+    return check
+
+
+def case_fit(args, report):
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    io.write_hook = testing.DelayWrite(0.1)  # each write outlasts a few steps
+    rec = FullStateRecorder()
+    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), monitor="step", mode="max", save_top_k=2,
+                         every_n_train_steps=4, save_last=True)
+    strategy = ProbedStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    L.seed_everything(1)
+    t = _trainer(args, strategy, [rec, ck], plugins=[io], max_steps=16)
+    t.fit(ShardedModel(width=WIDTH), loader(**DATA))
+    report["children_after_fit"] = _own_children()
+    report["complete_on_return"] = strategy.complete_on_return
+    torch.distributed.barrier()
+    report["files"] = sorted(os.listdir(ck.dirpath))
+    if t.global_rank == 0:
+        for name in report["files"]:
+            path = os.path.join(ck.dirpath, name)
+            report.setdefault("layout", {})[name] = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
+            meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+            assert_tree_equal(read_with_dcp(path, args.out), rec.copies[meta["global_step"]], name)
+        report["verified"] = report["files"]
+    torch.distributed.barrier()
+
+    # Stock ModelParallelStrategy resumes from our checkpoint, and so do we: both start from the saved state
+    # exactly and continue identically. Stock saves at the end; we resume from that too.
+    ours = os.path.join(ck.dirpath, "epoch=1-step=12.ckpt")
+    stock_dir = os.path.join(args.out, "stock")
+    stock_ck = ModelCheckpoint(dirpath=stock_dir, filename="final", every_n_train_steps=20)
+    stock = _resume(args, ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ours, 20, [stock_ck])
+    again = _resume(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ours, 20)
+    for check, who in ((stock, "stock"), (again, "ours")):
+        assert check.step == 12, (who, check.step)
+        assert_tree_equal(check.state, rec.copies[12], f"{who} resume state")
+    assert_tree_equal(stock.final, again.final, "stock vs ours continuation")
+    report["stock_resume_exact"] = True
+    from_stock = _resume(
+        args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        os.path.join(stock_dir, "final.ckpt"), 22,
+    )
+    assert from_stock.step == 20
+    assert_tree_equal(from_stock.state, stock.final, "ours from stock's checkpoint")
+    report["resume_from_stock_exact"] = True
+    report["children_after_resume"] = _own_children()
+
+
+def case_resume1(args, report):
+    """1 rank resumes from a 2-rank checkpoint (``--dir``) through ``ckpt_path``, then saves on 1 rank."""
+    expected = read_with_dcp(args.dir, args.out)
+    step = torch.load(os.path.join(args.dir, "meta.pt"), weights_only=False)["global_step"]
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "one"), filename="one", every_n_train_steps=step + 4)
+    check = _resume(args, AsyncModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), args.dir,
+                    step + 4, callbacks=[ck], plugins=[io])
+    assert check.step == step
+    assert_tree_equal(check.state, expected, "1-rank resume state")
+    report["resume_exact"] = True
+    saved = os.path.join(args.out, "one", "one.ckpt")
+    assert_tree_equal(read_with_dcp(saved, args.out), check.final, "1-rank save")
+    report["saved"] = saved
+    report["children_after_fit"] = _own_children()
+
+
+def case_resume2(args, report):
+    """2 ranks resume from a 1-rank checkpoint (``--dir``)."""
+    expected = read_with_dcp(args.dir, args.out)
+    step = torch.load(os.path.join(args.dir, "meta.pt"), weights_only=False)["global_step"]
+    check = _resume(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                     checkpoint_io=AsyncCheckpointIO(args.engine, worker=args.worker)),
+                    args.dir, step + 2)
+    assert check.step == step
+    assert_tree_equal(check.state, expected, "2-rank resume state")
+    report["resume_exact"] = True
+    report["children_after_fit"] = _own_children()
+
+
+class FailOnRankFrom(L.Callback):
+    """From ``step`` on, writes fail on one rank only."""
+
+    def __init__(self, io, step, rank):
+        self.io, self.step, self.rank = io, step, rank
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
+            self.io.write_hook = testing.FailWrite()
+
+
+def case_fail(args, report):
+    """One rank's write fails: both ranks raise, at the same step; the earlier checkpoint stays."""
+    from lightning_asyncckpt import CheckpointWriteError
+
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    dirpath = os.path.join(args.out, "c")
+    ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
+    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                 [FailOnRankFrom(io, 8, rank=1), ck], plugins=[io], max_steps=40)
+    if t.strategy.launcher is not None:  # rank 0: see every rank raise by itself, not killed by rank 0
+        t.strategy.launcher.kill = lambda *a, **k: None
+    try:
+        t.fit(ShardedModel(width=WIDTH), loader(width=WIDTH, n=256, batch_size=4))
+        report["raised"] = None
+    except CheckpointWriteError as e:
+        report["raised"] = {"path": e.path, "ranks": list(e.ranks), "error_type": e.error_type, "message": str(e)}
+    report["global_step"] = t.global_step
+    report["children_after_fit"] = _own_children()
+    torch.distributed.barrier()
+    report["files"] = sorted(os.listdir(dirpath))
+
+
+def main():
+    args = job_args(extra=("--dir",))
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    report = {"rank": rank}
+    try:
+        globals()[f"case_{args.case}"](args, report)
+    except BaseException as e:  # noqa: BLE001
+        report["crash"] = "".join(traceback.format_exception(e))
+    if torch.distributed.is_initialized():
+        report["world_size"] = torch.distributed.get_world_size()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""AsyncModelParallelStrategy with FSDP2 on 2 gloo ranks (and 1), in real processes under hard timeouts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import COMBOS, run_ranks
+
+JOB = os.path.join(os.path.dirname(__file__), "mp_job.py")
+IDS = [f"{e}-{w}" for e, w in COMBOS]
+
+
+@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)
+def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine, worker):
+    r0, r1 = run_ranks(JOB, tmp_path, "fit", engine, worker)
+    expected = ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
+    assert r0["files"] == r1["files"] == expected  # top-2 and last, nothing left over
+    for name, files in r0["layout"].items():
+        # the stock ModelParallelStrategy layout: one shard file per rank, .metadata and meta.pt
+        assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], name
+        small, large = sorted((files["__0_0.distcp"], files["__1_0.distcp"]))
+        assert large < 1.5 * small, (name, files)  # each rank wrote its own shards
+    # every checkpoint, read with torch.distributed.checkpoint alone, holds the full state of its step
+    assert r0["verified"] == expected
+    for r in (r0, r1):
+        assert r["complete_on_return"] and not any(r["complete_on_return"])  # written after save returned
+        assert r["stock_resume_exact"] and r["resume_from_stock_exact"]
+        assert r["children_after_fit"] == [] and r["children_after_resume"] == []
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+def test_fsdp2_resharding_two_to_one_to_two(tmp_path, engine, worker):
+    (r0, _) = run_ranks(JOB, tmp_path / "two", "fit", engine, worker)
+    two = tmp_path / "two" / "out" / "c" / "epoch=1-step=12.ckpt"
+    (one,) = run_ranks(JOB, tmp_path / "one", "resume1", engine, worker, ranks=1, dir=two)
+    assert one["resume_exact"] and one["children_after_fit"] == []
+    back = run_ranks(JOB, tmp_path / "back", "resume2", engine, worker, dir=one["saved"])
+    for r in back:
+        assert r["resume_exact"] and r["children_after_fit"] == []
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), ("mcore", "persistent")], ids=["nvrx-fork", "mcore-persistent"])
+def test_fsdp2_one_failing_rank_raises_on_every_rank(tmp_path, engine, worker):
+    r0, r1 = run_ranks(JOB, tmp_path, "fail", engine, worker)
+    for r in (r0, r1):
+        raised = r["raised"]
+        assert raised is not None, f"rank {r['rank']} did not raise"
+        assert raised["ranks"] == [1] and raised["path"].endswith("step=8.ckpt") and "rank 1" in raised["message"]
+        assert r["files"] == ["epoch=0-step=4.ckpt"]  # the committed one survives, nothing partial
+        assert r["children_after_fit"] == []
+    assert r0["global_step"] == r1["global_step"] < 40
