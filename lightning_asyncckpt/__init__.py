@@ -10,6 +10,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AsyncCheckpointIO",
     "AsyncDDPStrategy",
+    "AsyncFabricModelParallelStrategy",
     "AsyncFinalizerCallback",
     "AsyncModelParallelStrategy",
     "CheckpointWriteError",
@@ -18,12 +19,14 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_asyncckpt.callback import AsyncFinalizerCallback
     from lightning_asyncckpt.errors import CheckpointWriteError
+    from lightning_asyncckpt.fabric import AsyncFabricModelParallelStrategy
     from lightning_asyncckpt.io import AsyncCheckpointIO
     from lightning_asyncckpt.strategies import AsyncDDPStrategy, AsyncModelParallelStrategy
 
 _LOCATIONS = {
     "AsyncCheckpointIO": "lightning_asyncckpt.io",
     "AsyncDDPStrategy": "lightning_asyncckpt.strategies",
+    "AsyncFabricModelParallelStrategy": "lightning_asyncckpt.fabric",
     "AsyncFinalizerCallback": "lightning_asyncckpt.callback",
     "AsyncModelParallelStrategy": "lightning_asyncckpt.strategies",
     "CheckpointWriteError": "lightning_asyncckpt.errors",

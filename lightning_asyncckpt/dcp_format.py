@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lightning_asyncckpt import staging
 
+META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a sharded checkpoint
+
 # (shard path, shard file name, (bytes items, tensor items)): the engines' unit of work for one file.
 WriteBucket = tuple
 
@@ -150,6 +152,18 @@ def load(path: Path, map_location: Any = None, weights_only: bool | None = None)
         for k, v in planner.raw.items()
     }
     skeleton = objects.pop(staging.SKELETON_KEY, None)
-    if skeleton is None:  # a DCP checkpoint written by something else: give back its flat contents
-        return {**tensors, **objects}
-    return staging.join(skeleton, tensors)
+    if skeleton is not None:
+        return staging.join(skeleton, tensors)
+    # a sharded checkpoint (ModelParallelStrategy's layout) or another DCP checkpoint: its nested contents,
+    # with the non-tensor state of ``meta.pt`` beside them
+    flat = {**tensors, **objects}
+    mappings = metadata.planner_data
+    if isinstance(mappings, dict) and set(flat) <= set(mappings):
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+        flat = unflatten_state_dict(flat, mappings)
+    meta = path / META_FILE
+    if meta.is_file():
+        extra = torch.load(meta, weights_only=weights_only) if weights_only is not None else torch.load(meta)
+        flat.update(extra)
+    return flat

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _REPLICATED = "replicated"  # a checkpoint dict (skeleton + tensors); one writer, or a share per rank
 _SHARDED = "sharded"  # each rank's own shards, in Lightning's ModelParallelStrategy layout
-META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a sharded checkpoint
+META_FILE = dcp_format.META_FILE
 
 
 @dataclass
@@ -451,10 +451,9 @@ class AsyncCheckpointIO(CheckpointIO):
             self._consumed = self._announced
             seq = self._announced
         if collective:
-            if seq is None:
-                raise RuntimeError(
-                    "a distributed save must be announced on every rank (through `AsyncFinalizerCallback`)"
-                )
+            if seq is None:  # no callback announced it (Fabric): every rank is here, so it announces itself
+                self._announced += 1
+                self._consumed = seq = self._announced
             if not self._run_token_agreed:  # every rank writes into the same temporary directory
                 self._run_token = self._agreement.all_gather(self._run_token)[0]
                 self._run_token_agreed = True

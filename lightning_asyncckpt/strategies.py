@@ -98,6 +98,27 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         self._checkpoint_io = checkpoint_io
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The sharded model state, left on its device: the stager copies it into reused (pinned) host buffers
+        instead of the stock strategy's synchronous CPU offload."""
+        if not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self.model is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=False))
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """(all ranks) Each rank schedules the write of its shards; returns once the snapshot is taken."""
         if storage_options is not None:

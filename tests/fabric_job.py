@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -41,12 +42,12 @@ def case_exact(args, fabric, io, report):
                 io.write_hook = testing.DelayWrite(0.5)
                 state = {"model": model, "optimizer": opt, "step": i, "extra": {"lr": [1e-2], 7: "seven"}}
                 fabric.save(path, state)
-                report["complete_right_after_save"] = commit.is_committed(__import__("pathlib").Path(path))
+                report["complete_right_after_save"] = commit.is_committed(Path(path))
                 expected = clone_tree({
                     "model": model.module.state_dict(), "optimizer": opt.optimizer.state_dict()["state"],
                 })
             io.finalize()  # every rank, every step: commits the save once it is written
-        report["committed_before_exit"] = commit.is_committed(__import__("pathlib").Path(path))
+        report["committed_before_exit"] = commit.is_committed(Path(path))
     report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
 
     model2, opt2 = _setup(fabric)
@@ -81,6 +82,85 @@ def case_fail(args, fabric, io, report):
     report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
 
 
+def _setup_sharded(fabric, width=64):
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width)))
+    opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    return model, opt
+
+
+def _parallelize(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer, mesh=mesh["data_parallel"])
+    return fully_shard(model, mesh=mesh["data_parallel"])
+
+
+def _full(model, opt):
+    """(all ranks) The gathered model and optimizer state, keys sorted."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    state = {"model": dict(get_model_state_dict(model, options=opts)),
+             "opt": dict(get_optimizer_state_dict(model, opt, options=opts)["state"])}
+
+    def srt(t):
+        return {k: srt(t[k]) for k in sorted(t, key=str)} if isinstance(t, dict) else clone_tree(t)
+
+    return srt(state)
+
+
+def case_sharded(args, fabric, io, report):
+    """FSDP2 through AsyncFabricModelParallelStrategy: save returns early, finalize commits, load is exact."""
+    path = os.path.join(args.out, "ckpt", "step-5")
+    with io:
+        model, opt = _setup_sharded(fabric)
+        for i in range(12):
+            _step(fabric, model, opt, i)
+            if i == 5:
+                io.write_hook = testing.DelayWrite(0.3)
+                fabric.save(path, {"model": model, "optimizer": opt, "step": i, "note": "five"})
+                report["complete_right_after_save"] = commit.is_committed(Path(path))
+                io.write_hook = None
+                expected = _full(model, opt)
+            io.finalize()
+        fresh, fresh_opt = _setup_sharded(fabric)
+        state = {"model": fresh, "optimizer": fresh_opt, "step": None}
+        remainder = fabric.load(path, state)  # commits the pending save first
+        report["files"] = sorted(os.listdir(path))
+        assert_tree_equal(_full(fresh, fresh_opt), expected, "loaded")
+        report["loaded_exact"] = state["step"] == 5
+        report["remainder"] = sorted(remainder)
+    report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
+
+
+def case_sharded_fail(args, fabric, io, report):
+    """A write failing on rank 1 only is raised on both ranks by the next finalize."""
+    try:
+        with io:
+            model, opt = _setup_sharded(fabric)
+            for i in range(40):
+                _step(fabric, model, opt, i)
+                if i == 3:
+                    fabric.save(os.path.join(args.out, "ckpt", "good"), {"model": model})
+                if i == 6:
+                    if fabric.global_rank == 1:
+                        io.write_hook = testing.FailWrite()
+                    fabric.save(os.path.join(args.out, "ckpt", "bad"), {"model": model})
+                io.finalize()
+        report["raised"] = None
+    except CheckpointWriteError as e:
+        report["raised"] = {"path": e.path, "ranks": list(e.ranks), "errno": e.errno, "message": str(e)}
+        report["raised_at_step"] = i
+    fabric.barrier()
+    report["files"] = sorted(os.listdir(os.path.join(args.out, "ckpt")))
+    report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
+
+
 def _peers(fabric):
     launcher = getattr(fabric.strategy, "launcher", None)
     return {p.pid for p in getattr(launcher, "procs", [])}
@@ -89,7 +169,13 @@ def _peers(fabric):
 def main():
     args = job_args()
     io = AsyncCheckpointIO(args.engine, worker=args.worker)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[io])
+    if args.case.startswith("sharded"):
+        from lightning_asyncckpt import AsyncFabricModelParallelStrategy
+
+        strategy = AsyncFabricModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1)
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[io])
+    else:
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[io])
     fabric.launch()
     report = {"rank": fabric.global_rank}
     try:

@@ -30,3 +30,24 @@ def test_fabric_failed_write_raises_on_both_ranks(tmp_path, engine, worker):
         assert r["files"] == ["good"]
         assert r["children_after_exit"] == []
     assert r0["raised_at_step"] == r1["raised_at_step"]
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+def test_fabric_sharded_save_finalize_load_is_exact(tmp_path, engine, worker):
+    r0, r1 = run_ranks(JOB, tmp_path, "sharded", engine, worker)
+    for r in (r0, r1):
+        assert r["complete_right_after_save"] is False  # fabric.save returned before the write was done
+        assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]  # Fabric's sharded layout
+        assert r["loaded_exact"] is True and r["remainder"] == ["note"]
+        assert r["children_after_exit"] == []
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), ("mcore", "persistent")], ids=["nvrx-fork", "mcore-persistent"])
+def test_fabric_sharded_failing_rank_raises_on_both_ranks(tmp_path, engine, worker):
+    r0, r1 = run_ranks(JOB, tmp_path, "sharded_fail", engine, worker)
+    for r in (r0, r1):
+        assert r["raised"] is not None, f"rank {r['rank']} did not raise"
+        assert r["raised"]["path"].endswith("bad") and r["raised"]["ranks"] == [1]
+        assert r["files"] == ["good"]
+        assert r["children_after_exit"] == []
+    assert r0["raised_at_step"] == r1["raised_at_step"]

@@ -9,10 +9,16 @@ import pytest
 from helpers import COMBOS, run_ranks
 
 JOB = os.path.join(os.path.dirname(__file__), "mp_job.py")
-IDS = [f"{e}-{w}" for e, w in COMBOS]
 
 
-@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)
+# both engines and both worker modes in the default run; the other two combinations with `make test-all`
+MAIN_COMBOS = [
+    pytest.param(e, w, id=f"{e}-{w}", marks=() if (e, w) in {("nvrx", "persistent"), ("mcore", "fork")} else pytest.mark.slow)
+    for e, w in COMBOS
+]
+
+
+@pytest.mark.parametrize(("engine", "worker"), MAIN_COMBOS)
 def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "fit", engine, worker)
     expected = ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
@@ -30,7 +36,10 @@ def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine
         assert r["children_after_fit"] == [] and r["children_after_resume"] == []
 
 
-@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+@pytest.mark.parametrize(
+    ("engine", "worker"),
+    [pytest.param("mcore", "persistent", id="mcore-persistent"), pytest.param("nvrx", "fork", id="nvrx-fork", marks=pytest.mark.slow)],
+)
 def test_fsdp2_resharding_two_to_one_to_two(tmp_path, engine, worker):
     (r0, _) = run_ranks(JOB, tmp_path / "two", "fit", engine, worker)
     two = tmp_path / "two" / "out" / "c" / "epoch=1-step=12.ckpt"

@@ -73,3 +73,15 @@ def test_fabric_example_runs(tmp_path):
     )
     assert code == 0, out[-3000:]
     assert "restored step 20; checkpoints: ['step-10', 'step-20']" in out
+
+
+def test_sharded_example_runs(tmp_path):
+    code, out = _run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_sharded.py"), "--steps", "40",
+         "--out", str(tmp_path / "sharded")],
+        cwd=tmp_path,
+    )
+    assert code == 0, out[-3000:]
+    assert "4 sharded saves" in out  # top-2 and last at steps 20 and 40
+    assert "last.ckpt: ['.metadata', '__0_0.distcp', '__1_0.distcp', 'meta.pt']" in out
+    assert "resumed from step 40, now at step 60" in out
