@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-faults test-all lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ demo: $(STAMP)
 	$(VENV)/bin/python examples/train.py
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -m "not slow and not faults" $(PYTEST_ARGS)
+
+# the full fault-injection matrix: {ddp, mp} x {nvrx, mcore} x {persistent, fork} x every fault kind and rank
+test-faults: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m faults $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

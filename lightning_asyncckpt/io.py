@@ -33,7 +33,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_asyncckpt import _worker, commit, dcp_format, engines, staging
+from lightning_asyncckpt import _worker, commit, dcp_format, engines, staging, testing
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
@@ -58,7 +58,7 @@ class SaveRecord:
     nbytes: int
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _PendingSave:
     order: int  # local FIFO position
     seq: int | None  # the save's number in the cross-rank count, None if no rank announced it
@@ -71,6 +71,7 @@ class _PendingSave:
     stall_s: float
     nbytes: int
     collective: bool = False  # every rank writes a part; committed by all ranks together
+    coordinator_fault: str | None = None  # an injected commit failure (lightning_asyncckpt.testing)
     write_s: float = 0.0
     written: list | None = None  # a collective save's local write results, once this rank's part is on disk
     started: float = field(default_factory=time.monotonic)
@@ -163,6 +164,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
         self._run_token_agreed = False
         self._collective_count = 0
+        self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
 
     # ---------------------------------------------------------------------------------------------
     # Public properties
@@ -224,6 +226,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any, collective: bool, mode: str,
         extra_files: list[tuple[str, bytes]] | None = None,
     ) -> None:
+        self._save_calls += 1
         try:
             snapshot, local_error = None, None
             try:
@@ -232,8 +235,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 self._settle_local(blocking=False)
                 if not self._agreement.active:
                     self._raise_local_failures()
-                while len(self._pending) >= self.max_pending and not self._pending[0].collective:
-                    self._settle_local(blocking=True, until=self._pending[0].order)
+                self._wait_for_room()
                 if collective:
                     snapshot = self._take_snapshot(checkpoint, mode, collective)
             except Exception as e:
@@ -477,9 +479,14 @@ class AsyncCheckpointIO(CheckpointIO):
             )
             result_path = self._results_dir / f"{order}.result"
             extra = [(str(tmp / name), data) for name, data in extra_files]
+            fault_hook, coordinator_fault = testing.faults_for(
+                self._agreement.rank, self._save_calls, self.engine, self.worker
+            )
+            hooks = tuple(h for h in (self.write_hook, fault_hook) if h is not None)
+            hook = hooks[0] if len(hooks) == 1 else (testing.Hooks(hooks) if hooks else None)
             ticket = self._engine.schedule(
                 _worker.write_job,
-                (self._engine.writer_cls, plan.transforms, plan.buckets, str(result_path), self.write_hook, extra),
+                (self._engine.writer_cls, plan.transforms, plan.buckets, str(result_path), hook, extra),
             )
         except BaseException:
             # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
@@ -492,6 +499,7 @@ class AsyncCheckpointIO(CheckpointIO):
             _PendingSave(
                 order=order, seq=seq, path=path, tmp=tmp, ticket=ticket, plan=plan, result_path=result_path,
                 buffer_set=snapshot.buffer_set, stall_s=stall, nbytes=snapshot.nbytes, collective=collective,
+                coordinator_fault=coordinator_fault,
             )
         )
         log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", path, snapshot.nbytes, stall)
@@ -499,10 +507,13 @@ class AsyncCheckpointIO(CheckpointIO):
     def _settle_local(self, blocking: bool, until: int | None = None) -> None:
         """(this rank) Polls own writes in order; commits finished single-writer saves, marks finished
         parts of collective saves as written (they commit in ``_finalize``), records failures."""
-        while self._pending:
-            save = self._pending[0]
-            if (until is not None and save.order > until) or save.written is not None:
+        while True:
+            # the oldest write not yet done here (a collective save whose part is written waits for finalize)
+            save = next((p for p in self._pending if p.written is None), None)
+            if save is None or (until is not None and save.order > until):
                 return
+            if not save.collective and save is not self._pending[0]:
+                return  # single-writer saves commit in order, after the collective saves before them
             assert self._engine is not None
             status = self._engine.poll(save.ticket)
             if status is Status.RUNNING:
@@ -527,12 +538,23 @@ class AsyncCheckpointIO(CheckpointIO):
             results, failure = self._read_outcome(save)
             if failure is None and save.collective:
                 save.written = results
-                return
-            self._pending.popleft()
+                continue
+            self._pending.remove(save)
             if failure is None:
                 failure = self._commit(save, [results], coordinator=True)
             if failure is not None:
                 self._record_failure(save, failure)
+
+    def _wait_for_room(self) -> None:
+        """Each write in progress holds one copy of the state: wait until fewer than ``max_pending`` are
+        (local; a collective save whose part is written has released its buffers)."""
+        while True:
+            unwritten = [p for p in self._pending if p.written is None]
+            if len(unwritten) < self.max_pending:
+                return
+            self._settle_local(blocking=True, until=unwritten[0].order)
+            if any(p is unwritten[0] for p in self._pending) and unwritten[0].written is None:
+                return  # cannot progress locally (it waits for a collective commit): go on rather than spin
 
     def _read_outcome(self, save: _PendingSave) -> tuple[list, RankFailure | None]:
         """The worker's report for ``save``: its write results, or what went wrong."""
@@ -552,7 +574,9 @@ class AsyncCheckpointIO(CheckpointIO):
         """write complete -> (coordinator) .metadata -> rename -> removals that waited for it."""
         if coordinator:
             try:
+                testing.raise_coordinator_fault(save.coordinator_fault, "metadata", save.path)
                 save.plan.writer.finish(save.plan.metadata, all_results)
+                testing.raise_coordinator_fault(save.coordinator_fault, "commit", save.path)
                 commit.publish(save.tmp, save.path)
             except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
                 return RankFailure.from_exception(self._agreement.rank, e)

@@ -1,16 +1,59 @@
-"""Fault injection that reaches the real background writer.
+"""Fault injection that reaches the real background writer, for this package's tests and for yours.
 
-The hooks here are picklable callables run by the worker process (spawned or forked) just before it
-writes a save's shard files, so that they work where a monkeypatch in the trainer cannot. Set one with
-``AsyncCheckpointIO(...).write_hook = hook``.
+A class-level monkeypatch in the trainer does not reach a spawned writer process. Faults here travel
+as picklable hooks that the worker (spawned or forked) runs just before it writes a save's shards, or
+are applied by the coordinator while it commits. Switch them on
+
+- in Python, around the code that trains (``inject_faults`` also exports them to processes started
+  inside the block, such as the ranks Lightning launches)::
+
+      from lightning_asyncckpt.testing import Fault, inject_faults
+
+      with inject_faults(Fault("enospc", ranks=[1], saves=[2])):
+          trainer.fit(model)  # the second save of rank 1 fails with ENOSPC; every rank raises
+
+- in pytest, with the ``asyncckpt_faults`` fixture (registered when the package is installed);
+- or for an unmodified training script, with the environment::
+
+      LIGHTNING_ASYNCCKPT_FAULTS="enospc:rank=1,save=2" python train.py
+
+Fault kinds (``Fault.kind``):
+
+========== ==================================================================================
+enospc     ``OSError(ENOSPC)`` raised by the background write (a full disk)
+eio        ``OSError(EIO)`` raised by the background write (a failing disk)
+permission ``PermissionError(EACCES)`` raised by the background write
+slow       the background write sleeps ``delay`` seconds first (a slow filesystem; with a
+           small ``timeout_s`` it becomes a timeout)
+crash      the writer process exits hard in the middle of writing a shard file
+metadata   the coordinator (global rank 0) fails writing ``.metadata``
+commit     the coordinator fails the final rename that publishes the checkpoint
+========== ==================================================================================
+
+Coordinator faults fire on global rank 0, which commits every checkpoint.
+
+Targets: ``ranks`` (global ranks, default all), ``saves`` (the n-th save of the ``AsyncCheckpointIO``
+on that rank, counting from 1; default every save), ``engine`` (``nvrx``/``mcore``) and ``worker``
+(``persistent``/``fork``); default any. In the environment: ``kind[:key=value,...]`` with keys ``rank``,
+``save`` (several values separated by ``+``, e.g. ``rank=0+1``), ``engine``, ``worker``, ``delay``;
+several faults separated by ``;``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+ENV_VAR = "LIGHTNING_ASYNCCKPT_FAULTS"
+WORKER_KINDS = ("enospc", "eio", "permission", "slow", "crash")
+COORDINATOR_KINDS = ("metadata", "commit")
+KINDS = WORKER_KINDS + COORDINATOR_KINDS
+_ERRNO = {"enospc": _errno.ENOSPC, "eio": _errno.EIO, "permission": _errno.EACCES}
 
 
 @dataclass(frozen=True)
@@ -30,14 +73,153 @@ class FailWrite:
     code: int = _errno.ENOSPC
 
     def __call__(self, buckets: list) -> None:
-        raise OSError(self.code, os.strerror(self.code))
+        message = f"{os.strerror(self.code)} (injected by lightning_asyncckpt.testing)"
+        if self.code in (_errno.EACCES, _errno.EPERM):
+            raise PermissionError(self.code, message)
+        raise OSError(self.code, message)
 
 
 @dataclass(frozen=True)
 class CrashWrite:
-    """Kills the writer process with a hard exit in the middle of a write."""
+    """Kills the writer process with a hard exit in the middle of a write: part of the first shard
+    file is on disk, the rest never comes."""
 
     exit_code: int = 13
 
     def __call__(self, buckets: list) -> None:
+        if buckets:
+            with contextlib.suppress(OSError), open(buckets[0][0], "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
         os._exit(self.exit_code)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Several write hooks, run in order (the user's ``write_hook`` and injected faults)."""
+
+    hooks: tuple
+
+    def __call__(self, buckets: list) -> None:
+        for hook in self.hooks:
+            hook(buckets)
+
+
+def _values(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split("+") if v)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault to inject; see the module docstring for kinds and targets."""
+
+    kind: str
+    ranks: Sequence[int] | None = None
+    saves: Sequence[int] | None = None
+    engine: str | None = None
+    worker: str | None = None
+    delay: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+        for name in ("ranks", "saves"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+
+    def matches(self, rank: int, save: int, engine: str, worker: str) -> bool:
+        return (
+            (self.ranks is None or rank in self.ranks)
+            and (self.saves is None or save in self.saves)
+            and (self.engine is None or self.engine == engine)
+            and (self.worker is None or self.worker == worker)
+        )
+
+    def hook(self) -> Any:
+        """The picklable hook that makes the worker fail this way."""
+        if self.kind == "slow":
+            return DelayWrite(self.delay)
+        if self.kind == "crash":
+            return CrashWrite()
+        return FailWrite(_ERRNO[self.kind])
+
+    def spec(self) -> str:
+        """This fault in the ``LIGHTNING_ASYNCCKPT_FAULTS`` syntax."""
+        parts = []
+        if self.ranks is not None:
+            parts.append("rank=" + "+".join(map(str, self.ranks)))
+        if self.saves is not None:
+            parts.append("save=" + "+".join(map(str, self.saves)))
+        for name in ("engine", "worker"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={getattr(self, name)}")
+        if self.kind == "slow":
+            parts.append(f"delay={self.delay:g}")
+        return self.kind + (":" + ",".join(parts) if parts else "")
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        kind, _, rest = spec.strip().partition(":")
+        kwargs: dict[str, Any] = {}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"{ENV_VAR}: expected key=value, got {item!r} in {spec!r}")
+            if key == "rank":
+                kwargs["ranks"] = _values(value)
+            elif key == "save":
+                kwargs["saves"] = _values(value)
+            elif key in ("engine", "worker"):
+                kwargs[key] = value
+            elif key == "delay":
+                kwargs["delay"] = float(value)
+            else:
+                raise ValueError(f"{ENV_VAR}: unknown key {key!r} in {spec!r} (rank, save, engine, worker, delay)")
+        return cls(kind.strip().lower(), **kwargs)
+
+
+def parse_faults(text: str | None) -> list[Fault]:
+    """Faults from the ``LIGHTNING_ASYNCCKPT_FAULTS`` syntax (``;``-separated)."""
+    return [Fault.parse(s) for s in (text or "").split(";") if s.strip()]
+
+
+def active_faults() -> list[Fault]:
+    """The faults in force in this process: those of ``LIGHTNING_ASYNCCKPT_FAULTS``."""
+    return parse_faults(os.environ.get(ENV_VAR))
+
+
+@contextlib.contextmanager
+def inject_faults(*faults: Fault) -> Iterator[list[Fault]]:
+    """Injects ``faults`` into every ``AsyncCheckpointIO`` save inside the block, in this process and in
+    processes it starts (the environment variable carries them)."""
+    before = os.environ.get(ENV_VAR)
+    specs = [f.spec() for f in faults] + ([before] if before else [])
+    os.environ[ENV_VAR] = ";".join(specs)
+    try:
+        yield list(faults)
+    finally:
+        if before is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = before
+
+
+def faults_for(rank: int, save: int, engine: str, worker: str) -> tuple[Any, str | None]:
+    """(trainer) For one save: the worker-side hook to add (or ``None``) and the coordinator fault kind."""
+    hooks, coordinator = [], None
+    for fault in active_faults():
+        if not fault.matches(rank, save, engine, worker):
+            continue
+        if fault.kind in COORDINATOR_KINDS:
+            coordinator = coordinator or fault.kind
+        else:
+            hooks.append(fault.hook())
+    return (Hooks(tuple(hooks)) if hooks else None), coordinator
+
+
+def raise_coordinator_fault(kind: str | None, stage: str, path: Any) -> None:
+    """(coordinator) Fails the commit at ``stage`` (``"metadata"`` or ``"commit"``) if so injected."""
+    if kind == stage:
+        what = "writing .metadata" if stage == "metadata" else "publishing the checkpoint (rename)"
+        raise OSError(_errno.EIO, f"{os.strerror(_errno.EIO)} while {what} of {path} (injected by lightning_asyncckpt.testing)")

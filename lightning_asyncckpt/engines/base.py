@@ -24,6 +24,8 @@ from queue import Empty
 from types import ModuleType
 from typing import Any
 
+from multiprocessing import queues as mp_queues
+
 from torch import multiprocessing as mp
 
 from lightning_asyncckpt import _worker
@@ -82,6 +84,17 @@ def _no_main_reimport():
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
+
+
+class _RequestQueue(mp_queues.JoinableQueue):
+    """The persistent worker's request queue. When the worker dies or hangs, its feeder thread can be
+    blocked writing a request into the pipe; ``close`` then closes our end of the pipe, so that the
+    write fails with EPIPE and the thread exits. That expected EPIPE is not printed."""
+
+    @staticmethod
+    def _on_queue_feeder_error(e: Exception, obj: Any) -> None:
+        if not isinstance(e, (BrokenPipeError, OSError)):
+            mp_queues.Queue._on_queue_feeder_error(e, obj)
 
 
 class _PersistentMixin:
@@ -164,6 +177,8 @@ class _PersistentMixin:
         for q in (self.queue, self.preload_q, self.comp_q):
             with contextlib.suppress(Exception):
                 q.cancel_join_thread()
+                if abort:  # nobody reads any more: a write blocked on the full pipe fails instead of hanging
+                    q._reader.close()
                 q.close()
                 feeder = getattr(q, "_thread", None)
                 if feeder is not None:
@@ -301,6 +316,7 @@ class Engine:
             cls = type(f"{self.name.title()}PersistentCaller", (_PersistentMixin, self.core.PersistentAsyncCaller), {})
             started_tracker = not _resource_tracker_running()
             self._caller = cls()  # its spawn-context queues start the resource tracker
+            self._caller.queue = _RequestQueue(ctx=mp.get_context("spawn"))
             self._caller._preload_modules = (
                 "torch.distributed.checkpoint.filesystem",
                 "torch.distributed.checkpoint.planner",

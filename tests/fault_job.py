@@ -1,0 +1,151 @@
+"""The reliability matrix on 2 gloo ranks: one launch runs several fault cases in a row.
+
+``--case ddp`` uses AsyncDDPStrategy, ``--case mp`` AsyncModelParallelStrategy (FSDP2); ``--faults`` lists
+the cases as ``kind@ranks`` (e.g. ``enospc@1,crash@0+1,metadata@0``). For each case the second save
+(step 8) fails on the target ranks; each rank reports what it saw to ``<out>/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, job_args, live_children, loader  # noqa: E402
+from lightning_asyncckpt import (  # noqa: E402
+    AsyncCheckpointIO,
+    AsyncDDPStrategy,
+    AsyncModelParallelStrategy,
+    CheckpointWriteError,
+    testing,
+)
+
+WIDTH = 64
+
+
+def _strategy(kind):
+    if kind == "mp":
+        return AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    return AsyncDDPStrategy()
+
+
+def _model(kind):
+    return ShardedModel(width=WIDTH) if kind == "mp" else TinyModel(width=WIDTH)
+
+
+def _state(trainer, pl_module, kind):
+    """(all ranks) The full model and optimizer state, as a checkpoint must hold it."""
+    if kind == "mp":
+        from mp_job import full_state
+
+        return full_state(trainer, pl_module)
+    from mp_job import _sorted
+
+    return _sorted({"state_dict": dict(pl_module.state_dict()),
+                    "optimizer_0": {"state": trainer.optimizers[0].state_dict()["state"]}})
+
+
+def _read(path, kind, out):
+    if kind == "mp":
+        from mp_job import read_with_dcp
+
+        return read_with_dcp(path, out)
+    from mp_job import _sorted
+
+    got = AsyncCheckpointIO().load_checkpoint(path, weights_only=False)
+    return _sorted({"state_dict": dict(got["state_dict"]), "optimizer_0": {"state": got["optimizer_states"][0]["state"]}})
+
+
+class Recorder(L.Callback):
+    def __init__(self, kind):
+        self.kind, self.copies, self.saved_at = kind, {}, {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.copies[trainer.global_step] = _state(trainer, pl_module, self.kind)
+        self.saved_at[trainer.global_step] = time.monotonic()
+
+
+class StartStep(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+
+
+def _children():
+    deadline = time.monotonic() + 3.0  # a process that is already exiting gets a moment to go
+    while True:
+        left = [" ".join(p.cmdline())[:100] for p in live_children() if "fault_job.py" not in " ".join(p.cmdline())]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def run_case(args, kind, fault, ranks, report):
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
+    dirpath = os.path.join(args.out, f"{fault}-{'+'.join(map(str, ranks))}")
+    io = AsyncCheckpointIO(args.engine, worker=args.worker, timeout_s=3.0)
+    rec = Recorder(kind)
+    ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(kind), plugins=[io], callbacks=[SlowSteps(), rec, ck],
+                  max_steps=40, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=args.out)
+    if t.strategy.launcher is not None:
+        t.strategy.launcher.kill = lambda *a, **k: None  # each rank must raise by itself
+    with testing.inject_faults(testing.Fault(fault, ranks=ranks, saves=[2], delay=60.0)):
+        try:
+            t.fit(_model(kind), loader(width=WIDTH, n=512, batch_size=4))
+            raised = None
+        except CheckpointWriteError as e:
+            raised = {"path": e.path, "ranks": list(e.ranks), "error_type": e.error_type, "errno": e.errno,
+                      "message": str(e), "after_s": time.monotonic() - rec.saved_at.get(8, float("nan"))}
+    out = {"raised": raised, "step": t.global_step, "children": _children()}
+    torch.distributed.barrier()
+    out["files"] = sorted(os.listdir(dirpath))
+    good = os.path.join(dirpath, "epoch=0-step=4.ckpt")
+    if rank == 0 and os.path.isdir(good):
+        assert_tree_equal(_read(good, kind, args.out), rec.copies[4], "previous checkpoint")
+        out["previous_exact"] = True
+    torch.distributed.barrier()
+    # restart from the last good checkpoint, without faults
+    start = StartStep()
+    t2 = L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(kind), plugins=[AsyncCheckpointIO(args.engine, worker=args.worker)],
+                   callbacks=[start], max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False, default_root_dir=args.out)
+    t2.fit(_model(kind), loader(width=WIDTH, n=512, batch_size=4), ckpt_path=good)
+    out["restart_step"] = start.step
+    out["children_after_restart"] = _children()
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(dirpath, ignore_errors=True)
+    report["cases"][f"{fault}@{'+'.join(map(str, ranks))}"] = out
+
+
+def main():
+    args = job_args(extra=("--faults",))
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # rank 0 launches rank 1 inside its first case's `inject_faults`, and rank 1 inherits those faults
+    # (which is how an unmodified script gets them): each case here sets its own
+    os.environ.pop(testing.ENV_VAR, None)
+    report = {"rank": rank, "cases": {}}
+    try:
+        for item in args.faults.split(","):
+            fault, _, ranks = item.partition("@")
+            run_case(args, args.case, fault, tuple(int(r) for r in ranks.split("+")), report)
+    except BaseException as e:  # noqa: BLE001
+        report["crash"] = "".join(traceback.format_exception(e))
+    if torch.distributed.is_initialized():
+        report["world_size"] = torch.distributed.get_world_size()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
