@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 from lightning_asyncckpt import _worker, commit, dcp_format, engines, staging, testing
@@ -83,6 +84,16 @@ class _Failed:
     path: str
     failure: RankFailure
     seq: int | None = None
+
+
+def _filesystem_failures(e: BaseException, rank: int) -> list[RankFailure] | None:
+    """A save-time error that is a write failure (the filesystem refused), as rank failures; ``None`` for
+    bad input, which is raised as it is."""
+    if isinstance(e, CheckpointException):  # DCP's planning: the original error of each failing rank
+        return [RankFailure.from_exception(r, exc) for r, (exc, _tb) in sorted(e.failures.items())]
+    if isinstance(e, OSError) and not isinstance(e, (FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return [RankFailure.from_exception(rank, e)]
+    return None
 
 
 def _local_path(path: Any) -> Path:
@@ -159,6 +170,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._reported = 0
         self._finalizer_attached = False
         self._cleaned_dirs: set[Path] = set()
+        self._doomed_tmps: list[Path] = []  # partial directories of failed collective saves (coordinator)
         self._results_dir: Path | None = None
         self._torn_down = False
         self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
@@ -253,12 +265,21 @@ class AsyncCheckpointIO(CheckpointIO):
                     raise local_error
                 return
             self._schedule(checkpoint, path, collective, mode, snapshot, extra_files or [])
-        except Exception as e:
-            if not self._agreement.active or isinstance(e, CheckpointWriteError):
+        except (Exception, CheckpointException) as e:
+            if isinstance(e, CheckpointWriteError):
                 raise
-            # Raising here, on rank 0 alone, would leave the other ranks waiting in Lightning's barrier:
-            # the failure is raised on every rank by the next finalize instead.
-            self._failures.append(_Failed(self._order, str(path), RankFailure.from_exception(self._agreement.rank, e)))
+            rank = self._agreement.rank
+            failures = _filesystem_failures(e, rank)
+            if not self._agreement.active:
+                if failures is None:
+                    raise  # bad input: the caller's own error type (TypeError, pickling error, ...)
+                raise CheckpointWriteError(str(path), failures) from (None if isinstance(e, CheckpointException) else e)
+            # Raising here, on one rank alone, would leave the other ranks waiting in Lightning's barrier:
+            # the failure is raised on every rank by the next finalize instead. (A failure in DCP's collective
+            # planning reaches every rank; each records its own.)
+            for failure in failures if failures is not None else [RankFailure.from_exception(rank, e)]:
+                if failure.rank == rank:
+                    self._failures.append(_Failed(self._order, str(path), failure))
             log.error("lightning-asyncckpt: save to %s failed at save time: %s", path, e)
             return
         if self._torn_down:
@@ -376,7 +397,12 @@ class AsyncCheckpointIO(CheckpointIO):
             ):
                 self._commit_collective(self._pending[0])  # same saves, same order, on every rank
             if any_failed:
-                self._raise_agreed_failures()
+                if -neg_ready + 1 >= -neg_first_failed:
+                    self._raise_agreed_failures()
+                # A save before the failed one is still being written on some rank: it commits first (a
+                # good checkpoint is never dropped for a later failure). Every rank takes this branch.
+                time.sleep(self.poll_interval_s)
+                continue
             self._reported = max(self._reported, -neg_ready)
             if not blocking or (not any_pending and self._reported >= self._announced):
                 break
@@ -601,8 +627,10 @@ class AsyncCheckpointIO(CheckpointIO):
         failure = self._agreement.all_gather(failure)[0]
         if failure is not None:
             if coordinator:
-                commit.remove_path(save.tmp)
+                commit.remove_path(save.tmp)  # every rank's part of it was written
             self._drop_collective_pending()
+            self._agreement.all_max([0])  # every rank has stopped its writers
+            self._remove_doomed_tmps()
             raise CheckpointWriteError(str(save.path), [failure])
         if not coordinator:
             self._commit(save, all_results, coordinator=False)
@@ -616,8 +644,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 if self._engine is not None:
                     self._engine.kill(save.ticket)
                 self._stager.release(save.buffer_set)
-                if self._owns_tmp(save):
-                    commit.remove_path(save.tmp)
+                self._discard_tmp(save)
             else:
                 keep.append(save)
         if len(keep) != len(self._pending) and self._engine is not None and self._engine.persistent:
@@ -628,9 +655,22 @@ class AsyncCheckpointIO(CheckpointIO):
         # every rank writes into a collective save's directory: only the coordinator removes it
         return not save.collective or self._agreement.rank == 0
 
-    def _record_failure(self, save: _PendingSave, failure: RankFailure) -> None:
-        if self._owns_tmp(save):
+    def _discard_tmp(self, save: _PendingSave) -> None:
+        """Removes a failed save's partial directory. Other ranks may still be writing into a collective
+        save's directory: the coordinator removes it once every rank has stopped (after the agreement)."""
+        if save.collective:
+            if self._owns_tmp(save):
+                self._doomed_tmps.append(save.tmp)
+        else:
             commit.remove_path(save.tmp)
+
+    def _remove_doomed_tmps(self) -> None:
+        for tmp in self._doomed_tmps:
+            commit.remove_path(tmp)
+        self._doomed_tmps = []
+
+    def _record_failure(self, save: _PendingSave, failure: RankFailure) -> None:
+        self._discard_tmp(save)
         with contextlib.suppress(OSError):
             os.unlink(save.result_path)
         self._failures.append(_Failed(save.order, str(save.path), failure, save.seq))
@@ -667,6 +707,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._failures = []
         self._drop_collective_pending()
         gathered = [item for per_rank in self._agreement.all_gather(mine) for item in per_rank]
+        self._remove_doomed_tmps()  # every rank has stopped its writers before the gather
         by_path: dict[str, list[RankFailure]] = {}
         for p, failure in gathered:
             by_path.setdefault(p, []).append(failure)
@@ -692,6 +733,7 @@ class AsyncCheckpointIO(CheckpointIO):
         if self._pending:
             log.warning("lightning-asyncckpt: %d unfinished save(s) dropped", len(self._pending))
         self._pending.clear()
+        self._remove_doomed_tmps()
         self._removals = [r for r in self._removals if r[1] <= self._last_ok_order]
         self._run_removals()
         self._removals.clear()

@@ -6,10 +6,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import COMBOS, live_children, wait_no_children  # noqa: E402
+from helpers import combo_params, live_children, wait_no_children  # noqa: E402
 
 
-@pytest.fixture(params=COMBOS, ids=[f"{e}-{w}" for e, w in COMBOS])
+@pytest.fixture(params=combo_params())
 def engine_worker(request):
     return request.param
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def case_exact(args, fabric, io, report):
                 })
             io.finalize()  # every rank, every step: commits the save once it is written
         report["committed_before_exit"] = commit.is_committed(Path(path))
-    report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
+    report["children_after_exit"] = _children(fabric)
 
     model2, opt2 = _setup(fabric)
     state2 = {"model": model2, "optimizer": opt2, "step": -1, "extra": {}}
@@ -79,7 +80,7 @@ def case_fail(args, fabric, io, report):
         report["raised_at_step"] = i
     fabric.barrier()
     report["files"] = sorted(os.listdir(os.path.join(args.out, "ckpt")))
-    report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
+    report["children_after_exit"] = _children(fabric)
 
 
 def _setup_sharded(fabric, width=64):
@@ -135,7 +136,7 @@ def case_sharded(args, fabric, io, report):
         assert_tree_equal(_full(fresh, fresh_opt), expected, "loaded")
         report["loaded_exact"] = state["step"] == 5
         report["remainder"] = sorted(remainder)
-    report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
+    report["children_after_exit"] = _children(fabric)
 
 
 def case_sharded_fail(args, fabric, io, report):
@@ -158,7 +159,17 @@ def case_sharded_fail(args, fabric, io, report):
         report["raised_at_step"] = i
     fabric.barrier()
     report["files"] = sorted(os.listdir(os.path.join(args.out, "ckpt")))
-    report["children_after_exit"] = [p.pid for p in live_children() if p.pid not in _peers(fabric)]
+    report["children_after_exit"] = _children(fabric)
+
+
+def _children(fabric):
+    """Child processes other than the ranks (one that is already exiting gets a moment to go)."""
+    deadline = time.monotonic() + 3.0
+    while True:
+        left = [" ".join(p.cmdline())[:100] for p in live_children() if p.pid not in _peers(fabric)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 def _peers(fabric):

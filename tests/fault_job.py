@@ -88,9 +88,22 @@ def _children():
         time.sleep(0.05)
 
 
-def run_case(args, kind, fault, ranks, report):
+def _faults(item):
+    """``kind@ranks`` (the 2nd save fails there), then optional ``&kind@ranks:save`` faults that run with it
+    (a ``slow`` one delays that save by 2 s)."""
+    faults = []
+    for i, part in enumerate(item.split("&")):
+        spec, _, save = part.partition(":")
+        fault, _, ranks = spec.partition("@")
+        ranks = tuple(int(r) for r in ranks.split("+"))
+        faults.append(testing.Fault(fault, ranks=ranks, saves=[int(save or 2)], delay=60.0 if i == 0 else 2.0))
+    return faults
+
+
+def run_case(args, kind, item, report):
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
-    dirpath = os.path.join(args.out, f"{fault}-{'+'.join(map(str, ranks))}")
+    faults = _faults(item)
+    dirpath = os.path.join(args.out, item.replace("@", "-").replace("&", "_").replace(":", "-"))
     io = AsyncCheckpointIO(args.engine, worker=args.worker, timeout_s=3.0)
     rec = Recorder(kind)
     ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
@@ -99,7 +112,7 @@ def run_case(args, kind, fault, ranks, report):
                   default_root_dir=args.out)
     if t.strategy.launcher is not None:
         t.strategy.launcher.kill = lambda *a, **k: None  # each rank must raise by itself
-    with testing.inject_faults(testing.Fault(fault, ranks=ranks, saves=[2], delay=60.0)):
+    with testing.inject_faults(*faults):
         try:
             t.fit(_model(kind), loader(width=WIDTH, n=512, batch_size=4))
             raised = None
@@ -125,7 +138,7 @@ def run_case(args, kind, fault, ranks, report):
     torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(dirpath, ignore_errors=True)
-    report["cases"][f"{fault}@{'+'.join(map(str, ranks))}"] = out
+    report["cases"][item] = out
 
 
 def main():
@@ -137,8 +150,7 @@ def main():
     report = {"rank": rank, "cases": {}}
     try:
         for item in args.faults.split(","):
-            fault, _, ranks = item.partition("@")
-            run_case(args, args.case, fault, tuple(int(r) for r in ranks.split("+")), report)
+            run_case(args, args.case, item, report)
     except BaseException as e:  # noqa: BLE001
         report["crash"] = "".join(traceback.format_exception(e))
     if torch.distributed.is_initialized():

@@ -19,6 +19,17 @@ from torch.utils.data import DataLoader, TensorDataset
 ENGINES = ["nvrx", "mcore"]
 WORKERS = ["persistent", "fork"]
 COMBOS = [(e, w) for e in ENGINES for w in WORKERS]
+# The default run covers both engines and both worker modes with two of the four combinations; the other
+# two run with `make test-all` (marked `slow`).
+MAIN_COMBOS = {("nvrx", "persistent"), ("mcore", "fork")}
+
+
+def combo_params() -> list:
+    import pytest
+
+    return [
+        pytest.param(e, w, id=f"{e}-{w}", marks=() if (e, w) in MAIN_COMBOS else pytest.mark.slow) for e, w in COMBOS
+    ]
 
 
 class TinyModel(L.LightningModule):

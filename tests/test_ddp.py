@@ -6,23 +6,17 @@ import os
 
 import pytest
 
-from helpers import COMBOS, run_ranks
+from helpers import combo_params, run_ranks
 
 JOB = os.path.join(os.path.dirname(__file__), "ddp_job.py")
-IDS = [f"{e}-{w}" for e, w in COMBOS]
-# Failure kinds on two ranks: two combinations in the default run (the single-device tests cover all four);
-# the rest with `make test-all`.
-FAIL_COMBOS = [
-    pytest.param(e, w, id=f"{e}-{w}", marks=() if (e, w) in {("nvrx", "persistent"), ("mcore", "fork")} else pytest.mark.slow)
-    for e, w in COMBOS
-]
+FAIL_COMBOS = combo_params()
 
 
 def run_job(tmp_path, case, engine, worker, **extra):
     return run_ranks(JOB, tmp_path, case, engine, worker, **extra)
 
 
-@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)
+@pytest.mark.parametrize(("engine", "worker"), combo_params())
 def test_ddp_top_k_snapshots_and_exact_resume(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "fit", engine, worker)
     expected = ["epoch=0-step=8.ckpt", "epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
@@ -74,7 +68,7 @@ def test_ddp_bad_input_on_rank0_raises_on_every_rank(tmp_path):
     assert "pickle" in r0["raised"]["message"]
 
 
-@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=IDS)
+@pytest.mark.parametrize(("engine", "worker"), combo_params())
 def test_async_ddp_strategy_writes_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "parallel", engine, worker)
     assert r0["files"] == r1["files"] == ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]

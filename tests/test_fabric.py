@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-from helpers import COMBOS, run_ranks
+from helpers import combo_params, run_ranks
 
 JOB = os.path.join(os.path.dirname(__file__), "fabric_job.py")
 
 
-@pytest.mark.parametrize(("engine", "worker"), COMBOS, ids=[f"{e}-{w}" for e, w in COMBOS])
+@pytest.mark.parametrize(("engine", "worker"), combo_params())
 def test_fabric_save_finalize_load_is_exact(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "exact", engine, worker)
     for r in (r0, r1):

@@ -6,19 +6,14 @@ import os
 
 import pytest
 
-from helpers import COMBOS, run_ranks
+from helpers import combo_params, run_ranks
 
 JOB = os.path.join(os.path.dirname(__file__), "mp_job.py")
 
 
-# both engines and both worker modes in the default run; the other two combinations with `make test-all`
-MAIN_COMBOS = [
-    pytest.param(e, w, id=f"{e}-{w}", marks=() if (e, w) in {("nvrx", "persistent"), ("mcore", "fork")} else pytest.mark.slow)
-    for e, w in COMBOS
-]
 
 
-@pytest.mark.parametrize(("engine", "worker"), MAIN_COMBOS)
+@pytest.mark.parametrize(("engine", "worker"), combo_params())
 def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "fit", engine, worker)
     expected = ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]

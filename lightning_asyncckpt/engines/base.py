@@ -20,11 +20,10 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import queues as mp_queues
 from queue import Empty
 from types import ModuleType
 from typing import Any
-
-from multiprocessing import queues as mp_queues
 
 from torch import multiprocessing as mp
 

@@ -1,0 +1,394 @@
+"""How long does training stop for a checkpoint? Every variant, measured in the same run.
+
+    python benchmarks/bench_save.py                     # 0.5 and 2 GiB, every variant, 1 round
+    python benchmarks/bench_save.py --sizes 0.5 --rounds 2 --saves 7
+    python benchmarks/bench_save.py --big               # adds 8 GiB
+
+Each variant runs in its own process (one per variant, size and round), in rotating order, so that
+variants see the same machine state; figures are medians. One process:
+
+1. builds a Lightning-style checkpoint of the given size (weights, two Adam moments, plain values);
+2. measures, in the same process, the *memcpy floor* (copying the state into buffers that already
+   exist, the least a snapshot can cost), an fsync'd *write probe* (the disk's throughput), and the
+   time of a *training step* (which writes every tensor, as an optimizer step does);
+3. saves ``--saves`` times; between saves it trains until the save is durably committed, timing each
+   step. Per save it reports the *stall* (how long the save call held training), the step-time
+   *slowdown* while the write ran in the background, the time to a durable commit, the background
+   write throughput, the extra host memory (PSS of the process tree over the baseline: shared pages
+   are counted once), and the *torn* tensors: every tensor is filled with the step number, so a
+   checkpoint whose tensor holds anything but the step at which it was saved is torn.
+
+Variants: Lightning's ``TorchCheckpointIO`` (synchronous ``torch.save``), a synchronous DCP save,
+Lightning's ``AsyncCheckpointIO`` (a thread), torch DCP ``async_save`` with a process executor and a
+reused shared-memory stager, and this library (nvrx and mcore, persistent worker and fork per save).
+The first save is reported separately; the steady state is the median of the saves after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = [
+    "torch_save",
+    "dcp_sync",
+    "lightning_async",
+    "dcp_async_process",
+    "nvrx_persistent",
+    "nvrx_fork",
+    "mcore_persistent",
+    "mcore_fork",
+]
+GiB = 1 << 30
+
+
+# -------------------------------------------------------------------------------------------------
+# One variant, in its own process
+def make_state(nbytes: int, layers: int = 24) -> dict[str, Any]:
+    import torch
+
+    numel = max(1, nbytes // (3 * layers * 4))
+    return {
+        "state_dict": {f"layers.{i}.weight": torch.zeros(numel) for i in range(layers)},
+        "optimizer_states": [{
+            "state": {i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros(numel), "exp_avg_sq": torch.zeros(numel)}
+                      for i in range(layers)},
+            "param_groups": [{"params": list(range(layers)), "lr": 1e-3, "betas": (0.9, 0.999)}],
+        }],
+        "epoch": 0,
+        "global_step": 0,
+        "hyper_parameters": {"layers": layers},
+    }
+
+
+def big_tensors(obj: Any) -> list:
+    import torch
+
+    out: list = []
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() > 1:
+            out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            out.extend(big_tensors(v))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out.extend(big_tensors(v))
+    return out
+
+
+def train_step(tensors: list, value: float) -> None:
+    for t in tensors:
+        t.fill_(value)
+
+
+def tree_pss() -> int:
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def memcpy_floor(tensors: list) -> float:
+    import torch
+
+    dst = [torch.empty_like(t) for t in tensors]
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for d, s in zip(dst, tensors):
+            d.copy_(s)
+        times.append(time.perf_counter() - t0)
+    del dst
+    return statistics.median(times[1:])
+
+
+def write_probe(directory: Path, nbytes: int) -> float:
+    """Bytes per second of an fsync'd sequential write of ``nbytes`` (at most 1 GiB) here."""
+    nbytes = min(nbytes, GiB)
+    block = b"\1" * (8 << 20)
+    path = directory / "probe.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        written = 0
+        while written < nbytes:
+            f.write(block)
+            written += len(block)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - t0
+    path.unlink()
+    return written / elapsed
+
+
+class Variant:
+    """save() schedules or performs a save; done() says whether it is durably committed."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.io: Any = None
+        self._done: Any = None
+
+    def warmup(self) -> None:
+        if self.name.split("_")[0] in ("nvrx", "mcore"):
+            from lightning_asyncckpt import AsyncCheckpointIO
+
+            engine, worker = self.name.split("_")
+            self.io = AsyncCheckpointIO(engine, worker=worker, max_pending=1)
+            self.io.warmup()
+        elif self.name == "lightning_async":
+            from lightning.fabric.plugins import TorchCheckpointIO
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+            self.io = AsyncCheckpointIO(TorchCheckpointIO())
+        elif self.name == "torch_save":
+            from lightning.fabric.plugins import TorchCheckpointIO
+
+            self.io = TorchCheckpointIO()
+        elif self.name == "dcp_async_process":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.io = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+
+    def save(self, state: dict, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self.name == "torch_save":
+            self.io.save_checkpoint(state, path)
+        elif self.name == "dcp_sync":
+            dcp.save(state, checkpoint_id=str(path), no_dist=True)
+        elif self.name == "lightning_async":
+            self.io.save_checkpoint(state, path)
+            self._done = self.io._executor.submit(lambda: None)  # runs after the save on its one thread
+        elif self.name == "dcp_async_process":
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            resp = dcp.async_save(state, checkpoint_id=str(path), async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  async_stager=self.io, no_dist=True)
+            self._done = getattr(resp, "upload_completion", resp)
+        else:
+            self.io.save_checkpoint(state, path)
+
+    def done(self, path: Path) -> bool:
+        if self.name in ("torch_save", "dcp_sync"):
+            return True
+        if self.name in ("lightning_async", "dcp_async_process"):
+            if self._done.done():
+                self._done.result()
+                return True
+            return False
+        self.io.finalize()
+        return self.io.num_pending == 0
+
+    def close(self) -> None:
+        if self.name == "lightning_async" or self.name.split("_")[0] in ("nvrx", "mcore"):
+            self.io.teardown()
+        elif self.name == "dcp_async_process":
+            self.io.close()
+
+
+def torn_tensors(name: str, path: Path, expected: float) -> int:
+    import torch
+
+    if name in ("torch_save", "lightning_async"):
+        loaded = torch.load(path, mmap=True, weights_only=True)
+    else:
+        from lightning_asyncckpt import dcp_format
+
+        loaded = dcp_format.load(path, weights_only=False)
+    return sum(1 for t in big_tensors(loaded) if not bool((t == expected).all()))
+
+
+def run_variant(name: str, size_gib: float, saves: int, workdir: Path, verify: str) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)  # the other core is the background writer's
+    nbytes = int(size_gib * GiB)
+    pss0 = tree_pss()
+    state = make_state(nbytes)
+    tensors = big_tensors(state)
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    floor = memcpy_floor(tensors)
+    probe = write_probe(workdir, state_bytes)
+    base_steps = []
+    for k in range(5):
+        t0 = time.perf_counter()
+        train_step(tensors, float(-k))
+        base_steps.append(time.perf_counter() - t0)
+    base_step = statistics.median(base_steps)
+    variant = Variant(name)
+    variant.warmup()
+    pss_base = tree_pss()
+    records = []
+    value = 0.0
+    for i in range(saves):
+        value += 1.0
+        train_step(tensors, value)
+        state["global_step"] = int(value)
+        path = workdir / f"ckpt-{i}"
+        t0 = time.perf_counter()
+        variant.save(state, path)
+        stall = time.perf_counter() - t0
+        pss_peak = tree_pss()
+        during = []
+        while not variant.done(path):
+            t1 = time.perf_counter()
+            train_step(tensors, value + 0.5)  # changes every tensor while the write runs
+            during.append(time.perf_counter() - t1)
+            if len(during) % 4 == 1:
+                pss_peak = max(pss_peak, tree_pss())
+        e2e = time.perf_counter() - t0
+        train_step(tensors, value)  # back to the saved values' sequence (not required: each save is checked)
+        torn = None
+        if verify == "all" or (verify == "last" and i == saves - 1):
+            torn = torn_tensors(name, path, value)
+        records.append({
+            "stall_s": stall,
+            "e2e_s": e2e,
+            "slowdown": (statistics.mean(during) / base_step) if during else None,
+            "steps_during_write": len(during),
+            "write_gbps": state_bytes / max(e2e - stall, 1e-9) / 1e9 if during else state_bytes / stall / 1e9,
+            "extra_mem_bytes": pss_peak - pss_base,
+            "extra_mem_incl_worker_bytes": pss_peak - pss0 - state_bytes,
+            "torn": torn,
+        })
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    variant.close()
+    return {
+        "variant": name, "size_gib": size_gib, "state_bytes": state_bytes, "memcpy_floor_s": floor,
+        "probe_gbps": probe / 1e9, "base_step_s": base_step, "saves": records,
+    }
+
+
+# -------------------------------------------------------------------------------------------------
+# The orchestrator
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    rows = []
+    for size in sorted({r["size_gib"] for r in runs}):
+        at_size = [r for r in runs if r["size_gib"] == size]
+        dcp_sync = _median([s["stall_s"] for r in at_size if r["variant"] == "dcp_sync" for s in r["saves"][1:]])
+        for name in VARIANTS:
+            mine = [r for r in at_size if r["variant"] == name]
+            if not mine:
+                continue
+            steady = [s for r in mine for s in r["saves"][1:]]
+            floor = _median([r["memcpy_floor_s"] for r in mine])
+            stall = _median([s["stall_s"] for s in steady])
+            torn = [s["torn"] for r in mine for s in r["saves"] if s["torn"] is not None]
+            rows.append({
+                "size_gib": size,
+                "variant": name,
+                "stall_s": stall,
+                "first_stall_s": _median([r["saves"][0]["stall_s"] for r in mine]),
+                "stall_vs_dcp_sync": stall / dcp_sync if dcp_sync else None,
+                "stall_vs_memcpy_floor": stall / floor if floor else None,
+                "slowdown": _median([s["slowdown"] for s in steady]),
+                "e2e_s": _median([s["e2e_s"] for s in steady]),
+                "overhead_s": _median([s["stall_s"] + (s["slowdown"] - 1) * s["steps_during_write"] * r["base_step_s"]
+                                       if s["slowdown"] else s["stall_s"] for r in mine for s in r["saves"][1:]]),
+                "write_gbps": _median([s["write_gbps"] for s in steady]),
+                "probe_gbps": _median([r["probe_gbps"] for r in mine]),
+                "extra_mem_x_state": max(s["extra_mem_bytes"] for r in mine for s in r["saves"][1:]) / mine[0]["state_bytes"],
+                "torn": sum(torn) if torn else None,
+                "checked": len(torn),
+                "memcpy_floor_s": floor,
+            })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    def f(v: Any, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    lines = [
+        "| size | variant | stall (s) | first (s) | vs sync DCP | vs memcpy floor | step slowdown | stall + slowdown (s) "
+        "| to commit (s) | write GB/s (probe) | extra mem (× state) | torn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size_gib']:g} GiB | {r['variant']} | {f(r['stall_s'], '.4f')} | {f(r['first_stall_s'], '.4f')} "
+            f"| {f(r['stall_vs_dcp_sync'], '.3f')}× | {f(r['stall_vs_memcpy_floor'], '.2f')}× | {f(r['slowdown'], '.2f')}× "
+            f"| {f(r['overhead_s'], '.3f')} | {f(r['e2e_s'], '.2f')} | {f(r['write_gbps'], '.2f')} ({f(r['probe_gbps'], '.2f')}) "
+            f"| {f(r['extra_mem_x_state'], '.2f')} | {r['torn'] if r['torn'] is not None else 'n/a'}/{r['checked']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="0.5,2", help="state sizes in GiB, comma-separated")
+    p.add_argument("--big", action="store_true", help="also 8 GiB")
+    p.add_argument("--saves", type=int, default=7, help="saves per run (the first is reported separately)")
+    p.add_argument("--rounds", type=int, default=1, help="runs per variant and size, interleaved")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--worker-run", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--verify", default="all", choices=["all", "last", "none"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.worker_run:
+        result = run_variant(args.worker_run, float(args.sizes), args.saves, Path(args.dir), args.verify)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    sizes = [float(s) for s in args.sizes.split(",")] + ([8.0] if args.big else [])
+    variants = args.variants.split(",")
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-save-"))
+    runs: list[dict] = []
+    for size in sizes:
+        for rnd in range(args.rounds):
+            order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+            for name in order:
+                work = base / f"{name}-{size:g}-{rnd}"
+                work.mkdir(parents=True, exist_ok=True)
+                cmd = [sys.executable, __file__, "--worker-run", name, "--sizes", str(size), "--saves", str(args.saves),
+                       "--dir", str(work), "--verify", "last" if size > 2 else "all"]
+                t0 = time.monotonic()
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+                shutil.rmtree(work, ignore_errors=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if proc.returncode != 0 or not lines:
+                    print(f"{name} at {size:g} GiB failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                    continue
+                runs.append(json.loads(lines[-1][len("RESULT "):]))
+                print(f"{name:>18} {size:g} GiB round {rnd}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    rows = summarize(runs)
+    table = markdown(rows)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"bench-{stamp}.json").write_text(json.dumps({"args": vars(args), "rows": rows, "runs": runs}, indent=1))
+    (out / f"bench-{stamp}.md").write_text(
+        f"# bench_save.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs\n\n"
+        + table + "\n"
+    )
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Real faults, not injected ones: a killed trainer, a deleted directory, a read-only filesystem; and a soak run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import run_ranks
+
+HERE = os.path.dirname(__file__)
+
+
+def _start(script, tmp_path, case, engine, worker, env=None):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    cmd = [sys.executable, os.path.join(HERE, script), "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
+    log = open(out / f"{case}.log", "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    return proc, out, log
+
+
+def _kill_group(proc):
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+def test_trainer_killed_mid_write_resumes_from_newest_committed(tmp_path, engine, worker):
+    # the 5th and 6th saves (step 12: top-k and last) take a minute: the kill lands in the middle of them
+    proc, out, log = _start("crash_job.py", tmp_path, "train", engine, worker,
+                            env={"LIGHTNING_ASYNCCKPT_FAULTS": "slow:save=5+6,delay=60"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "ready").exists():
+            assert proc.poll() is None, (out / "train.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the job never reached step 13"
+            time.sleep(0.1)
+        time.sleep(0.2)
+        ready = json.loads((out / "ready").read_text())
+        assert ready["pending"] == 2  # both step-12 writes are in flight
+        os.kill(proc.pid, signal.SIGKILL)  # the trainer only: an orphaned writer must not commit anything
+        proc.wait()
+        time.sleep(1.0)
+        entries = sorted(os.listdir(out / "c"))
+        assert [e for e in entries if not e.startswith(".")] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+        assert any(e.startswith(".asyncckpt-incomplete-") for e in entries)  # the interrupted writes
+    finally:
+        _kill_group(proc)
+        log.close()
+    proc, out, log = _start("crash_job.py", tmp_path, "resume", engine, worker)
+    try:
+        assert proc.wait(timeout=180) == 0, (out / "resume.log").read_text()[-3000:]
+    finally:
+        _kill_group(proc)
+        log.close()
+    resumed = json.loads((out / "resumed.json").read_text())
+    assert resumed["start"] == 8  # `last` is the newest committed checkpoint, never the interrupted one
+    assert resumed["files"] == ["epoch=0-step=12.ckpt", "epoch=0-step=16.ckpt", "last.ckpt"]  # leftovers gone
+
+
+class _AtStep:
+    """Runs ``fn(trainer)`` once, at the end of training step ``step``."""
+
+    def __new__(cls, step, fn):
+        import lightning as L
+
+        class Cb(L.Callback):
+            def on_train_batch_end(self, trainer, *a):
+                if trainer.global_step == step:
+                    fn(trainer)
+
+        return Cb()
+
+
+def _fit_expecting_failure(tmp_path, dirpath, engine, worker, at_step, fn):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from helpers import SlowSteps, TinyModel, loader, trainer
+    from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
+
+    io = AsyncCheckpointIO(engine, worker=worker)
+    io.write_hook = testing.DelayWrite(0.5)  # the fault lands while a write is in flight
+    ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
+
+    def settle_then(t):
+        io._settle_local(blocking=True, until=1)  # the first save is committed
+        fn(t)
+
+    t = trainer(tmp_path, [io], [SlowSteps(), _AtStep(at_step, settle_then), ck], max_steps=60)
+    with pytest.raises(CheckpointWriteError) as info:
+        t.fit(TinyModel(width=128), loader(width=128, n=512))
+    assert t.global_step < 60 and io.worker_pids() == []
+    return info.value
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+def test_checkpoint_directory_deleted_during_the_run(tmp_path, engine, worker):
+    import shutil
+
+    dirpath = tmp_path / "ckpts"
+    err = _fit_expecting_failure(tmp_path, dirpath, engine, worker, 9, lambda t: shutil.rmtree(dirpath))
+    # the save in flight when the directory went away fails, named, with the real cause
+    assert err.path.endswith("step=8.ckpt") and err.errno == 2, str(err)
+    assert "FileNotFoundError" in str(err)
+    assert not dirpath.exists() or not any(p.name.endswith(".ckpt") for p in dirpath.iterdir())
+
+
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), ("mcore", "persistent")], ids=["nvrx-fork", "mcore-persistent"])
+def test_read_only_remount(tmp_path, small_tmpfs, engine, worker):
+    def remount_ro(t):
+        r = subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True)
+        assert r.returncode == 0, r.stderr
+
+    try:
+        err = _fit_expecting_failure(tmp_path, small_tmpfs / "ckpts", engine, worker, 5, remount_ro)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], capture_output=True)
+    assert err.errno == 30 and "EROFS" in str(err), str(err)  # Read-only file system
+    assert sorted(os.listdir(small_tmpfs / "ckpts")) == ["epoch=0-step=4.ckpt"]  # the committed one is intact
+
+
+def test_soak_hundred_saves_nothing_grows(tmp_path):
+    """100 saves (and 100 of `last`) on 2 ranks with save_top_k=2 (AsyncDDPStrategy, persistent worker)."""
+    r0, r1 = run_ranks(os.path.join(HERE, "ddp_job.py"), tmp_path, "soak", "nvrx", "persistent", timeout=200)
+    for r in (r0, r1):
+        assert r["saves"] == 200
+        assert r["files"] == ["epoch=0-step=100.ckpt", "epoch=0-step=99.ckpt", "last.ckpt"]  # exactly these
+        early, late = r["resources"]["10"], r["resources"]["100"]
+        assert late["fds"] == early["fds"], (early, late)  # open file descriptors
+        assert late["children"] == early["children"], (early, late)  # worker processes
+        assert late["shm_maps"] == early["shm_maps"], (early, late)  # shared-memory segments: buffers are reused
+        # resident memory of the rank and its worker: +3 MiB of warm-up by save 100, flat after (measured
+        # over 900 saves); the worker itself grew ~57 kB per save until it collected its cycles
+        assert late["rss"] - early["rss"] < 16 << 20, (early, late)
+        assert late["worker_rss"] - early["worker_rss"] < 2 << 20, (early, late)
+        assert r["children_after_fit"] == []
