@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-faults test-all lint clean
+.PHONY: demo test test-faults test-all bench lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,12 @@ test-faults: $(STAMP)
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
+# every save variant in one run, interleaved; writes benchmarks/results/bench-<time>.{md,json}
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_save.py $(BENCH_ARGS)
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_asyncckpt tests examples
+	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache

@@ -161,7 +161,17 @@ class Variant:
 
             self.io = TorchCheckpointIO()
         elif self.name == "dcp_async_process":
+            import socket
+
+            import torch.distributed as dist
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # its process executor needs a process group (its worker joins one of its own)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=0, world_size=1)
 
             self.io = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
                                                    use_async_staging=False, use_non_blocking_copy=False))
@@ -200,7 +210,10 @@ class Variant:
         if self.name == "lightning_async" or self.name.split("_")[0] in ("nvrx", "mcore"):
             self.io.teardown()
         elif self.name == "dcp_async_process":
+            import torch.distributed as dist
+
             self.io.close()
+            dist.destroy_process_group()
 
 
 def torn_tensors(name: str, path: Path, expected: float) -> int:

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import combo_params, live_children, wait_no_children  # noqa: E402
 
 
-@pytest.fixture(params=combo_params())
+@pytest.fixture(params=combo_params(single=True))
 def engine_worker(request):
     return request.param
 

@@ -24,11 +24,14 @@ COMBOS = [(e, w) for e in ENGINES for w in WORKERS]
 MAIN_COMBOS = {("nvrx", "persistent"), ("mcore", "fork")}
 
 
-def combo_params() -> list:
+def combo_params(single: bool = False) -> list:
+    """``(engine, worker)`` parameters, two of them marked ``slow``; ``single`` for a fixture's one value."""
     import pytest
 
     return [
-        pytest.param(e, w, id=f"{e}-{w}", marks=() if (e, w) in MAIN_COMBOS else pytest.mark.slow) for e, w in COMBOS
+        pytest.param(*([(e, w)] if single else [e, w]), id=f"{e}-{w}",
+                     marks=() if (e, w) in MAIN_COMBOS else pytest.mark.slow)
+        for e, w in COMBOS
     ]
 
 
