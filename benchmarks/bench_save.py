@@ -144,13 +144,13 @@ class Variant:
         self.io: Any = None
         self._done: Any = None
 
-    def warmup(self) -> None:
+    def warmup(self, state: dict) -> None:
         if self.name.split("_")[0] in ("nvrx", "mcore"):
             from lightning_asyncckpt import AsyncCheckpointIO
 
             engine, worker = self.name.split("_")
             self.io = AsyncCheckpointIO(engine, worker=worker, max_pending=1)
-            self.io.warmup()
+            self.io.warmup(like=state)  # starts the worker and allocates the staging buffers
         elif self.name == "lightning_async":
             from lightning.fabric.plugins import TorchCheckpointIO
             from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -246,7 +246,7 @@ def run_variant(name: str, size_gib: float, saves: int, workdir: Path, verify: s
         base_steps.append(time.perf_counter() - t0)
     base_step = statistics.median(base_steps)
     variant = Variant(name)
-    variant.warmup()
+    variant.warmup(state)
     pss_base = tree_pss()
     records = []
     value = 0.0

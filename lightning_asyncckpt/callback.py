@@ -42,6 +42,8 @@ class AsyncFinalizerCallback(Callback):
     def __init__(self) -> None:
         self._io: AsyncCheckpointIO | None = None
         self._auto = False
+        self._prepare_pending = False
+        self._writes_everywhere = False
 
     @property
     def state_key(self) -> str:
@@ -50,6 +52,7 @@ class AsyncFinalizerCallback(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._io = None
+        self._prepare_pending = False
         io = find_async_io(trainer.strategy)
         if io is None:
             if not self._auto:
@@ -63,8 +66,11 @@ class AsyncFinalizerCallback(Callback):
         io._attach_finalizer()
         # start the worker now on every rank that writes, not inside a training step
         writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
+        self._writes_everywhere = writes_everywhere
         if stage == "fit" and (trainer.is_global_zero or writes_everywhere):
             io.warmup()
+            # a sharded strategy saves its own state layout: its first save allocates the buffers
+            self._prepare_pending = not getattr(trainer.strategy, "_asyncckpt_sharded", False)
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -73,8 +79,16 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._io is not None:
-            self._io._finalize(blocking=False, force=False)
+        if self._io is None:
+            return
+        if self._prepare_pending:
+            # After the first optimizer step the optimizer state exists: allocate the staging buffers now
+            # (before checkpoint callbacks, which run after this one), not inside the first save.
+            self._prepare_pending = False
+            like = {"state_dict": pl_module.state_dict(),
+                    "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
+            self._io._prepare(like, collective=self._writes_everywhere and self._io._agreement.active)
+        self._io._finalize(blocking=False, force=False)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

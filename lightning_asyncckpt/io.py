@@ -418,8 +418,12 @@ class AsyncCheckpointIO(CheckpointIO):
         masking it. For loops that never call ``teardown``, such as Fabric's."""
         self._teardown(aborting=exc is not None)
 
-    def warmup(self) -> None:
-        """(writing ranks) Starts the background worker now, so that the first save does not pay for it."""
+    def warmup(self, like: dict[str, Any] | None = None) -> None:
+        """(writing ranks) Starts the background worker now, so that the first save does not pay for it.
+
+        ``like``: a checkpoint like the ones that will be saved (e.g. ``{"state_dict": model.state_dict(),
+        "optimizer_states": [optimizer.state_dict()]}``); its staging buffers are allocated now as well.
+        """
         self._torn_down = False
         self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
         self._run_token_agreed = False
@@ -427,6 +431,17 @@ class AsyncCheckpointIO(CheckpointIO):
         self._start(None)
         assert self._engine is not None
         self._engine.start()
+        if like is not None:
+            self._prepare(like, collective=False)
+
+    def _prepare(self, like: dict[str, Any], collective: bool) -> None:
+        """Allocates the staging buffers for saves of checkpoints like ``like`` (this rank's share, if
+        ``collective``). Local; called before the first save."""
+        if any(bs.buffers for bs in self._stager._sets):
+            return
+        rank, world = (self._agreement.rank, self._agreement.world_size) if collective else (0, 1)
+        nbytes = self._stager.prepare(like, rank=rank, world_size=world)
+        log.debug("lightning-asyncckpt: prepared %d bytes of staging buffers", nbytes)
 
     # Called by AsyncFinalizerCallback on every rank.
     def _attach_finalizer(self) -> None:

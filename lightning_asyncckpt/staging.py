@@ -97,6 +97,20 @@ def partition(tensors: dict[str, torch.Tensor], world_size: int) -> list[set[str
     return parts
 
 
+def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor in shared memory, allocated there directly (``share_memory_`` would
+    allocate private memory first, then copy it into a new shared segment)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+    except (AttributeError, RuntimeError):  # a torch without the private constructor
+        return torch.empty(shape, dtype=dtype).share_memory_()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
 def _is_whole_storage(t: torch.Tensor) -> bool:
     # torch.save of a view writes its whole storage: such tensors must be copied before writing.
     return (
@@ -160,13 +174,31 @@ class Stager:
     def _buffer(self, bs: BufferSet, name: str, t: torch.Tensor) -> torch.Tensor:
         buf = bs.buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
             if self.shared:
-                buf.share_memory_()
-            elif t.device.type == "cuda":
-                buf = buf.pin_memory()
+                buf = _shared_empty(t.shape, t.dtype)
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                if t.device.type == "cuda":
+                    buf = buf.pin_memory()
             bs.buffers[name] = buf
         return buf
+
+    def prepare(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1) -> int:
+        """Allocates (and faults in) the buffers that a snapshot of a checkpoint like this one needs, so
+        that the first save costs what later ones do. Returns the bytes prepared."""
+        _, tensors = split(checkpoint)
+        if world_size > 1:
+            mine = partition(tensors, world_size)[rank]
+            tensors = {k: v for k, v in tensors.items() if k in mine}
+        bs = self._acquire()
+        nbytes = 0
+        for name, t in tensors.items():
+            if not self.copy_cpu and t.device.type == "cpu":
+                continue
+            self._buffer(bs, name, t).zero_()
+            nbytes += t.numel() * t.element_size()
+        self.release(bs)
+        return nbytes
 
     def _stage(self, bs: BufferSet, name: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Copies ``t`` into ``bs`` (or keeps it, when fork's copy-on-write is the snapshot).

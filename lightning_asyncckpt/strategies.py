@@ -93,6 +93,8 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
     rank settles pending saves and stops the workers (the stock strategy never tears its IO down).
     """
 
+    _asyncckpt_sharded = True  # saves its own state layout (AsyncFinalizerCallback does not pre-stage)
+
     def __init__(self, *args: Any, checkpoint_io: CheckpointIO | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._checkpoint_io = checkpoint_io

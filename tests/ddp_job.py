@@ -28,6 +28,7 @@ from helpers import (  # noqa: E402
     job_args,
     live_children,
     loader,
+    other_children,
 )
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing  # noqa: E402
 
@@ -49,12 +50,7 @@ def _own_children(trainer):
     """Child processes other than the DDP ranks Lightning launched (rank 0 is their parent)."""
     launcher = getattr(trainer.strategy, "launcher", None)
     _PEERS.update(p.pid for p in getattr(launcher, "procs", []))
-    deadline = time.monotonic() + 2.0  # a process that is already exiting gets a moment to go
-    while True:
-        left = [(p.pid, " ".join(p.cmdline())[:120]) for p in live_children() if p.pid not in _PEERS]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    return other_children(lambda pid, line: pid in _PEERS)
 
 
 def _no_kill(trainer):

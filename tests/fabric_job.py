@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -14,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import assert_tree_equal, clone_tree, job_args, live_children  # noqa: E402
+from helpers import assert_tree_equal, clone_tree, job_args, other_children  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, testing  # noqa: E402
 
 
@@ -164,12 +163,7 @@ def case_sharded_fail(args, fabric, io, report):
 
 def _children(fabric):
     """Child processes other than the ranks (one that is already exiting gets a moment to go)."""
-    deadline = time.monotonic() + 3.0
-    while True:
-        left = [" ".join(p.cmdline())[:100] for p in live_children() if p.pid not in _peers(fabric)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    return [line for _, line in other_children(lambda pid, line: pid in _peers(fabric))]
 
 
 def _peers(fabric):

@@ -20,7 +20,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, job_args, live_children, loader  # noqa: E402
+from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, job_args, loader, other_children  # noqa: E402
 from lightning_asyncckpt import (  # noqa: E402
     AsyncCheckpointIO,
     AsyncDDPStrategy,
@@ -80,12 +80,7 @@ class StartStep(L.Callback):
 
 
 def _children():
-    deadline = time.monotonic() + 3.0  # a process that is already exiting gets a moment to go
-    while True:
-        left = [" ".join(p.cmdline())[:100] for p in live_children() if "fault_job.py" not in " ".join(p.cmdline())]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    return [line for _, line in other_children(lambda pid, line: "fault_job.py" in line)]
 
 
 def _faults(item):

@@ -151,6 +151,29 @@ def live_children() -> list[psutil.Process]:
     return out
 
 
+def cmdline(p: psutil.Process) -> str:
+    """A child's command line; empty if it exited (or became a zombie) since it was listed."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def other_children(exclude: Any, timeout: float = 3.0) -> list:
+    """``(pid, command line)`` of live child processes not matched by ``exclude(pid, cmdline)``; waits up to
+    ``timeout`` for ones that are already exiting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for p in live_children():
+            line = cmdline(p)
+            if line and not exclude(p.pid, line):
+                left.append((p.pid, line[:120]))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
 def wait_no_children(timeout: float = 5.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     kids = live_children()

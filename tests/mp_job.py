@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
-from helpers import ShardedModel, assert_tree_equal, clone_tree, job_args, live_children, loader  # noqa: E402
+from helpers import ShardedModel, assert_tree_equal, clone_tree, job_args, loader, other_children  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
 
 WIDTH = 64
@@ -97,12 +96,7 @@ def _trainer(args, strategy, callbacks, devices=2, plugins=(), **kw):
 
 def _own_children():
     """Child processes other than the ranks (a process that is already exiting gets a moment to go)."""
-    deadline = time.monotonic() + 2.0
-    while True:
-        left = [(p.pid, " ".join(p.cmdline())[:100]) for p in live_children() if "mp_job.py" not in " ".join(p.cmdline())]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    return other_children(lambda pid, line: "mp_job.py" in line)
 
 
 def _resume(args, strategy, ckpt_path, max_steps, callbacks=(), plugins=()):

@@ -203,3 +203,17 @@ def test_context_manager_commits_on_exit_and_does_not_mask_errors(engine_worker,
             io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "b.ckpt")
             raise KeyError("user error")  # not masked by the failing save
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt"]
+
+
+def test_warmup_with_a_state_prepares_the_buffers_of_the_first_save(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    ckpt = _checkpoint()
+    with AsyncCheckpointIO(engine, worker=worker) as io:
+        io.warmup(like=ckpt)
+        prepared = {name: buf for bs in io._stager._sets for name, buf in bs.buffers.items()}
+        if worker == "persistent":  # fork per save copies nothing on the CPU: nothing to prepare
+            assert "state_dict.layer.weight" in prepared and len(prepared) == 8  # every tensor of the checkpoint
+        io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+        used = {name: buf for bs in io._stager._sets for name, buf in bs.buffers.items()}
+        assert len(io._stager._sets) == 1 and all(used[n] is b for n, b in prepared.items())  # reused, not new
+    assert_tree_equal(dcp_format.load(tmp_path / "a.ckpt", weights_only=False), ckpt)

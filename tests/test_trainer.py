@@ -274,3 +274,29 @@ def test_user_exception_is_not_masked_and_workers_stop(engine_worker, tmp_path):
         t.fit(Boom(), loader())
     assert live_children() == []
     assert not (tmp_path / "c").exists() or dir_entries(tmp_path / "c") == []
+
+
+def test_staging_buffers_are_ready_before_the_first_save(tmp_path):
+    """After the first optimizer step, the callback allocates the staging buffers (the persistent worker's
+    shared memory), so that the first save only copies, as later saves do."""
+    import lightning as L
+
+    io = AsyncCheckpointIO("nvrx", worker="persistent")
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, *a):
+            if trainer.global_step == 1:
+                seen["buffers"] = {n: b for bs in io._stager._sets for n, b in bs.buffers.items()}
+                seen["saved"] = len(io.history) + io.num_pending
+
+        def on_train_end(self, trainer, *a):
+            seen["after"] = [b for bs in io._stager._sets for b in bs.buffers.values()]
+
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=1, save_top_k=1, monitor="step", mode="max")
+    trainer(tmp_path, [io], [AsyncFinalizerCallback(), Look(), ck], max_steps=3).fit(TinyModel(width=128), loader(width=128))
+    assert seen["saved"] == 0  # before the first save
+    model_bytes = 2 * (128 * 128 + 128) * 4
+    assert sum(b.numel() * b.element_size() for b in seen["buffers"].values()) >= 3 * model_bytes  # weights + Adam
+    assert all(b.is_shared() for b in seen["buffers"].values()), [(n, b.is_shared()) for n, b in seen["buffers"].items()]
+    assert all(any(b is a for a in seen["after"]) for b in seen["buffers"].values())  # reused by the saves
