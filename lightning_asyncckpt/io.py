@@ -692,14 +692,19 @@ class AsyncCheckpointIO(CheckpointIO):
         log.error("lightning-asyncckpt: save to %s failed: %s", save.path, failure.describe())
 
     def _fail_all(self, failure: RankFailure) -> None:
-        """The worker is dead or hung: every save queued on it is lost. The next save starts a new one."""
+        """The worker is dead or hung: every save queued on it is lost. The next save starts a new one.
+        A collective save whose part this rank already wrote is not lost: it still commits."""
         assert self._engine is not None
         self._engine.reset_after_failure()
-        while self._pending:
-            save = self._pending.popleft()
+        keep: deque[_PendingSave] = deque()
+        for save in self._pending:
+            if save.written is not None:
+                keep.append(save)
+                continue
             self._engine.kill(save.ticket)
             self._stager.release(save.buffer_set)
             self._record_failure(save, failure)
+        self._pending = keep
 
     def _run_removals(self) -> None:
         keep = []

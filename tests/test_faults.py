@@ -48,8 +48,9 @@ def check_cases(r0, r1, expected):
 
 REPRESENTATIVE = [
     # `eio@0&slow@1:1`: the first save is still being written on rank 1 when the second fails on rank 0;
-    # the first must still commit (and load exactly) before the error is raised
-    ("ddp", "nvrx", "persistent", "enospc@1,eio@0&slow@1:1,permission@0+1,slow@1,crash@0,metadata@0,commit@0"),
+    # the first must still commit (and load exactly) before the error is raised. `crash@1&slow@0:1`: rank 1
+    # wrote its part of the first save, then its worker dies; the first save must still commit.
+    ("ddp", "nvrx", "persistent", "enospc@1,eio@0&slow@1:1,permission@0+1,slow@1,crash@1&slow@0:1,metadata@0,commit@0"),
     ("mp", "mcore", "fork", "enospc@0,eio@1&slow@0:1,permission@1,slow@0+1,crash@1,metadata@0,commit@0"),
 ]
 
