@@ -97,6 +97,14 @@ def partition(tensors: dict[str, torch.Tensor], world_size: int) -> list[set[str
     return parts
 
 
+def _share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's share of replicated tensors (all of them on one rank)."""
+    if world_size <= 1:
+        return tensors
+    mine = partition(tensors, world_size)[rank]
+    return {k: v for k, v in tensors.items() if k in mine}
+
+
 def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor in shared memory, allocated there directly (``share_memory_`` would
     allocate private memory first, then copy it into a new shared segment)."""
@@ -187,9 +195,7 @@ class Stager:
         """Allocates (and faults in) the buffers that a snapshot of a checkpoint like this one needs, so
         that the first save costs what later ones do. Returns the bytes prepared."""
         _, tensors = split(checkpoint)
-        if world_size > 1:
-            mine = partition(tensors, world_size)[rank]
-            tensors = {k: v for k, v in tensors.items() if k in mine}
+        tensors = _share(tensors, rank, world_size)
         bs = self._acquire()
         nbytes = 0
         for name, t in tensors.items():
@@ -248,13 +254,10 @@ class Stager:
 
         try:
             tree = _walk(state, (), take)
-            if pending_cuda:
-                torch.cuda.synchronize()
+            return self._finish(bs, tree, staged, nbytes, pending_cuda)
         except BaseException:
             self.release(bs)
             raise
-        self._drop_unused(bs, set(staged))
-        return Snapshot(skeleton=tree, tensors=staged, nbytes=nbytes, buffer_set=bs)
 
     def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1) -> Snapshot:
         """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete.
@@ -262,9 +265,7 @@ class Stager:
         With ``world_size > 1`` only this rank's share of the (replicated) tensors is copied.
         """
         skeleton, tensors = split(checkpoint)
-        if world_size > 1:
-            mine = partition(tensors, world_size)[rank]
-            tensors = {k: v for k, v in tensors.items() if k in mine}
+        tensors = _share(tensors, rank, world_size)
         bs = self._acquire()
         staged: dict[str, torch.Tensor] = {}
         nbytes = 0
@@ -274,10 +275,13 @@ class Stager:
                 nbytes += t.numel() * t.element_size()
                 staged[name], in_flight = self._stage(bs, name, t)
                 pending_cuda |= in_flight
-            if pending_cuda:
-                torch.cuda.synchronize()
+            return self._finish(bs, skeleton, staged, nbytes, pending_cuda)
         except BaseException:
             self.release(bs)
             raise
+
+    def _finish(self, bs: BufferSet, skeleton: Any, staged: dict, nbytes: int, pending_cuda: bool) -> Snapshot:
+        if pending_cuda:
+            torch.cuda.synchronize()
         self._drop_unused(bs, set(staged))
         return Snapshot(skeleton=skeleton, tensors=staged, nbytes=nbytes, buffer_set=bs)
