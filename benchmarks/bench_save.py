@@ -332,7 +332,12 @@ def summarize(runs: list[dict]) -> list[dict]:
                                        if s["slowdown"] else s["stall_s"] for r in mine for s in r["saves"][1:]]),
                 "write_gbps": _median([s["write_gbps"] for s in steady]),
                 "probe_gbps": _median([r["probe_gbps"] for r in mine]),
-                "extra_mem_x_state": max(s["extra_mem_bytes"] for r in mine for s in r["saves"][1:]) / mine[0]["state_bytes"],
+                # everything checkpointing added to the host after the first save: buffers, workers (their
+                # whole memory), /dev/shm, over the process before any checkpointing machinery existed
+                "extra_mem_x_state": max(s["extra_mem_incl_worker_bytes"] for r in mine for s in r["saves"][1:])
+                / mine[0]["state_bytes"],
+                "extra_mem_during_x_state": max(s["extra_mem_bytes"] for r in mine for s in r["saves"][1:])
+                / mine[0]["state_bytes"],
                 "torn": sum(torn) if torn else None,
                 "checked": len(torn),
                 "memcpy_floor_s": floor,
@@ -346,15 +351,16 @@ def markdown(rows: list[dict]) -> str:
 
     lines = [
         "| size | variant | stall (s) | first (s) | vs sync DCP | vs memcpy floor | step slowdown | stall + slowdown (s) "
-        "| to commit (s) | write GB/s (probe) | extra mem (× state) | torn |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| to commit (s) | write GB/s (probe) | extra host mem (× state) | of it during saves | torn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size_gib']:g} GiB | {r['variant']} | {f(r['stall_s'], '.4f')} | {f(r['first_stall_s'], '.4f')} "
             f"| {f(r['stall_vs_dcp_sync'], '.3f')}× | {f(r['stall_vs_memcpy_floor'], '.2f')}× | {f(r['slowdown'], '.2f')}× "
             f"| {f(r['overhead_s'], '.3f')} | {f(r['e2e_s'], '.2f')} | {f(r['write_gbps'], '.2f')} ({f(r['probe_gbps'], '.2f')}) "
-            f"| {f(r['extra_mem_x_state'], '.2f')} | {r['torn'] if r['torn'] is not None else 'n/a'}/{r['checked']} |"
+            f"| {f(r['extra_mem_x_state'], '.2f')} | {f(r['extra_mem_during_x_state'], '.2f')} "
+            f"| {r['torn'] if r['torn'] is not None else 'n/a'}/{r['checked']} |"
         )
     return "\n".join(lines)
 
@@ -368,10 +374,14 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--render", default=None, help="print the table of a saved bench-*.json instead of running")
     p.add_argument("--worker-run", default=None, help=argparse.SUPPRESS)
     p.add_argument("--verify", default="all", choices=["all", "last", "none"], help=argparse.SUPPRESS)
     args = p.parse_args()
 
+    if args.render:
+        print(markdown(summarize(json.loads(Path(args.render).read_text())["runs"])))
+        return
     if args.worker_run:
         result = run_variant(args.worker_run, float(args.sizes), args.saves, Path(args.dir), args.verify)
         print("RESULT " + json.dumps(result), flush=True)

@@ -5,12 +5,10 @@ Each rank writes ``<out>/rank<r>.json`` with what it saw. Lightning relaunches t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -25,10 +23,10 @@ from helpers import (  # noqa: E402
     TinyModel,
     assert_tree_equal,
     clone_tree,
-    job_args,
     live_children,
     loader,
     other_children,
+    run_job,
 )
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing  # noqa: E402
 
@@ -372,17 +370,7 @@ def case_soak(args, report):
 
 
 def main():
-    args = job_args(extra=("--dir",))
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    report = {"rank": rank}
-    try:
-        globals()[f"case_{args.case}"](args, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    if torch.distributed.is_initialized():
-        report["world_size"] = torch.distributed.get_world_size()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    run_job(lambda args, report: globals()[f"case_{args.case}"](args, report))
 
 
 if __name__ == "__main__":

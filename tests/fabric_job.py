@@ -61,16 +61,18 @@ def case_exact(args, fabric, io, report):
     io.teardown()  # the load started nothing; a second teardown is harmless
 
 
-def case_fail(args, fabric, io, report):
+def _failing_loop(args, fabric, io, report, setup, failing_ranks):
+    """Saves at steps 3 and 6; the second save's write fails on ``failing_ranks``."""
     try:
         with io:
-            model, opt = _setup(fabric)
+            model, opt = setup(fabric)
             for i in range(40):
                 _step(fabric, model, opt, i)
                 if i == 3:
                     fabric.save(os.path.join(args.out, "ckpt", "good"), {"model": model})
                 if i == 6:
-                    io.write_hook = testing.FailWrite()
+                    if fabric.global_rank in failing_ranks:
+                        io.write_hook = testing.FailWrite()
                     fabric.save(os.path.join(args.out, "ckpt", "bad"), {"model": model})
                 io.finalize()
         report["raised"] = None
@@ -80,6 +82,11 @@ def case_fail(args, fabric, io, report):
     fabric.barrier()
     report["files"] = sorted(os.listdir(os.path.join(args.out, "ckpt")))
     report["children_after_exit"] = _children(fabric)
+
+
+def case_fail(args, fabric, io, report):
+    """DDP: rank 0 writes; its failure is raised on both ranks."""
+    _failing_loop(args, fabric, io, report, _setup, failing_ranks=(0,))
 
 
 def _setup_sharded(fabric, width=64):
@@ -140,25 +147,7 @@ def case_sharded(args, fabric, io, report):
 
 def case_sharded_fail(args, fabric, io, report):
     """A write failing on rank 1 only is raised on both ranks by the next finalize."""
-    try:
-        with io:
-            model, opt = _setup_sharded(fabric)
-            for i in range(40):
-                _step(fabric, model, opt, i)
-                if i == 3:
-                    fabric.save(os.path.join(args.out, "ckpt", "good"), {"model": model})
-                if i == 6:
-                    if fabric.global_rank == 1:
-                        io.write_hook = testing.FailWrite()
-                    fabric.save(os.path.join(args.out, "ckpt", "bad"), {"model": model})
-                io.finalize()
-        report["raised"] = None
-    except CheckpointWriteError as e:
-        report["raised"] = {"path": e.path, "ranks": list(e.ranks), "errno": e.errno, "message": str(e)}
-        report["raised_at_step"] = i
-    fabric.barrier()
-    report["files"] = sorted(os.listdir(os.path.join(args.out, "ckpt")))
-    report["children_after_exit"] = _children(fabric)
+    _failing_loop(args, fabric, io, report, _setup_sharded, failing_ranks=(1,))
 
 
 def _children(fabric):

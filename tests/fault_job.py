@@ -7,12 +7,10 @@ the cases as ``kind@ranks`` (e.g. ``enospc@1,crash@0+1,metadata@0``). For each c
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -20,7 +18,15 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, job_args, loader, other_children  # noqa: E402
+from helpers import (  # noqa: E402
+    ShardedModel,
+    SlowSteps,
+    TinyModel,
+    assert_tree_equal,
+    loader,
+    other_children,
+    run_job,
+)
 from lightning_asyncckpt import (  # noqa: E402
     AsyncCheckpointIO,
     AsyncDDPStrategy,
@@ -136,22 +142,16 @@ def run_case(args, kind, item, report):
     report["cases"][item] = out
 
 
-def main():
-    args = job_args(extra=("--faults",))
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
+def run_all(args, report):
     # rank 0 launches rank 1 inside its first case's `inject_faults`, and rank 1 inherits those faults
     # (which is how an unmodified script gets them): each case here sets its own
     os.environ.pop(testing.ENV_VAR, None)
-    report = {"rank": rank, "cases": {}}
-    try:
-        for item in args.faults.split(","):
-            run_case(args, args.case, item, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    if torch.distributed.is_initialized():
-        report["world_size"] = torch.distributed.get_world_size()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    for item in args.faults.split(","):
+        run_case(args, args.case, item, report)
+
+
+def main():
+    run_job(run_all, extra=("--faults",), report={"cases": {}})
 
 
 if __name__ == "__main__":

@@ -201,6 +201,27 @@ def job_args(extra: tuple = ()) -> Any:
     return p.parse_args()
 
 
+def run_job(run: Any, extra: tuple = ("--dir",), report: dict | None = None) -> None:
+    """The ``main`` of a job script: ``run(args, report)`` on this rank, then ``<out>/rank<r>.json`` with the
+    report (and the traceback, if it raised)."""
+    import json
+    import traceback
+
+    import torch
+
+    args = job_args(extra=extra)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    report = {"rank": rank, **(report or {})}
+    try:
+        run(args, report)
+    except BaseException as e:  # noqa: BLE001
+        report["crash"] = "".join(traceback.format_exception(e))
+    if torch.distributed.is_initialized():
+        report["world_size"] = torch.distributed.get_world_size()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
 def run_ranks(
     script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, ranks: int = 2, **extra: Any
 ) -> list:

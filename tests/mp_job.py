@@ -6,10 +6,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -20,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
-from helpers import ShardedModel, assert_tree_equal, clone_tree, job_args, loader, other_children  # noqa: E402
+from helpers import ShardedModel, assert_tree_equal, clone_tree, loader, other_children, run_job  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
 
 WIDTH = 64
@@ -217,17 +215,7 @@ def case_fail(args, report):
 
 
 def main():
-    args = job_args(extra=("--dir",))
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    report = {"rank": rank}
-    try:
-        globals()[f"case_{args.case}"](args, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    if torch.distributed.is_initialized():
-        report["world_size"] = torch.distributed.get_world_size()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    run_job(lambda args, report: globals()[f"case_{args.case}"](args, report))
 
 
 if __name__ == "__main__":
