@@ -18,6 +18,7 @@ from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from helpers import (  # noqa: E402
+    FailOnRankFrom,
     SlowSteps,
     SnapshotRecorder,
     TinyModel,
@@ -264,17 +265,6 @@ class UnpicklableAt(L.Callback):
 
 def case_badinput(args, report):
     _failing_run(args, report, [lambda io: UnpicklableAt(io, 8)])
-
-
-class FailOnRankFrom(L.Callback):
-    """From ``step`` on, writes fail on one rank only."""
-
-    def __init__(self, io, step, rank):
-        self.io, self.step, self.rank = io, step, rank
-
-    def on_train_batch_end(self, trainer, *a):
-        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
-            self.io.write_hook = testing.FailWrite()
 
 
 def case_parallel_fail(args, report):

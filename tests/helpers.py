@@ -130,6 +130,19 @@ class SnapshotRecorder(L.Callback):
             self.steps_while_pending += 1
 
 
+class FailOnRankFrom(L.Callback):
+    """From training step ``step`` on, background writes fail (ENOSPC) on global rank ``rank`` only."""
+
+    def __init__(self, io: Any, step: int, rank: int) -> None:
+        self.io, self.step, self.rank = io, step, rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, *a: Any) -> None:
+        from lightning_asyncckpt import testing
+
+        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
+            self.io.write_hook = testing.FailWrite()
+
+
 class SlowSteps(L.Callback):
     """Makes each training step take ``seconds``, so that "within N steps" means something."""
 

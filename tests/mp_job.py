@@ -18,7 +18,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
-from helpers import ShardedModel, assert_tree_equal, clone_tree, loader, other_children, run_job  # noqa: E402
+from helpers import (  # noqa: E402
+    FailOnRankFrom,
+    ShardedModel,
+    assert_tree_equal,
+    clone_tree,
+    loader,
+    other_children,
+    run_job,
+)
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
 
 WIDTH = 64
@@ -179,17 +187,6 @@ def case_resume2(args, report):
     assert_tree_equal(check.state, expected, "2-rank resume state")
     report["resume_exact"] = True
     report["children_after_fit"] = _own_children()
-
-
-class FailOnRankFrom(L.Callback):
-    """From ``step`` on, writes fail on one rank only."""
-
-    def __init__(self, io, step, rank):
-        self.io, self.step, self.rank = io, step, rank
-
-    def on_train_batch_end(self, trainer, *a):
-        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
-            self.io.write_hook = testing.FailWrite()
 
 
 def case_fail(args, report):
