@@ -177,6 +177,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._run_token_agreed = False
         self._collective_count = 0
         self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
+        self._save_started: float | None = None
 
     # ---------------------------------------------------------------------------------------------
     # Public properties
@@ -239,6 +240,7 @@ class AsyncCheckpointIO(CheckpointIO):
         extra_files: list[tuple[str, bytes]] | None = None,
     ) -> None:
         self._save_calls += 1
+        self._save_started = time.perf_counter()  # the stall counts from here: waiting for room and the snapshot
         try:
             snapshot, local_error = None, None
             try:
@@ -486,7 +488,7 @@ class AsyncCheckpointIO(CheckpointIO):
     ) -> None:
         """Plans and hands over one save. A collective save arrives with its snapshot taken and agreed."""
         assert self._engine is not None and self._results_dir is not None
-        t0 = time.perf_counter()
+        t0 = self._save_started or time.perf_counter()
         self._order += 1
         order = self._order
         seq = None
@@ -536,6 +538,7 @@ class AsyncCheckpointIO(CheckpointIO):
             self._stager.release(snapshot.buffer_set if snapshot is not None else None)
             raise
         stall = time.perf_counter() - t0
+        self._save_started = None
         self._pending.append(
             _PendingSave(
                 order=order, seq=seq, path=path, tmp=tmp, ticket=ticket, plan=plan, result_path=result_path,
