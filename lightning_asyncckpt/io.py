@@ -173,9 +173,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._doomed_tmps: list[Path] = []  # partial directories of failed collective saves (coordinator)
         self._results_dir: Path | None = None
         self._torn_down = False
-        self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
-        self._run_token_agreed = False
-        self._collective_count = 0
+        self._new_run()
         self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
         self._save_started: float | None = None
 
@@ -427,9 +425,7 @@ class AsyncCheckpointIO(CheckpointIO):
         "optimizer_states": [optimizer.state_dict()]}``); its staging buffers are allocated now as well.
         """
         self._torn_down = False
-        self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
-        self._run_token_agreed = False
-        self._collective_count = 0
+        self._new_run()
         self._start(None)
         assert self._engine is not None
         self._engine.start()
@@ -449,7 +445,11 @@ class AsyncCheckpointIO(CheckpointIO):
     def _attach_finalizer(self) -> None:
         self._finalizer_attached = True
         self._torn_down = False
-        self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"  # agreed across ranks for collective saves
+        self._new_run()
+
+    def _new_run(self) -> None:
+        """A new run's name for temporary directories (agreed across ranks at its first collective save)."""
+        self._run_token = f"{os.getpid()}{uuid.uuid4().hex[:6]}"
         self._run_token_agreed = False
         self._collective_count = 0
 
