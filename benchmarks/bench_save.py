@@ -53,14 +53,18 @@ GiB = 1 << 30
 
 # -------------------------------------------------------------------------------------------------
 # One variant, in its own process
-def make_state(nbytes: int, layers: int = 24) -> dict[str, Any]:
+def make_state(nbytes: int, layers: int = 24, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     numel = max(1, nbytes // (3 * layers * 4))
+
+    def zeros() -> Any:
+        return torch.zeros(numel, device=device)
+
     return {
-        "state_dict": {f"layers.{i}.weight": torch.zeros(numel) for i in range(layers)},
+        "state_dict": {f"layers.{i}.weight": zeros() for i in range(layers)},
         "optimizer_states": [{
-            "state": {i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros(numel), "exp_avg_sq": torch.zeros(numel)}
+            "state": {i: {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
                       for i in range(layers)},
             "param_groups": [{"params": list(range(layers)), "lr": 1e-3, "betas": (0.9, 0.999)}],
         }],
@@ -89,6 +93,10 @@ def big_tensors(obj: Any) -> list:
 def train_step(tensors: list, value: float) -> None:
     for t in tensors:
         t.fill_(value)
+    if tensors[0].device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()  # a step ends when its kernels have run
 
 
 def tree_pss() -> int:
@@ -105,14 +113,21 @@ def tree_pss() -> int:
 
 
 def memcpy_floor(tensors: list) -> float:
+    """The least a snapshot can cost: copying the state into host buffers that already exist. For CUDA
+    tensors that is the device-to-host copy into pinned buffers (asynchronous, then one synchronize)."""
     import torch
 
-    dst = [torch.empty_like(t) for t in tensors]
+    cuda = tensors[0].device.type == "cuda"
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
     times = []
     for _ in range(5):
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         for d, s in zip(dst, tensors):
-            d.copy_(s)
+            d.copy_(s, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     del dst
     return statistics.median(times[1:])
@@ -173,7 +188,8 @@ class Variant:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             dist.init_process_group("gloo", rank=0, world_size=1)
 
-            self.io = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+            cuda = big_tensors(state)[0].device.type == "cuda"
+            self.io = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
                                                    use_async_staging=False, use_non_blocking_copy=False))
 
     def save(self, state: dict, path: Path) -> None:
@@ -235,13 +251,18 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def run_variant(name: str, size_gib: float, saves: int, workdir: Path, verify: str) -> dict[str, Any]:
+def run_variant(name: str, size_gib: float, saves: int, workdir: Path, verify: str,
+                device: str = "cpu") -> dict[str, Any]:
+    import lightning.pytorch  # noqa: F401
     import torch
+    import torch.distributed.checkpoint  # noqa: F401
 
     torch.set_num_threads(1)  # the other core is the background writer's
     nbytes = int(size_gib * GiB)
+    # The baseline is a training process before any checkpointing: torch, Lightning and DCP are imported
+    # (every variant needs them; Lightning alone is about 90 MB), the state does not exist yet.
     pss0 = tree_pss()
-    state = make_state(nbytes)
+    state = make_state(nbytes, device=device)
     tensors = big_tensors(state)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     floor = memcpy_floor(tensors)
@@ -294,13 +315,19 @@ def run_variant(name: str, size_gib: float, saves: int, workdir: Path, verify: s
         records[i]["torn"] = torn_tensors(name, path, value)
         _remove(path)
     return {
-        "variant": name, "size_gib": size_gib, "state_bytes": state_bytes, "memcpy_floor_s": floor,
+        "variant": name, "size_gib": size_gib, "device": device, "state_bytes": state_bytes, "memcpy_floor_s": floor,
         "probe_gbps": probe / 1e9, "base_step_s": base_step, "saves": records,
     }
 
 
 # -------------------------------------------------------------------------------------------------
 # The orchestrator
+def _gpu_name() -> str:
+    import torch
+
+    return f"CUDA ({torch.cuda.get_device_name(0)}); the floor is the pinned device-to-host copy"
+
+
 def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -374,6 +401,9 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the state lives; with cuda the floor is the pinned device-to-host copy and the"
+                        " fork-per-save variants are left out (a forked child cannot use CUDA)")
     p.add_argument("--render", default=None, help="print the table of a saved bench-*.json instead of running")
     p.add_argument("--worker-run", default=None, help=argparse.SUPPRESS)
     p.add_argument("--verify", default="all", choices=["all", "last", "none"], help=argparse.SUPPRESS)
@@ -383,12 +413,14 @@ def main() -> None:
         print(markdown(summarize(json.loads(Path(args.render).read_text())["runs"])))
         return
     if args.worker_run:
-        result = run_variant(args.worker_run, float(args.sizes), args.saves, Path(args.dir), args.verify)
+        result = run_variant(args.worker_run, float(args.sizes), args.saves, Path(args.dir), args.verify, args.device)
         print("RESULT " + json.dumps(result), flush=True)
         return
 
     sizes = [float(s) for s in args.sizes.split(",")] + ([8.0] if args.big else [])
     variants = args.variants.split(",")
+    if args.device == "cuda":
+        variants = [v for v in variants if not v.endswith("_fork")]
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-save-"))
     runs: list[dict] = []
     for size in sizes:
@@ -398,7 +430,7 @@ def main() -> None:
                 work = base / f"{name}-{size:g}-{rnd}"
                 work.mkdir(parents=True, exist_ok=True)
                 cmd = [sys.executable, __file__, "--worker-run", name, "--sizes", str(size), "--saves", str(args.saves),
-                       "--dir", str(work), "--verify", "last" if size > 2 else "all"]
+                       "--dir", str(work), "--verify", "last" if size > 2 else "all", "--device", args.device]
                 t0 = time.monotonic()
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
                 shutil.rmtree(work, ignore_errors=True)
@@ -416,7 +448,8 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (out / f"bench-{stamp}.json").write_text(json.dumps({"args": vars(args), "rows": rows, "runs": runs}, indent=1))
     (out / f"bench-{stamp}.md").write_text(
-        f"# bench_save.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs\n\n"
+        f"# bench_save.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs"
+        + (f", state on {_gpu_name()}" if args.device == "cuda" else "") + "\n\n"
         + table + "\n"
     )
     if not args.dir:

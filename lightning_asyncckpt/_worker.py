@@ -120,15 +120,18 @@ def engine_loop(loop_fn: Any, preload: tuple, ready: Any, *args: Any) -> None:
     """
     import importlib
 
+    # The writer only reads host memory. Hiding the GPUs keeps it from creating a CUDA context (hundreds
+    # of MB of device memory per rank) when an engine's loop pins a device, and runs it the same way on
+    # GPU machines as on CPU ones. CUDA reads this at its first use, which has not happened yet.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
     for name in preload:
         importlib.import_module(name)
     ready.set()
 
-    if not torch.cuda.is_available():
-        # Megatron-Core's loop pins `rank % device_count()` first: a ZeroDivisionError without CUDA.
-        # This process only writes files, so it may pretend to have one device it never uses.
-        torch.cuda.device_count = lambda: 1
-        torch.cuda.set_device = lambda *_a, **_k: None
+    # Megatron-Core's loop pins `rank % device_count()` first: a ZeroDivisionError without CUDA.
+    # This process only writes files, so it may pretend to have one device it never uses.
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *_a, **_k: None
     loop_fn(*args)

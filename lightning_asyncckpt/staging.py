@@ -8,12 +8,16 @@ A checkpoint is split into
   non-tensor objects, and loading it needs nothing but torch.
 
 The tensors handed to the writer are copies taken at save time into reused host buffers, so the
-training step may change every parameter as soon as ``snapshot`` returns.
+training step may change every parameter as soon as ``snapshot`` returns. CUDA tensors are copied into
+pinned buffers on a side stream (ordered after the kernels already queued on the current stream).
+Quantized tensor subclasses (TransformerEngine's FP8 / MXFP8 / NVFP4 tensors) are written dequantized,
+in the dtype they report, so that the checkpoint holds plain tensors that any reader can load.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +109,49 @@ def _share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict
     return {k: v for k, v in tensors.items() if k in mine}
 
 
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a quantized tensor subclass (TransformerEngine's ``Float8Tensor``,
+    ``MXFP8Tensor``, blockwise and NVFP4 tensors): its class, or a parent class below ``torch.Tensor``,
+    defines its own ``dequantize``. Every tensor inherits ``torch.Tensor.dequantize``, so asking whether
+    the attribute exists would match plain tensors too (and upcast bf16 to fp32)."""
+    for cls in type(t).__mro__:
+        if cls is torch.Tensor:
+            return False
+        if "dequantize" in cls.__dict__:
+            return True
+    return False
+
+
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with the values of quantized ``t``, in the dtype ``t`` reports (MXFP8 reports bf16),
+    so that the checkpoint's metadata and data agree. Plain tensors are returned as they are."""
+    if not is_quantized(t):
+        return t
+    with torch.no_grad():
+        out = t.dequantize()
+    if type(out) is not torch.Tensor:  # a subclass that dequantizes into another wrapper
+        out = out.as_subclass(torch.Tensor) if not is_quantized(out) else dequantized(out)
+    if out.dtype != t.dtype:
+        out = out.to(t.dtype)
+    return out.detach()
+
+
+def _pin_shared(buf: torch.Tensor) -> torch.Tensor:
+    """Page-locks a shared-memory buffer in place (``cudaHostRegister``), so that a device-to-host copy
+    into it is a fast asynchronous DMA and a spawned worker still maps the same pages. The registration
+    is dropped when the buffer is freed."""
+    nbytes = buf.numel() * buf.element_size()
+    if nbytes == 0:
+        return buf
+    cudart = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
+    if err != 0:
+        raise RuntimeError(f"lightning-asyncckpt: pinning a {nbytes}-byte staging buffer failed (cudaError {err})")
+    weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, ptr)
+    return buf
+
+
 def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor in shared memory, allocated there directly (``share_memory_`` would
     allocate private memory first, then copy it into a new shared segment)."""
@@ -126,6 +173,21 @@ def _is_whole_storage(t: torch.Tensor) -> bool:
         and t.storage_offset() == 0
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     )
+
+
+def _rewrap(dt: Any, local: torch.Tensor) -> Any:
+    """A ``DTensor`` like ``dt`` (mesh, placements, global shape and stride) whose local shard is the
+    host copy ``local``. ``DTensor.from_local`` would move the copy back to the mesh's device (a CUDA
+    mesh), so the DTensor is built from ``dt``'s spec, as torch's own CPU offload of state dicts does."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        return DTensor(local, dt._spec, requires_grad=False)
+    except (AttributeError, TypeError):  # a torch whose DTensor constructor differs
+        if local.device.type != dt.device_mesh.device_type:
+            raise
+        return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
+                                  stride=dt.stride())
 
 
 @dataclass
@@ -161,6 +223,8 @@ class Stager:
         self.shared = shared
         self.copy_cpu = copy_cpu
         self._sets: list[BufferSet] = []
+        self._streams: dict[torch.device, Any] = {}  # one side stream per CUDA device, for the copies
+        self._in_flight: list[torch.Tensor] = []  # sources of copies still running on a side stream
 
     def _acquire(self) -> BufferSet:
         for s in self._sets:
@@ -182,12 +246,13 @@ class Stager:
     def _buffer(self, bs: BufferSet, name: str, t: torch.Tensor) -> torch.Tensor:
         buf = bs.buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            cuda = t.device.type == "cuda"
             if self.shared:
                 buf = _shared_empty(t.shape, t.dtype)
+                if cuda:
+                    buf = _pin_shared(buf)
             else:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-                if t.device.type == "cuda":
-                    buf = buf.pin_memory()
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda)
             bs.buffers[name] = buf
         return buf
 
@@ -199,6 +264,7 @@ class Stager:
         bs = self._acquire()
         nbytes = 0
         for name, t in tensors.items():
+            t = dequantized(t)  # a buffer for what will be copied: the dequantized values
             if not self.copy_cpu and t.device.type == "cpu":
                 continue
             self._buffer(bs, name, t).zero_()
@@ -209,12 +275,25 @@ class Stager:
     def _stage(self, bs: BufferSet, name: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Copies ``t`` into ``bs`` (or keeps it, when fork's copy-on-write is the snapshot).
         Returns the staged tensor and whether a CUDA copy is still in flight."""
-        if not self.copy_cpu and t.device.type == "cpu" and _is_whole_storage(t):
-            return t, False
+        quantized = is_quantized(t)
+        if quantized:
+            t = dequantized(t)  # on the current stream, like the training step's kernels
+        if not self.copy_cpu and t.device.type == "cpu" and (quantized or _is_whole_storage(t)):
+            return t, False  # fork's copy-on-write keeps it (a dequantized tensor is ours alone)
         buf = self._buffer(bs, name, t)
-        non_blocking = t.device.type == "cuda" and buf.is_pinned()
-        buf.copy_(t, non_blocking=non_blocking)
-        return buf, non_blocking
+        if t.device.type != "cuda":
+            buf.copy_(t)
+            return buf, False
+        # A side stream, so that the copies overlap nothing the training step queues later; it waits for
+        # the kernels already queued (the step that produced ``t``, and a dequantization).
+        side = self._streams.get(t.device)
+        if side is None:
+            side = self._streams[t.device] = torch.cuda.Stream(device=t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(side):
+            buf.copy_(t, non_blocking=True)
+        self._in_flight.append(t)  # kept alive until the copy is done
+        return buf, True
 
     @staticmethod
     def _drop_unused(bs: BufferSet, used: set[str]) -> None:
@@ -247,15 +326,15 @@ class Stager:
             pending_cuda |= in_flight
             staged[name] = copy
             if isinstance(t, DTensor):
-                return DTensor.from_local(
-                    copy, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-                )
+                return _rewrap(t, copy)
             return copy
 
         try:
             tree = _walk(state, (), take)
             return self._finish(bs, tree, staged, nbytes, pending_cuda)
         except BaseException:
+            if pending_cuda:
+                self._wait_copies()
             self.release(bs)
             raise
 
@@ -277,11 +356,19 @@ class Stager:
                 pending_cuda |= in_flight
             return self._finish(bs, skeleton, staged, nbytes, pending_cuda)
         except BaseException:
+            if pending_cuda:
+                self._wait_copies()
             self.release(bs)
             raise
 
+    def _wait_copies(self) -> None:
+        """Blocks until every device-to-host copy of this snapshot is in its host buffer."""
+        for side in self._streams.values():
+            side.synchronize()
+        self._in_flight.clear()
+
     def _finish(self, bs: BufferSet, skeleton: Any, staged: dict, nbytes: int, pending_cuda: bool) -> Snapshot:
         if pending_cuda:
-            torch.cuda.synchronize()
+            self._wait_copies()
         self._drop_unused(bs, set(staged))
         return Snapshot(skeleton=skeleton, tensors=staged, nbytes=nbytes, buffer_set=bs)
