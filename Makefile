@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-faults test-all bench lint clean
+.PHONY: demo test test-faults test-all bench gpu-check lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test-all: $(STAMP)
 # every save variant in one run, interleaved; writes benchmarks/results/bench-<time>.{md,json}
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_save.py $(BENCH_ARGS)
+
+# on a CUDA machine: the GPU tests and the CUDA benchmark, with the machine's own CUDA torch (see the script)
+gpu-check:
+	bash scripts/gpu_check.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The one prepared check for a CUDA machine (about 5 minutes; hard limit 8). Run from the repo root:
+#
+#     bash scripts/gpu_check.sh            # or: make gpu-check; results in ${OUT:-gpu_check_out}/
+#
+# Wheels for a machine without network (Python 3.12 here as an example), fetched where pip works:
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#         -d .whl nvidia-resiliency-ext megatron-core
+#
+# 1. the GPU tests: CUDA tensors staged through pinned shared memory (both engines, both workers), a
+#    writer without a CUDA context, NCCL and gloo agreement at world size 1, TransformerEngine FP8
+#    weights saved dequantized (skipped where TE is not installed);
+# 2. the CUDA benchmark at 2 and 8 GiB on the GPU, and the stall against the pinned device-to-host
+#    copy floor measured in the same run (target: 1.3x or less).
+#
+# Python: $PYTHON (default python3) must have a CUDA torch. Missing packages can be installed from
+# wheels in .whl/ (no network needed): they go to /tmp/site. The package itself is used from the
+# checkout (PYTHONPATH), so nothing is installed into the system.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+say() { echo "$@" | tee -a "$LOG"; }
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { say "installing the carried wheels failed"; exit 2; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+"$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
+import importlib.metadata as md, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+for name in ("lightning", "nvidia-resiliency-ext", "megatron-core", "transformer-engine", "pytest", "pytest-timeout"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "not installed")
+EOF
+
+status=0
+say "== GPU tests"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --timeout=200 \
+    tests/test_gpu.py tests/test_control_plane.py -k "not bench_cuda_smoke" -rs 2>&1 | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+say "== CUDA benchmark (2 and 8 GiB on the GPU)"
+BENCH_DIR=$(mktemp -d -p /dev/shm gpu-bench-XXXX 2>/dev/null || mktemp -d)
+timeout 270 "$PY" benchmarks/bench_save.py --device cuda --sizes "${GPU_BENCH_SIZES:-2,8}" --saves 4 \
+    --variants dcp_sync,dcp_async_process,nvrx_persistent,mcore_persistent --dir "$BENCH_DIR" --out "$OUT" \
+    2>&1 | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+rm -rf "$BENCH_DIR"
+
+"$PY" - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, pathlib, sys
+runs = sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json"))
+if not runs:
+    print("no benchmark result"); sys.exit(0)
+for row in json.loads(runs[-1].read_text())["rows"]:
+    if row["variant"].endswith("_persistent"):
+        x = row["stall_vs_memcpy_floor"]
+        verdict = "met" if x is not None and x <= 1.3 else "NOT met"
+        print(f"{row['size_gib']:g} GiB {row['variant']}: stall {row['stall_s']:.4f} s = {x:.2f}x the pinned D2H floor"
+              f" ({verdict}; target 1.3x)")
+EOF
+say "gpu_check: exit $status"
+exit $status

@@ -1,0 +1,99 @@
+"""The CUDA path: CUDA tensors staged through pinned shared memory, a worker without a CUDA context, and a
+real TransformerEngine FP8 model. Skipped without CUDA (and without TE); ``scripts/gpu_check.sh`` runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_asyncckpt import AsyncCheckpointIO, dcp_format, staging, testing
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _gpu_pids() -> set[int]:
+    """PIDs holding a CUDA context on any GPU, from nvidia-smi (empty when it cannot tell)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {int(x) for x in out.split() if x.strip().isdigit()}
+
+
+@pytest.mark.parametrize("worker", ["persistent", "fork"])
+@pytest.mark.parametrize("engine", ["nvrx", "mcore"])
+def test_cuda_tensors_are_staged_through_pinned_memory(engine, worker, tmp_path):
+    torch.cuda.set_device(0)
+    state = {
+        "global_step": 3,
+        "state_dict": {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda").bfloat16()},
+    }
+    expected = {k: v.cpu() for k, v in state["state_dict"].items()}
+    io = AsyncCheckpointIO(engine, worker=worker, timeout_s=120)
+    try:
+        io.warmup(like=state)
+        io.write_hook = testing.DelayWrite(1.0)
+        io.save_checkpoint(state, tmp_path / "c")
+        for v in state["state_dict"].values():  # the next step changes every tensor on the GPU
+            v.add_(1)
+        buffers = [b for bs in io._stager._sets for b in bs.buffers.values()]
+        assert buffers and all(b.device.type == "cpu" and b.is_pinned() for b in buffers)
+        if worker == "persistent":
+            pid = io._engine.worker_pids()[0]
+            assert pid not in _gpu_pids(), "the writer process created a CUDA context"
+        io.finalize(blocking=True)
+        loaded = io.load_checkpoint(tmp_path / "c", weights_only=True)
+    finally:
+        io.teardown()
+    for k, want in expected.items():
+        assert torch.equal(loaded["state_dict"][k], want), k
+
+
+def test_transformer_engine_fp8_weights_are_saved_dequantized_and_load_into_te(tmp_path):
+    te = pytest.importorskip("transformer_engine.pytorch")
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    with te.fp8_model_init(enabled=True):
+        layer = te.Linear(128, 128, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16)
+    with te.fp8_autocast(enabled=True):
+        layer(x).sum().backward()
+    sd = layer.state_dict()
+    assert staging.is_quantized(layer.weight), type(layer.weight)
+    want = layer.weight.dequantize().cpu()
+    assert want.dtype is torch.bfloat16
+    io = AsyncCheckpointIO("nvrx", worker="persistent", timeout_s=120)
+    try:
+        io.save_checkpoint({"state_dict": sd, "global_step": 1}, tmp_path / "te")
+        io.finalize(blocking=True)
+        loaded = io.load_checkpoint(tmp_path / "te", weights_only=False)
+    finally:
+        io.teardown()
+    w = loaded["state_dict"]["weight"]
+    assert type(w) is torch.Tensor and w.dtype is torch.bfloat16 and torch.equal(w, want)
+    meta = dcp_format.read_metadata(tmp_path / "te")
+    assert any(m.properties.dtype is torch.bfloat16 for k, m in meta.state_dict_metadata.items() if k.endswith("weight"))
+    # a TE module accepts the high-precision weights (and re-quantizes them under fp8_model_init)
+    fresh = te.Linear(128, 128, params_dtype=torch.bfloat16, device="cuda")
+    fresh.load_state_dict({k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in loaded["state_dict"].items()})
+    assert torch.equal(fresh.weight.detach().cpu(), want)
+
+
+def test_bench_cuda_smoke(tmp_path):
+    """The CUDA benchmark runs end to end (one small size): what gpu_check.sh measures at 2 to 8 GiB."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_save.py", "--device", "cuda", "--sizes", "0.05", "--saves", "3",
+         "--variants", "dcp_sync,nvrx_persistent", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "nvrx_persistent" in out.stdout
