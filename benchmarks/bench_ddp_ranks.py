@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> None:
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Model(), data)
     stalls = [r.stall_s for r in io.history]
-    rank_bytes = statistics.median(r.nbytes for r in io.history)
+    rank_bytes = statistics.median(r.local_nbytes for r in io.history)
     total = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters()) * 3
     result = {"rank": trainer.global_rank, "stall_s": statistics.median(stalls[1:] or stalls),
               "e2e_s": statistics.median(cb.e2e[1:] or cb.e2e), "rank_bytes": rank_bytes, "state_bytes": total}

@@ -14,13 +14,14 @@ __all__ = [
     "AsyncFinalizerCallback",
     "AsyncModelParallelStrategy",
     "CheckpointWriteError",
+    "SaveRecord",
 ]
 
 if TYPE_CHECKING:
     from lightning_asyncckpt.callback import AsyncFinalizerCallback
     from lightning_asyncckpt.errors import CheckpointWriteError
     from lightning_asyncckpt.fabric import AsyncFabricModelParallelStrategy
-    from lightning_asyncckpt.io import AsyncCheckpointIO
+    from lightning_asyncckpt.io import AsyncCheckpointIO, SaveRecord
     from lightning_asyncckpt.strategies import AsyncDDPStrategy, AsyncModelParallelStrategy
 
 _LOCATIONS = {
@@ -30,6 +31,7 @@ _LOCATIONS = {
     "AsyncFinalizerCallback": "lightning_asyncckpt.callback",
     "AsyncModelParallelStrategy": "lightning_asyncckpt.strategies",
     "CheckpointWriteError": "lightning_asyncckpt.errors",
+    "SaveRecord": "lightning_asyncckpt.io",
 }
 
 

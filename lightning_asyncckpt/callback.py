@@ -34,12 +34,18 @@ class AsyncFinalizerCallback(Callback):
       (Lightning runs checkpoint callbacks last).
     - ``on_exception``: stops the workers without collectives and without masking the exception.
 
+    After each of these, global rank 0 sends every newly committed save's figures to the trainer's
+    loggers (``asyncckpt/stall_seconds``, ``write_seconds``, ``bytes_written``, ``write_gb_per_second``,
+    ``pending_saves``; see :meth:`SaveRecord.metrics`), unless ``log_metrics=False``.
+
     Installing the package registers this callback with every ``Trainer`` through Lightning's
     ``callbacks_factory`` entry point; it stays inert unless the trainer uses ``AsyncCheckpointIO``
     and no other ``AsyncFinalizerCallback`` was given.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log_metrics: bool = True) -> None:
+        self.log_metrics = log_metrics
+        self._logged = 0  # io.history[:_logged] went to the loggers
         self._io: AsyncCheckpointIO | None = None
         self._auto = False
         self._prepare_pending = False
@@ -63,6 +69,7 @@ class AsyncFinalizerCallback(Callback):
         ):
             return
         self._io = io
+        self._logged = len(io.history)
         io._attach_finalizer()
         # start the worker now on every rank that writes, not inside a training step
         writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
@@ -89,11 +96,25 @@ class AsyncFinalizerCallback(Callback):
                     "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
             self._io._prepare(like, collective=self._writes_everywhere and self._io._agreement.active)
         self._io._finalize(blocking=False, force=False)
+        self._log_committed(trainer)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._io is not None:
             self._io._finalize(blocking=True, force=False)
+            self._log_committed(trainer)
+
+    def _log_committed(self, trainer: Trainer) -> None:
+        """(global rank 0) The figures of the saves committed since the last call, to every logger."""
+        assert self._io is not None
+        new = self._io.history[self._logged:]
+        self._logged = len(self._io.history)
+        if not (new and self.log_metrics and trainer.is_global_zero and trainer.loggers):
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning's own logging uses
+        for record in new:
+            for logger in trainer.loggers:
+                logger.log_metrics(record.metrics(), step=step)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

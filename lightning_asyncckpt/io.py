@@ -43,20 +43,102 @@ from lightning_asyncckpt.staging import Stager
 log = logging.getLogger(__name__)
 
 
+def _configure_logging() -> None:
+    """INFO lines (one per committed checkpoint) show up the way Lightning's own do: Lightning gives its
+    logger a console handler at INFO when the application has not configured logging; so do we."""
+    pkg = logging.getLogger("lightning_asyncckpt")
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers() and not pkg.handlers:
+        pkg.addHandler(logging.StreamHandler())
+        pkg.propagate = False
+
+
+_configure_logging()
+
+
 _REPLICATED = "replicated"  # a checkpoint dict (skeleton + tensors); one writer, or a share per rank
 _SHARDED = "sharded"  # each rank's own shards, in Lightning's ModelParallelStrategy layout
 META_FILE = dcp_format.META_FILE
 
 
-@dataclass
+METRICS_PREFIX = "asyncckpt/"
+
+
+@dataclass(frozen=True)
 class SaveRecord:
-    """What one committed save cost. ``stall_s`` is the time ``save_checkpoint`` held training."""
+    """What one committed save cost, as this rank saw it (``AsyncCheckpointIO.history``, and what
+    ``finalize`` returns).
+
+    Attributes:
+        path: the committed checkpoint.
+        step: the checkpoint's ``global_step``, when it has one.
+        stall_s: how long ``save_checkpoint`` held training on this rank (waiting for room included).
+        write_s: from scheduling the write to the commit: how long the checkpoint took to become durable.
+        nbytes: bytes written into shard files, by all ranks together.
+        local_nbytes: bytes of tensors this rank staged and wrote.
+        pending: saves still pending on this rank right after this one committed.
+        worker_s: the background worker's own time for this rank's part (write and fsync).
+    """
 
     path: str
+    step: int | None
     stall_s: float
     write_s: float
-    total_s: float
     nbytes: int
+    local_nbytes: int
+    pending: int
+    worker_s: float
+
+    @property
+    def gbps(self) -> float:
+        """Write throughput in GB/s (1e9 bytes): all ranks' bytes over the time to the commit."""
+        return self.nbytes / max(self.write_s, 1e-9) / 1e9
+
+    def metrics(self, prefix: str = METRICS_PREFIX) -> dict[str, float]:
+        """The figures a logger gets, under one prefix (``AsyncFinalizerCallback`` logs these on rank 0)."""
+        return {
+            f"{prefix}stall_seconds": self.stall_s,
+            f"{prefix}write_seconds": self.write_s,
+            f"{prefix}bytes_written": float(self.nbytes),
+            f"{prefix}write_gb_per_second": self.gbps,
+            f"{prefix}pending_saves": float(self.pending),
+        }
+
+    def summary(self) -> str:
+        """The INFO line logged on rank zero for every committed checkpoint."""
+        return (
+            f"committed {os.path.basename(self.path)}: {_human_bytes(self.nbytes)} in {self.write_s:.1f} s"
+            f" ({self.gbps:.2f} GB/s); training stalled {self.stall_s:.2f} s"
+        )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def _global_step(state: Any) -> int | None:
+    """The step a checkpoint was taken at: Lightning's ``global_step``, or a Fabric loop's ``step``."""
+    if not isinstance(state, dict):
+        return None
+    step = state.get("global_step", state.get("step"))
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
+
+def _written_bytes(all_results: list) -> int:
+    """Bytes in shard files, from every rank's DCP write results."""
+    total = 0
+    for rank_results in all_results:
+        for r in rank_results or ():
+            info = getattr(r, "storage_data", None)
+            total += int(getattr(info, "length", 0) or 0)
+    return total
 
 
 @dataclass(eq=False)  # compared by identity
@@ -71,6 +153,7 @@ class _PendingSave:
     buffer_set: Any
     stall_s: float
     nbytes: int
+    step: int | None = None  # the checkpoint's global_step, for the record
     collective: bool = False  # every rank writes a part; committed by all ranks together
     coordinator_fault: str | None = None  # an injected commit failure (lightning_asyncckpt.testing)
     write_s: float = 0.0
@@ -152,7 +235,8 @@ class AsyncCheckpointIO(CheckpointIO):
         self.timeout_s = float(timeout_s)
         self.max_pending = max_pending
         self.poll_interval_s = poll_interval_s
-        self.history: list[SaveRecord] = []
+        self.history: list[SaveRecord] = []  # every committed save, oldest first
+        self._returned = 0  # history[:_returned] was returned by finalize()
         self.write_hook: Callable[[list], None] | None = None  # picklable; runs in the worker
         self._agreement = Agreement()
         self._engine: engines.Engine | None = None
@@ -231,11 +315,12 @@ class AsyncCheckpointIO(CheckpointIO):
             buf = io.BytesIO()
             torch.save(meta, buf)  # serialized now: a snapshot of the non-tensor state
             extra.append((META_FILE, buf.getvalue()))
-        self._save(state, path, None, collective=self._agreement.active, mode=_SHARDED, extra_files=extra)
+        self._save(state, path, None, collective=self._agreement.active, mode=_SHARDED, extra_files=extra,
+                   step=_global_step(meta))
 
     def _save(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any, collective: bool, mode: str,
-        extra_files: list[tuple[str, bytes]] | None = None,
+        extra_files: list[tuple[str, bytes]] | None = None, step: int | None = None,
     ) -> None:
         self._save_calls += 1
         self._save_started = time.perf_counter()  # the stall counts from here: waiting for room and the snapshot
@@ -264,7 +349,8 @@ class AsyncCheckpointIO(CheckpointIO):
                 if local_error is not None:
                     raise local_error
                 return
-            self._schedule(checkpoint, path, collective, mode, snapshot, extra_files or [])
+            self._schedule(checkpoint, path, collective, mode, snapshot, extra_files or [],
+                           step if step is not None else _global_step(checkpoint))
         except (Exception, CheckpointException) as e:
             if isinstance(e, CheckpointWriteError):
                 raise
@@ -355,15 +441,19 @@ class AsyncCheckpointIO(CheckpointIO):
 
     # ---------------------------------------------------------------------------------------------
     # Finalization
-    def finalize(self, blocking: bool = False) -> list[str]:
+    def finalize(self, blocking: bool = False) -> list[SaveRecord]:
         """(all ranks, same order) Commits the saves whose writes finished; ``blocking`` waits for all.
 
         1. (each rank) poll own writes; commit finished single-writer saves; 2. (all ranks) agree on
         progress and failures; 3. (all ranks) raise :class:`CheckpointWriteError` for a failed save.
 
-        Returns the paths committed by this rank during the call.
+        Returns a :class:`SaveRecord` for every save this rank committed since the previous call
+        (saves can also commit inside ``save_checkpoint``), e.g. for ``fabric.log_dict(r.metrics())``.
         """
-        return self._finalize(blocking, force=True)
+        self._finalize(blocking, force=True)
+        out = self.history[self._returned:]
+        self._returned = len(self.history)
+        return out
 
     def _finalize(self, blocking: bool, force: bool) -> list[str]:
         """With several ranks, one agreement round per poll. ``force`` agrees even when no rank announced a
@@ -484,7 +574,7 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def _schedule(
         self, checkpoint: dict[str, Any], path: Path, collective: bool, mode: str,
-        snapshot: staging.Snapshot | None, extra_files: list[tuple[str, bytes]],
+        snapshot: staging.Snapshot | None, extra_files: list[tuple[str, bytes]], step: int | None = None,
     ) -> None:
         """Plans and hands over one save. A collective save arrives with its snapshot taken and agreed."""
         assert self._engine is not None and self._results_dir is not None
@@ -542,7 +632,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._pending.append(
             _PendingSave(
                 order=order, seq=seq, path=path, tmp=tmp, ticket=ticket, plan=plan, result_path=result_path,
-                buffer_set=snapshot.buffer_set, stall_s=stall, nbytes=snapshot.nbytes, collective=collective,
+                buffer_set=snapshot.buffer_set, stall_s=stall, nbytes=snapshot.nbytes, step=step, collective=collective,
                 coordinator_fault=coordinator_fault,
             )
         )
@@ -624,14 +714,20 @@ class AsyncCheckpointIO(CheckpointIO):
                 commit.publish(save.tmp, save.path)
             except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
                 return RankFailure.from_exception(self._agreement.rank, e)
-        self.history.append(
-            SaveRecord(
-                path=str(save.path), stall_s=save.stall_s, write_s=save.write_s,
-                total_s=time.monotonic() - save.started, nbytes=save.nbytes,
-            )
+        record = SaveRecord(
+            path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.started,
+            nbytes=_written_bytes(all_results), local_nbytes=save.nbytes, pending=len(self._pending),
+            worker_s=save.write_s,
         )
+        self.history.append(record)
         self._last_ok_order = save.order
-        log.debug("lightning-asyncckpt: committed %s", save.path)
+        if self._agreement.rank == 0:
+            log.info("lightning-asyncckpt: %s", record.summary())
+        log.debug(
+            "lightning-asyncckpt: %s: stall %.4f s, worker write %.3f s, scheduled-to-commit %.3f s, %d bytes"
+            " staged here, %d pending", save.path, record.stall_s, record.worker_s, record.write_s,
+            record.local_nbytes, record.pending,
+        )
         self._run_removals()
         return None
 

@@ -124,6 +124,7 @@ def _full(model, opt):
 def case_sharded(args, fabric, io, report):
     """FSDP2 through AsyncFabricModelParallelStrategy: save returns early, finalize commits, load is exact."""
     path = os.path.join(args.out, "ckpt", "step-5")
+    records = []
     with io:
         model, opt = _setup_sharded(fabric)
         for i in range(12):
@@ -134,11 +135,15 @@ def case_sharded(args, fabric, io, report):
                 report["complete_right_after_save"] = commit.is_committed(Path(path))
                 io.write_hook = None
                 expected = _full(model, opt)
-            io.finalize()
+            records += io.finalize()  # what a Fabric loop logs: fabric.log_dict(record.metrics())
         fresh, fresh_opt = _setup_sharded(fabric)
         state = {"model": fresh, "optimizer": fresh_opt, "step": None}
         remainder = fabric.load(path, state)  # commits the pending save first
+        records += io.finalize()
         report["files"] = sorted(os.listdir(path))
+        report["sizes"] = {f: os.path.getsize(os.path.join(path, f)) for f in report["files"]}
+        report["records"] = [[os.path.basename(r.path), r.step, r.nbytes, r.local_nbytes, sorted(r.metrics())]
+                             for r in records]
         assert_tree_equal(_full(fresh, fresh_opt), expected, "loaded")
         report["loaded_exact"] = state["step"] == 5
         report["remainder"] = sorted(remainder)

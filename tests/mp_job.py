@@ -126,6 +126,7 @@ def case_fit(args, report):
     t.fit(ShardedModel(width=WIDTH), loader(**DATA))
     report["children_after_fit"] = _own_children()
     report["complete_on_return"] = strategy.complete_on_return
+    report["records"] = {os.path.basename(r.path): [r.nbytes, r.local_nbytes] for r in io.history}
     torch.distributed.barrier()
     report["files"] = sorted(os.listdir(ck.dirpath))
     if t.global_rank == 0:

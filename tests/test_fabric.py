@@ -39,6 +39,12 @@ def test_fabric_sharded_save_finalize_load_is_exact(tmp_path, engine, worker):
         assert r["complete_right_after_save"] is False  # fabric.save returned before the write was done
         assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]  # Fabric's sharded layout
         assert r["loaded_exact"] is True and r["remainder"] == ["note"]
+        # finalize() returned the save's record once, with the bytes of both ranks' shard files
+        [(name, step, nbytes, local, keys)] = r["records"]
+        assert name == "step-5" and step == 5
+        assert nbytes == r["sizes"]["__0_0.distcp"] + r["sizes"]["__1_0.distcp"] and 0 < local < nbytes
+        assert keys == sorted(f"asyncckpt/{k}" for k in ("stall_seconds", "write_seconds", "bytes_written",
+                                                         "write_gb_per_second", "pending_saves"))
         assert r["children_after_exit"] == []
 
 

@@ -64,7 +64,7 @@ def test_save_returns_before_the_write_and_is_a_snapshot(io, tmp_path):
     assert not path.exists() and io.num_pending == 1
     for t in (ckpt["state_dict"]["layer.weight"], ckpt["optimizer_states"][0]["state"][0]["exp_avg"]):
         t.mul_(-3.0).add_(7.0)  # the training step changes everything right away
-    assert io.finalize(blocking=True) == [str(path)]
+    assert [r.path for r in io.finalize(blocking=True)] == [str(path)]
     assert commit.is_committed(path)
     assert_tree_equal(io.load_checkpoint(path, weights_only=False), expected)
 

@@ -23,6 +23,10 @@ def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine
         assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], name
         small, large = sorted((files["__0_0.distcp"], files["__1_0.distcp"]))
         assert large < 1.5 * small, (name, files)  # each rank wrote its own shards
+        # every rank's record counts the bytes of all ranks; its own share is less
+        for r in (r0, r1):
+            nbytes, local = r["records"][name]
+            assert nbytes == small + large and 0 < local < nbytes, (name, r["records"][name], files)
     # every checkpoint, read with torch.distributed.checkpoint alone, holds the full state of its step
     assert r0["verified"] == expected
     for r in (r0, r1):

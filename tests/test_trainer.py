@@ -300,3 +300,59 @@ def test_staging_buffers_are_ready_before_the_first_save(tmp_path):
     assert sum(b.numel() * b.element_size() for b in seen["buffers"].values()) >= 3 * model_bytes  # weights + Adam
     assert all(b.is_shared() for b in seen["buffers"].values()), [(n, b.is_shared()) for n, b in seen["buffers"].items()]
     assert all(any(b is a for a in seen["after"]) for b in seen["buffers"].values())  # reused by the saves
+
+
+def test_every_committed_save_reaches_the_loggers_and_the_log(tmp_path):
+    """Rank 0 logs each committed save's figures under ``asyncckpt/`` and one INFO line per checkpoint."""
+    import csv
+    import logging
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    logging.getLogger("lightning_asyncckpt").addHandler(handler)
+    try:
+        io = AsyncCheckpointIO("nvrx", worker="persistent")
+        ck = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, every_n_train_steps=5)
+        logger = CSVLogger(tmp_path / "logs", name="", version="")
+        t = trainer(tmp_path, [io], [AsyncFinalizerCallback(), ck], max_steps=20, logger=logger, log_every_n_steps=1)
+        t.fit(TinyModel(width=64, layers=2), loader(width=64, n=64))
+    finally:
+        logging.getLogger("lightning_asyncckpt").removeHandler(handler)
+
+    assert len(io.history) == 4
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("asyncckpt/bytes_written")]
+    assert len(rows) == 4
+    for row, record in zip(rows, io.history):
+        shards = [p for p in os.listdir(record.path) if p.endswith(".distcp")]
+        on_disk = sum(os.path.getsize(os.path.join(record.path, p)) for p in shards)
+        assert int(float(row["asyncckpt/bytes_written"])) == record.nbytes == on_disk
+        assert float(row["asyncckpt/stall_seconds"]) == pytest.approx(record.stall_s)
+        assert float(row["asyncckpt/write_seconds"]) == pytest.approx(record.write_s)
+        assert float(row["asyncckpt/write_seconds"]) >= float(row["asyncckpt/stall_seconds"]) > 0
+        assert float(row["asyncckpt/write_gb_per_second"]) == pytest.approx(record.nbytes / record.write_s / 1e9)
+        assert 0 <= float(row["asyncckpt/pending_saves"]) < 2
+    assert [r.step for r in io.history] == [5, 10, 15, 20]
+    committed = [ln for ln in lines if ln.startswith("lightning-asyncckpt: committed ")]
+    assert [ln.split()[2].rstrip(":") for ln in committed] == [os.path.basename(r.path) for r in io.history]
+    assert all("GB/s); training stalled" in ln for ln in committed)
+
+
+def test_log_metrics_false_logs_nothing(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    io = AsyncCheckpointIO("mcore", worker="fork")
+    ck = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, every_n_train_steps=5)
+    t = trainer(tmp_path, [io], [AsyncFinalizerCallback(log_metrics=False), ck], max_steps=10,
+                logger=CSVLogger(tmp_path / "logs", name="", version=""), log_every_n_steps=1)
+    t.fit(TinyModel(width=32, layers=1), loader(width=32, n=32))
+    assert len(io.history) == 2
+    text = (tmp_path / "logs" / "metrics.csv").read_text() if (tmp_path / "logs" / "metrics.csv").exists() else ""
+    assert "asyncckpt/" not in text
