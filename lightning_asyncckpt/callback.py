@@ -57,6 +57,8 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """(all ranks, at the start of fit/validate/test/predict) Finds the trainer's ``AsyncCheckpointIO``;
+        for fit, starts the worker on every writing rank (outside any training step)."""
         self._io = None
         self._prepare_pending = False
         io = find_async_io(trainer.strategy)
@@ -81,11 +83,13 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
         if self._io is not None:
             self._io._announce_save()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """(all ranks, after every training batch) Non-blocking finalize; raises a failed write here."""
         if self._io is None:
             return
         if self._prepare_pending:
@@ -100,6 +104,7 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """(all ranks, once at the end of fit) Blocking finalize: every save is committed or raised."""
         if self._io is not None:
             self._io._finalize(blocking=True, force=False)
             self._log_committed(trainer)
@@ -118,6 +123,7 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """(the ranks that raised) Stops the workers without collectives, leaving ``exception`` to propagate."""
         if self._io is not None:
             self._io._abort()
 

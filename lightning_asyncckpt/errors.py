@@ -33,6 +33,7 @@ class RankFailure:
         return cls(rank=rank, error_type=type(exc).__name__, message=str(exc), errno=code)
 
     def describe(self) -> str:
+        """One line for messages: ``rank 1: OSError [ENOSPC]: No space left on device``."""
         code = ""
         if self.errno is not None:
             code = f" [{_errno.errorcode.get(self.errno, self.errno)}]"
@@ -65,14 +66,17 @@ class CheckpointWriteError(Exception):
 
     @property
     def ranks(self) -> tuple[int, ...]:
+        """The global ranks whose part of the save failed (the same on every rank that raises)."""
         return tuple(f.rank for f in self.failures)
 
     @property
     def error_type(self) -> str | None:
+        """The first failing rank's original error type, e.g. ``"OSError"`` or ``"WorkerDied"``."""
         return self.failures[0].error_type if self.failures else None
 
     @property
     def errno(self) -> int | None:
+        """The first failing rank's ``errno`` (e.g. ``errno.ENOSPC``), when the error had one."""
         return self.failures[0].errno if self.failures else None
 
     def __reduce__(self):

@@ -48,6 +48,8 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
     @property
     @override
     def checkpoint_io(self) -> AsyncCheckpointIO:
+        """(any rank) The ``AsyncCheckpointIO`` that writes this strategy's saves: the one given, else the one
+        in Fabric's ``plugins``, else a default ``AsyncCheckpointIO()`` created on first use."""
         if self._checkpoint_io is None:
             self._checkpoint_io = AsyncCheckpointIO()
         return self._checkpoint_io  # type: ignore[return-value]

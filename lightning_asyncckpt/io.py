@@ -210,6 +210,10 @@ class AsyncCheckpointIO(CheckpointIO):
 
     Call pattern (all ranks unless noted): ``save_checkpoint`` on the ranks Lightning calls it on;
     ``finalize`` on every rank, in the same order; ``teardown`` on every rank at the end.
+    ``history`` lists a :class:`SaveRecord` for each save this rank committed.
+
+    Construct it on every rank (before ``Trainer``/``Fabric`` launches, or in each process); it starts
+    nothing until its first save, ``warmup``, or the callback's ``setup``.
     """
 
     def __init__(
@@ -265,20 +269,22 @@ class AsyncCheckpointIO(CheckpointIO):
     # Public properties
     @property
     def engine(self) -> str:
-        """The resolved engine name: ``"nvrx"`` or ``"mcore"``."""
+        """The resolved engine name: ``"nvrx"`` or ``"mcore"`` (decided in ``__init__``, on every rank)."""
         return self._engine_name.value
 
     @property
     def worker(self) -> str:
+        """The worker mode: ``"persistent"`` or ``"fork"``."""
         return self._worker_mode.value
 
     @property
     def num_pending(self) -> int:
-        """Saves of this rank not yet committed or failed."""
+        """(any rank, any time) Saves of this rank not yet committed or failed."""
         return len(self._pending)
 
     def worker_pids(self) -> list[int]:
-        """PIDs of this rank's live background writers (the persistent worker, or forked ones)."""
+        """(any rank, any time) PIDs of this rank's live background writers (the persistent worker, or
+        forked ones)."""
         pids = self._engine.worker_pids() if self._engine is not None else []
         for save in self._pending:
             proc = save.ticket.process

@@ -112,6 +112,8 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """(all ranks, when Lightning builds a checkpoint) The optimizer's sharded state, left on its device
+        for the stager (``cpu_offload=False``)."""
         if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -169,6 +171,9 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """(all ranks; Lightning calls it at the end of fit, validate and test) Commits or fails every
+        pending save and stops the workers (the stock strategy never tears its checkpoint IO down), then
+        tears the strategy down."""
         try:
             self.checkpoint_io.teardown()
         finally:

@@ -129,6 +129,7 @@ class Fault:
                 object.__setattr__(self, name, tuple(int(v) for v in value))
 
     def matches(self, rank: int, save: int, engine: str, worker: str) -> bool:
+        """Whether this fault applies to ``rank``'s ``save``-th save (from 1) on that engine and worker."""
         return (
             (self.ranks is None or rank in self.ranks)
             and (self.saves is None or save in self.saves)
