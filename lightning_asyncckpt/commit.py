@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
 import shutil
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 # whose name contains "last", and must never pick an incomplete save.
 INCOMPLETE_PREFIX = ".asyncckpt-incomplete-"
 METADATA_FILE = ".metadata"
+# Who wrote a checkpoint (library, engine, worker, world size, step): written by the coordinator just
+# before ``.metadata``. Readers of the DCP format ignore it; ``lightning-asyncckpt inspect`` shows it.
+INFO_FILE = ".asyncckpt.json"
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -39,6 +43,25 @@ def is_leftover(name: str) -> bool:
 def is_committed(path: Path) -> bool:
     """A checkpoint directory is complete when DCP's metadata file is in it."""
     return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+def write_info(tmp: Path, info: dict) -> None:
+    """(coordinator) Writes ``info`` as ``INFO_FILE`` into the checkpoint being committed, durably."""
+    with open(tmp / INFO_FILE, "w") as f:
+        json.dump(info, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_info(path: Path) -> dict | None:
+    """The ``INFO_FILE`` of a checkpoint directory, or None (written by another tool, or unreadable)."""
+    try:
+        with open(path / INFO_FILE) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -107,10 +107,15 @@ class SaveRecord:
 
     def summary(self) -> str:
         """The INFO line logged on rank zero for every committed checkpoint."""
+        rate = f"{self.gbps:.2f} GB/s" if self.gbps >= 0.01 else f"{self.gbps * 1e3:.2f} MB/s"
         return (
-            f"committed {os.path.basename(self.path)}: {_human_bytes(self.nbytes)} in {self.write_s:.1f} s"
-            f" ({self.gbps:.2f} GB/s); training stalled {self.stall_s:.2f} s"
+            f"committed {os.path.basename(self.path)}: {_human_bytes(self.nbytes)} in {_seconds(self.write_s)}"
+            f" ({rate}); training stalled {_seconds(self.stall_s)}"
         )
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s >= 10 else f"{s:.2f} s"
 
 
 def _human_bytes(n: float) -> str:
@@ -155,6 +160,7 @@ class _PendingSave:
     nbytes: int
     step: int | None = None  # the checkpoint's global_step, for the record
     collective: bool = False  # every rank writes a part; committed by all ranks together
+    info: dict = field(default_factory=dict)  # who wrote it (commit.INFO_FILE)
     coordinator_fault: str | None = None  # an injected commit failure (lightning_asyncckpt.testing)
     write_s: float = 0.0
     written: list | None = None  # a collective save's local write results, once this rank's part is on disk
@@ -639,10 +645,27 @@ class AsyncCheckpointIO(CheckpointIO):
             _PendingSave(
                 order=order, seq=seq, path=path, tmp=tmp, ticket=ticket, plan=plan, result_path=result_path,
                 buffer_set=snapshot.buffer_set, stall_s=stall, nbytes=snapshot.nbytes, step=step, collective=collective,
-                coordinator_fault=coordinator_fault,
+                coordinator_fault=coordinator_fault, info=self._writer_info(mode, collective, step),
             )
         )
         log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", path, snapshot.nbytes, stall)
+
+    def _writer_info(self, mode: str, collective: bool, step: int | None) -> dict[str, Any]:
+        from lightning_asyncckpt import __version__
+
+        world = self._agreement.world_size
+        return {
+            "writer": f"lightning-asyncckpt {__version__}",
+            "engine": self.engine,
+            "engine_version": getattr(self._engine, "version", None),
+            "worker": self.worker,
+            "layout": "sharded" if mode == _SHARDED else ("distributed" if collective else "single-writer"),
+            "world_size": world,
+            "writing_ranks": world if collective else 1,
+            "global_step": step,
+            "torch": torch.__version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
 
     def _settle_local(self, blocking: bool, until: int | None = None) -> None:
         """(this rank) Polls own writes in order; commits finished single-writer saves, marks finished
@@ -715,6 +738,7 @@ class AsyncCheckpointIO(CheckpointIO):
         if coordinator:
             try:
                 testing.raise_coordinator_fault(save.coordinator_fault, "metadata", save.path)
+                commit.write_info(save.tmp, save.info)
                 save.plan.writer.finish(save.plan.metadata, all_results)
                 testing.raise_coordinator_fault(save.coordinator_fault, "commit", save.path)
                 commit.publish(save.tmp, save.path)

@@ -27,7 +27,7 @@ from helpers import (  # noqa: E402
     other_children,
     run_job,
 )
-from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, commit, testing  # noqa: E402
 
 WIDTH = 64
 DATA = dict(width=WIDTH, n=64, batch_size=4)  # 8 steps per epoch per rank on 2 ranks
@@ -127,6 +127,7 @@ def case_fit(args, report):
     report["children_after_fit"] = _own_children()
     report["complete_on_return"] = strategy.complete_on_return
     report["records"] = {os.path.basename(r.path): [r.nbytes, r.local_nbytes] for r in io.history}
+    report["info"] = commit.read_info(Path(ck.dirpath) / "last.ckpt")
     torch.distributed.barrier()
     report["files"] = sorted(os.listdir(ck.dirpath))
     if t.global_rank == 0:

@@ -37,7 +37,7 @@ def test_fabric_sharded_save_finalize_load_is_exact(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "sharded", engine, worker)
     for r in (r0, r1):
         assert r["complete_right_after_save"] is False  # fabric.save returned before the write was done
-        assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]  # Fabric's sharded layout
+        assert r["files"] == [".asyncckpt.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]  # Fabric's layout + who wrote it
         assert r["loaded_exact"] is True and r["remainder"] == ["note"]
         # finalize() returned the save's record once, with the bytes of both ranks' shard files
         [(name, step, nbytes, local, keys)] = r["records"]

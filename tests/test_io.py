@@ -77,7 +77,10 @@ def test_readable_with_plain_torch_dcp(io, tmp_path):
     plain = torch.load(tmp_path / "plain.pt", weights_only=False)
     assert torch.equal(plain["state_dict.layer.weight"], ckpt["state_dict"]["layer.weight"])
     assert torch.equal(plain["optimizer_states.0.state.0.exp_avg"], ckpt["optimizer_states"][0]["state"][0]["exp_avg"])
-    assert sorted(os.listdir(tmp_path / "a.ckpt")) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(tmp_path / "a.ckpt")) == [".asyncckpt.json", ".metadata", "__0_0.distcp"]
+    info = commit.read_info(tmp_path / "a.ckpt")
+    assert (info["engine"], info["worker"], info["layout"]) == (io.engine, io.worker, "single-writer")
+    assert (info["world_size"], info["writing_ranks"], info["global_step"]) == (1, 1, 120)
 
 
 def test_resave_replaces_only_at_commit_and_removal_waits(io, tmp_path):

@@ -20,7 +20,7 @@ def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine
     assert r0["files"] == r1["files"] == expected  # top-2 and last, nothing left over
     for name, files in r0["layout"].items():
         # the stock ModelParallelStrategy layout: one shard file per rank, .metadata and meta.pt
-        assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], name
+        assert sorted(files) == [".asyncckpt.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], name
         small, large = sorted((files["__0_0.distcp"], files["__1_0.distcp"]))
         assert large < 1.5 * small, (name, files)  # each rank wrote its own shards
         # every rank's record counts the bytes of all ranks; its own share is less
@@ -29,6 +29,9 @@ def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine
             assert nbytes == small + large and 0 < local < nbytes, (name, r["records"][name], files)
     # every checkpoint, read with torch.distributed.checkpoint alone, holds the full state of its step
     assert r0["verified"] == expected
+    info = r0["info"]
+    assert (info["engine"], info["worker"], info["layout"]) == (engine, worker, "sharded")
+    assert (info["world_size"], info["writing_ranks"], info["global_step"]) == (2, 2, 16)
     for r in (r0, r1):
         assert r["complete_on_return"] and not any(r["complete_on_return"])  # written after save returned
         assert r["stock_resume_exact"] and r["resume_from_stock_exact"]
