@@ -19,7 +19,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, cli
 
 
 class MLP(L.LightningModule):
@@ -97,6 +97,9 @@ def main() -> None:
     print("\ncheckpoints on disk:")
     for name in sorted(os.listdir(ckpt.dirpath)):
         print("  ", name)
+    last = os.path.join(ckpt.dirpath, "last.ckpt")
+    print(f"\n$ lightning-asyncckpt verify {last}", flush=True)
+    cli.main(["verify", last])  # reads every shard back and checks it against the metadata and its CRC32
 
 
 if __name__ == "__main__":

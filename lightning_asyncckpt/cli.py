@@ -571,7 +571,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise CliError(f"{path}: verification failed: {len(report.problems)} problem(s)", EXIT_FAILED)
     crc = (f"{report.crc_checked} of {report.items} items checked against CRC32"
            if report.crc_checked else "no CRC32 recorded: corrupted tensor data would go unnoticed")
-    print(f"OK {path}: {report.items} items in {report.files} shard files, "
+    files = f"{report.files} shard file{'' if report.files == 1 else 's'}"
+    print(f"OK {path}: {report.items} items in {files}, "
           f"{report.bytes_read} bytes read; {crc}")
     return EXIT_OK
 
