@@ -83,5 +83,5 @@ def test_sharded_example_runs(tmp_path):
     )
     assert code == 0, out[-3000:]
     assert "4 sharded saves" in out  # top-2 and last at steps 20 and 40
-    assert "last.ckpt: ['.metadata', '__0_0.distcp', '__1_0.distcp', 'meta.pt']" in out
+    assert "last.ckpt: ['.asyncckpt.json', '.metadata', '__0_0.distcp', '__1_0.distcp', 'meta.pt']" in out
     assert "resumed from step 40, now at step 60" in out
