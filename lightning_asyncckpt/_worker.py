@@ -46,17 +46,50 @@ def _diagnose_os_cause(buckets: list, message: str) -> dict[str, Any]:
     return {}
 
 
+def write_call_kwargs(params: Any, transforms: list, idx: int, bucket: Any, outcomes: Any, count: Any) -> dict:
+    """Keyword arguments for the engine's ``write_preloaded_data``, whose signature differs by version:
+
+    - nvrx 0.4.1, Megatron-Core: ``(transform_list, local_proc_idx, write_bucket, results_queue,
+      count_queue, use_fsync, **kwargs)``;
+    - nvrx 0.5: ``open_file`` is added after ``transform_list``; 0.6 and 0.7 rename ``local_proc_idx``
+      to ``local_thread_idx``.
+
+    ``params`` is the function's ``inspect.signature(...).parameters``. Raises for a required parameter
+    we do not know, rather than passing a value in the wrong place.
+    """
+    known = {
+        "transform_list": transforms,
+        "open_file": open,
+        "local_proc_idx": idx,
+        "local_thread_idx": idx,
+        "write_bucket": bucket,
+        "results_queue": outcomes,
+        "count_queue": count,
+        "use_fsync": True,
+    }
+    kwargs = {}
+    for name, p in params.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if name in known:
+            kwargs[name] = known[name]
+        elif p.default is p.empty:
+            raise RuntimeError(f"unsupported engine version: write_preloaded_data needs {name!r}")
+    return kwargs
+
+
 def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
     """Writes every bucket with the engine's ``write_preloaded_data``, one thread per shard file."""
+    import inspect
+
     outcomes: queue.Queue[tuple[int, Any]] = queue.Queue()
+    params = inspect.signature(writer_cls.write_preloaded_data).parameters
 
     def run(i: int, bucket: Any) -> None:
         count: queue.Queue = queue.Queue()
         count.put(i)
         try:
-            writer_cls.write_preloaded_data(
-                transforms, i, bucket, results_queue=outcomes, count_queue=count, use_fsync=True
-            )
+            writer_cls.write_preloaded_data(**write_call_kwargs(params, transforms, i, bucket, outcomes, count))
         except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
             outcomes.put((i, e))
 
@@ -112,7 +145,7 @@ def write_job(
     gc.collect(1)
 
 
-def engine_loop(loop_fn: Any, preload: tuple, ready: Any, *args: Any) -> None:
+def engine_loop(loop_fn: Any, preload: tuple, ready: Any, **kwargs: Any) -> None:
     """Entry point of the persistent worker: the engine's own loop, made to run without CUDA.
 
     ``preload`` names modules the write jobs need; importing them here, while training has not
@@ -134,4 +167,4 @@ def engine_loop(loop_fn: Any, preload: tuple, ready: Any, *args: Any) -> None:
     # This process only writes files, so it may pretend to have one device it never uses.
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda *_a, **_k: None
-    loop_fn(*args)
+    loop_fn(**kwargs)

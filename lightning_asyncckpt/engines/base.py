@@ -114,11 +114,16 @@ class _PersistentMixin:
             "preload_q": self.preload_q,
             "comp_q": self.comp_q,
             "log_level": logging.DEBUG if log.isEnabledFor(logging.DEBUG) else logging.WARNING,
+            # nvrx >= 0.6: the requests hold host (shared-memory) tensors only, so the worker needs no
+            # CUDA device (without it, the loop pins one and creates a context)
+            "cpu_shm_mode": True,
         }
-        args = []
+        # by keyword: versions add parameters with defaults between the ones we pass (nvrx 0.6:
+        # cpu_priority and io_priority before cpu_shm_mode)
+        kwargs = {}
         for name, p in inspect.signature(loop).parameters.items():
             if name in known:
-                args.append(known[name])
+                kwargs[name] = known[name]
             elif p.default is inspect.Parameter.empty:
                 raise RuntimeError(f"unsupported engine version: async_loop needs {name!r}")
         ctx = mp.get_context("spawn")
@@ -126,7 +131,8 @@ class _PersistentMixin:
         with _no_main_reimport():
             self.process = ctx.Process(
                 target=_worker.engine_loop,
-                args=(loop, self._preload_modules, self._ready, *args),
+                args=(loop, self._preload_modules, self._ready),
+                kwargs=kwargs,
                 daemon=True,
                 name="asyncckpt-worker",
             )
@@ -198,7 +204,7 @@ class _TemporalMixin:
         proc = ctx.Process(
             target=async_req.async_fn,
             args=tuple(async_req.async_fn_args),
-            kwargs=dict(async_req.async_fn_kwargs),
+            kwargs=dict(async_req.async_fn_kwargs or {}),  # None in nvrx 0.7
             daemon=True,
             name="asyncckpt-fork",
         )

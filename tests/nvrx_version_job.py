@@ -1,0 +1,49 @@
+"""Run with a newer nvidia-resiliency-ext first on PYTHONPATH (see scripts/nvrx_versions.sh): saves and
+loads with both workers, then a real ENOSPC through that version's writer. Prints one JSON line."""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError  # noqa: E402
+from lightning_asyncckpt.engines.base import engine_version  # noqa: E402
+
+
+def main() -> None:
+    out, full = Path(sys.argv[1]), (Path(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] else None)
+    import nvidia_resiliency_ext
+
+    report = {"version": engine_version("nvidia-resiliency-ext"), "module": nvidia_resiliency_ext.__file__}
+    for worker in ("fork", "persistent"):
+        io = AsyncCheckpointIO("nvrx", worker=worker, thread_count=2, timeout_s=120)
+        ckpt = {"global_step": 3, "state_dict": {"w": torch.randn(64, 64), "b": torch.randn(3).bfloat16()},
+                "hyper_parameters": {"a": [1, 2]}}
+        try:
+            io.save_checkpoint(ckpt, out / worker)
+            ckpt["state_dict"]["w"].zero_()  # the save is a snapshot
+            io.finalize(blocking=True)
+            loaded = io.load_checkpoint(out / worker, weights_only=False)
+            exact = (not torch.equal(loaded["state_dict"]["w"], ckpt["state_dict"]["w"])
+                     and torch.equal(loaded["state_dict"]["b"], ckpt["state_dict"]["b"])
+                     and loaded["hyper_parameters"] == {"a": [1, 2]})
+            raised = None
+            if full is not None:  # a real disk-full error, raised by this version's writer
+                io.save_checkpoint({"state_dict": {"big": torch.ones(2 << 20)}}, full / f"{worker}.ckpt")
+                try:
+                    io.finalize(blocking=True)
+                except CheckpointWriteError as e:
+                    raised = e.errno
+        finally:
+            io.teardown()
+        info = json.loads((out / worker / ".asyncckpt.json").read_text())
+        report[worker] = {"exact": exact, "enospc_errno": raised, "engine_version": info["engine_version"]}
+    print("RESULT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
