@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 # whose name contains "last", and must never pick an incomplete save.
 INCOMPLETE_PREFIX = ".asyncckpt-incomplete-"
 METADATA_FILE = ".metadata"
-# Who wrote a checkpoint (library, engine, worker, world size, step): written by the coordinator just
-# before ``.metadata``. Readers of the DCP format ignore it; ``lightning-asyncckpt inspect`` shows it.
+# Who wrote a checkpoint (library, engine, worker, world size, step): written with rank 0's shards by its
+# worker, so it is on disk before ``.metadata``. DCP and Lightning readers ignore it; ``inspect`` shows it.
 INFO_FILE = ".asyncckpt.json"
 
 _RENAME_EXCHANGE = 2
@@ -45,13 +45,9 @@ def is_committed(path: Path) -> bool:
     return path.is_dir() and (path / METADATA_FILE).is_file()
 
 
-def write_info(tmp: Path, info: dict) -> None:
-    """(coordinator) Writes ``info`` as ``INFO_FILE`` into the checkpoint being committed, durably."""
-    with open(tmp / INFO_FILE, "w") as f:
-        json.dump(info, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+def info_bytes(info: dict) -> bytes:
+    """The content of ``INFO_FILE`` for ``info``."""
+    return (json.dumps(info, indent=1, sort_keys=True) + "\n").encode()
 
 
 def read_info(path: Path) -> dict | None:

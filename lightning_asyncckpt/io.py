@@ -160,7 +160,6 @@ class _PendingSave:
     nbytes: int
     step: int | None = None  # the checkpoint's global_step, for the record
     collective: bool = False  # every rank writes a part; committed by all ranks together
-    info: dict = field(default_factory=dict)  # who wrote it (commit.INFO_FILE)
     coordinator_fault: str | None = None  # an injected commit failure (lightning_asyncckpt.testing)
     write_s: float = 0.0
     written: list | None = None  # a collective save's local write results, once this rank's part is on disk
@@ -624,6 +623,8 @@ class AsyncCheckpointIO(CheckpointIO):
             )
             result_path = self._results_dir / f"{order}.result"
             extra = [(str(tmp / name), data) for name, data in extra_files]
+            if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
+                extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(self._writer_info(mode, collective, step))))
             fault_hook, coordinator_fault = testing.faults_for(
                 self._agreement.rank, self._save_calls, self.engine, self.worker
             )
@@ -645,7 +646,7 @@ class AsyncCheckpointIO(CheckpointIO):
             _PendingSave(
                 order=order, seq=seq, path=path, tmp=tmp, ticket=ticket, plan=plan, result_path=result_path,
                 buffer_set=snapshot.buffer_set, stall_s=stall, nbytes=snapshot.nbytes, step=step, collective=collective,
-                coordinator_fault=coordinator_fault, info=self._writer_info(mode, collective, step),
+                coordinator_fault=coordinator_fault,
             )
         )
         log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", path, snapshot.nbytes, stall)
@@ -738,7 +739,6 @@ class AsyncCheckpointIO(CheckpointIO):
         if coordinator:
             try:
                 testing.raise_coordinator_fault(save.coordinator_fault, "metadata", save.path)
-                commit.write_info(save.tmp, save.info)
                 save.plan.writer.finish(save.plan.metadata, all_results)
                 testing.raise_coordinator_fault(save.coordinator_fault, "commit", save.path)
                 commit.publish(save.tmp, save.path)
