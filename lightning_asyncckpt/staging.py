@@ -225,6 +225,7 @@ class Stager:
         self._sets: list[BufferSet] = []
         self._streams: dict[torch.device, Any] = {}  # one side stream per CUDA device, for the copies
         self._in_flight: list[torch.Tensor] = []  # sources of copies still running on a side stream
+        self._ordered: set[torch.device] = set()  # side streams already after the current stream's work
 
     def _acquire(self) -> BufferSet:
         for s in self._sets:
@@ -278,6 +279,7 @@ class Stager:
         quantized = is_quantized(t)
         if quantized:
             t = dequantized(t)  # on the current stream, like the training step's kernels
+            self._ordered.discard(t.device)  # the side stream must wait for this kernel too
         if not self.copy_cpu and t.device.type == "cpu" and (quantized or _is_whole_storage(t)):
             return t, False  # fork's copy-on-write keeps it (a dequantized tensor is ours alone)
         buf = self._buffer(bs, name, t)
@@ -285,11 +287,14 @@ class Stager:
             buf.copy_(t)
             return buf, False
         # A side stream, so that the copies overlap nothing the training step queues later; it waits for
-        # the kernels already queued (the step that produced ``t``, and a dequantization).
+        # the kernels already queued (the step that produced ``t``, and a dequantization): once per
+        # snapshot and device, again only after a dequantization.
         side = self._streams.get(t.device)
         if side is None:
             side = self._streams[t.device] = torch.cuda.Stream(device=t.device)
-        side.wait_stream(torch.cuda.current_stream(t.device))
+        if t.device not in self._ordered:
+            side.wait_stream(torch.cuda.current_stream(t.device))
+            self._ordered.add(t.device)
         with torch.cuda.stream(side):
             buf.copy_(t, non_blocking=True)
         self._in_flight.append(t)  # kept alive until the copy is done
@@ -366,6 +371,7 @@ class Stager:
         for side in self._streams.values():
             side.synchronize()
         self._in_flight.clear()
+        self._ordered.clear()
 
     def _finish(self, bs: BufferSet, skeleton: Any, staged: dict, nbytes: int, pending_cuda: bool) -> Snapshot:
         if pending_cuda:
