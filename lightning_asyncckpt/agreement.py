@@ -6,6 +6,7 @@ without a process group (a single-device Trainer has none): then every call is l
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -56,6 +57,14 @@ class Agreement:
         t = torch.tensor(values, dtype=torch.int64, device=control_device(self.group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
+
+    def exit_side(self, timeout_s: float) -> Agreement:
+        """(all ranks, together) A gloo group over the same ranks whose collectives fail after
+        ``timeout_s`` instead of waiting forever: for agreeing on the way out of an exception, when a
+        rank may never arrive. It works beside NCCL, and its tensors live on the CPU."""
+        ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return Agreement(group)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """(all ranks) Every rank's ``obj``, in rank order."""

@@ -9,6 +9,10 @@ One save, step by step:
    atomic rename), then the ranks agree on how far every save got and on any failure, so that a
    failure is raised on every rank, once.
 3. ``teardown`` settles everything, then stops the workers.
+
+On the way out after an exception (Ctrl-C and Lightning's SIGTERM handling included), or at interpreter
+exit without ``teardown``, each rank first waits (``drain_timeout_s``) for the writes it alone commits
+(single-writer saves), so that a checkpoint scheduled before a crash or a preemption still lands.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import multiprocessing.util
 import os
 import pickle
 import shutil
@@ -23,6 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +47,11 @@ from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.staging import Stager
 
 log = logging.getLogger(__name__)
+
+# On the way out of an exception, how long a rank waits for the others to arrive for committing the
+# saves written by all ranks together (a rank that never comes, e.g. one blocked in a training
+# collective, costs this much before the others give up).
+EXIT_MEET_S = 60.0
 
 
 def _configure_logging() -> None:
@@ -107,7 +118,7 @@ class SaveRecord:
 
     def summary(self) -> str:
         """The INFO line logged on rank zero for every committed checkpoint."""
-        rate = f"{self.gbps:.2f} GB/s" if self.gbps >= 0.01 else f"{self.gbps * 1e3:.2f} MB/s"
+        rate = f"{self.gbps:.2f} GB/s" if self.gbps >= 0.01 else f"{_human_bytes(self.gbps * 1e9)}/s"
         return (
             f"committed {os.path.basename(self.path)}: {_human_bytes(self.nbytes)} in {_seconds(self.write_s)}"
             f" ({rate}); training stalled {_seconds(self.stall_s)}"
@@ -212,6 +223,13 @@ class AsyncCheckpointIO(CheckpointIO):
         max_pending: saves in flight per rank; a further save first waits for the oldest write. Each
             in-flight save holds one copy of the state in host memory.
         poll_interval_s: sleep between checks while a blocking finalize waits.
+        drain_timeout_s: on the way out after an exception (including Ctrl-C and Lightning's SIGTERM
+            handling) or at interpreter exit without ``teardown``, how long this rank waits for the
+            saves in flight that it commits alone (single-device and DDP saves, written by global rank 0)
+            before stopping the workers. A save that finishes in time is committed, as a synchronous
+            save made before the crash would be; one that fails is logged, never raised over the
+            exception. Saves written by all ranks together (sharded) need every rank to commit and are
+            dropped. ``0`` drops every unfinished save at once.
 
     Call pattern (all ranks unless noted): ``save_checkpoint`` on the ranks Lightning calls it on;
     ``finalize`` on every rank, in the same order; ``teardown`` on every rank at the end.
@@ -230,6 +248,7 @@ class AsyncCheckpointIO(CheckpointIO):
         timeout_s: float = 1800.0,
         max_pending: int = 2,
         poll_interval_s: float = 0.02,
+        drain_timeout_s: float = 300.0,
     ) -> None:
         super().__init__()
         if thread_count < 1:
@@ -238,12 +257,15 @@ class AsyncCheckpointIO(CheckpointIO):
             raise ValueError(f"`AsyncCheckpointIO(max_pending={max_pending})` must be at least 1.")
         if timeout_s <= 0:
             raise ValueError(f"`AsyncCheckpointIO(timeout_s={timeout_s})` must be positive.")
+        if drain_timeout_s < 0:
+            raise ValueError(f"`AsyncCheckpointIO(drain_timeout_s={drain_timeout_s})` must not be negative.")
         self._engine_name = engines.resolve(strategy)
         self._worker_mode = engines.parse_worker(worker)
         self.thread_count = thread_count
         self.timeout_s = float(timeout_s)
         self.max_pending = max_pending
         self.poll_interval_s = poll_interval_s
+        self.drain_timeout_s = float(drain_timeout_s)
         self.history: list[SaveRecord] = []  # every committed save, oldest first
         self._returned = 0  # history[:_returned] was returned by finalize()
         self.write_hook: Callable[[list], None] | None = None  # picklable; runs in the worker
@@ -269,6 +291,8 @@ class AsyncCheckpointIO(CheckpointIO):
         self._new_run()
         self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
         self._save_started: float | None = None
+        self._exit_hook: multiprocessing.util.Finalize | None = None
+        self._exit_agreement: Agreement | None = None  # made at the first collective save
 
     # ---------------------------------------------------------------------------------------------
     # Public properties
@@ -438,14 +462,18 @@ class AsyncCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """(all ranks) Blocking finalize, then stops the workers.
 
-        Inside an exception handler (Lightning tears down on errors) it only stops the workers and
-        removes unfinished saves, so that the original exception is not masked.
+        Inside an exception handler (Lightning tears down on errors) it runs no collectives and raises
+        nothing, so that the original exception is not masked: it waits up to ``drain_timeout_s`` for
+        this rank's single-writer saves in flight, commits those that finish, then stops the workers
+        and removes unfinished saves.
         """
         self._teardown(aborting=sys.exc_info()[1] is not None)
 
     def _teardown(self, aborting: bool) -> None:
         try:
-            if not aborting:
+            if aborting:
+                self._drain(self.drain_timeout_s)
+            else:
                 self._finalize(blocking=True, force=True)
         finally:
             self._close(abort=aborting)
@@ -466,7 +494,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._returned = len(self.history)
         return out
 
-    def _finalize(self, blocking: bool, force: bool) -> list[str]:
+    def _finalize(self, blocking: bool, force: bool, deadline: float | None = None) -> list[str]:
         """With several ranks, one agreement round per poll. ``force`` agrees even when no rank announced a
         save (explicit calls, teardown, Fabric); the callback's per-batch call agrees only while an
         announced save is unsettled, so that a run without pending saves pays no collective."""
@@ -487,9 +515,10 @@ class AsyncCheckpointIO(CheckpointIO):
             first_failed = min(
                 (f.seq if f.seq is not None else 0 for f in self._failures), default=self._announced + 1
             )
-            neg_ready, any_failed, any_pending, neg_first_failed = self._agreement.all_max(
-                [-ready_through, 1 if self._failures else 0, 1 if self._pending else 0, -first_failed]
-            )
+            progress = [-ready_through, 1 if self._failures else 0, 1 if self._pending else 0, -first_failed]
+            if deadline is not None:  # the way out: stop waiting once any rank's time is up (agreed)
+                progress.append(int(time.monotonic() > deadline))
+            neg_ready, any_failed, any_pending, neg_first_failed, *out_of_time = self._agreement.all_max(progress)
             while (
                 self._pending
                 and self._pending[0].written is not None
@@ -497,6 +526,8 @@ class AsyncCheckpointIO(CheckpointIO):
                 and self._pending[0].seq < -neg_first_failed
             ):
                 self._commit_collective(self._pending[0])  # same saves, same order, on every rank
+            if any(out_of_time):
+                break
             if any_failed:
                 if -neg_ready + 1 >= -neg_first_failed:
                     self._raise_agreed_failures()
@@ -515,8 +546,9 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """``with AsyncCheckpointIO(...) as io:`` (all ranks): on a normal exit every save is committed
-        (errors raised on every rank) and the workers stop; on an exception the workers stop without
-        masking it. For loops that never call ``teardown``, such as Fabric's."""
+        (errors raised on every rank) and the workers stop; on an exception this rank's single-writer
+        saves in flight still land (``drain_timeout_s``) and the workers stop, without masking the
+        exception. For loops that never call ``teardown``, such as Fabric's."""
         self._teardown(aborting=exc is not None)
 
     def warmup(self, like: dict[str, Any] | None = None) -> None:
@@ -558,15 +590,111 @@ class AsyncCheckpointIO(CheckpointIO):
         self._announced += 1
 
     def _abort(self) -> None:
-        """Stops workers and drops unfinished saves; no collectives, never raises."""
+        """Lets this rank's single-writer saves in flight land (``drain_timeout_s``), then stops workers and
+        drops unfinished saves; no collectives, never raises."""
+        with contextlib.suppress(Exception):
+            self._drain(self.drain_timeout_s)
         with contextlib.suppress(Exception):
             self._close(abort=True)
+
+    def _drain(self, timeout_s: float) -> None:
+        """(this rank alone, no collectives; never raises) On the way out: waits up to ``timeout_s`` for the
+        saves in flight that this rank commits alone, in order, and commits those that finish (with the
+        top-k removals that waited for them). A failed one is logged by ``_record_failure``. Stops at the
+        first collective save: its commit needs every rank."""
+
+        def waiting() -> list[_PendingSave]:
+            out = []
+            for save in self._pending:
+                if save.collective:
+                    break
+                out.append(save)
+            return out
+
+        if self._engine is None:
+            return
+        if timeout_s > 0 and self._exit_agreement is not None and any(p.collective for p in self._pending):
+            self._drain_together(timeout_s)
+            return
+        if not waiting():
+            return
+        with contextlib.suppress(Exception):
+            self._settle_local(blocking=False)  # commits what has already finished, even with no time to wait
+        if not waiting() or timeout_s <= 0:
+            self._failures.clear()
+            return
+        count = len(waiting())
+        log.warning(
+            "lightning-asyncckpt: waiting up to %gs for %d checkpoint write(s) in flight before stopping",
+            timeout_s, count,
+        )
+        deadline = time.monotonic() + timeout_s
+        committed = len(self.history)
+        try:
+            while waiting() and time.monotonic() < deadline:
+                self._settle_local(blocking=False)
+                if waiting():
+                    time.sleep(self.poll_interval_s)
+        except KeyboardInterrupt:
+            log.warning("lightning-asyncckpt: interrupted while waiting for checkpoint writes; dropping them")
+        except Exception as e:  # noqa: BLE001 - on the way out: report, never mask the original error
+            log.error("lightning-asyncckpt: error while waiting for checkpoint writes: %s", e)
+        self._failures.clear()  # each was logged when recorded; the caller is already handling an exception
+        log.warning(
+            "lightning-asyncckpt: %d of %d checkpoint write(s) in flight committed before stopping",
+            len(self.history) - committed, count,
+        )
+
+    def _drain_together(self, timeout_s: float) -> None:
+        """(every rank with saves written by all ranks together; never raises) The blocking finalize,
+        run over the exit group: if every rank arrives (an exception raised on all of them, such as
+        Lightning's ``SIGTERMException``, or the end of a script), the saves in flight commit as in
+        ``teardown``, until ``timeout_s`` (agreed). If a rank does not arrive within ``EXIT_MEET_S``,
+        its collective fails and this rank drops them."""
+        assert self._exit_agreement is not None
+        count = len(self._pending)
+        log.warning(
+            "lightning-asyncckpt: waiting up to %gs for %d checkpoint write(s) in flight (with every rank)"
+            " before stopping", timeout_s, count,
+        )
+        committed = len(self.history)
+        agreement, self._agreement = self._agreement, self._exit_agreement
+        try:
+            self._finalize(blocking=True, force=True, deadline=time.monotonic() + timeout_s)
+        except CheckpointWriteError as e:
+            log.error("lightning-asyncckpt: %s", e)
+        except KeyboardInterrupt:
+            log.warning("lightning-asyncckpt: interrupted while waiting for checkpoint writes; dropping them")
+        except Exception as e:  # noqa: BLE001 - e.g. a rank that never came: report, never mask
+            log.warning("lightning-asyncckpt: not every rank could commit the saves in flight (%s); dropping them",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+        finally:
+            self._agreement = agreement
+        self._failures.clear()
+        log.warning(
+            "lightning-asyncckpt: %d of %d checkpoint write(s) in flight committed before stopping",
+            len(self.history) - committed, count,
+        )
+
+    @staticmethod
+    def _drain_at_exit(ref: weakref.ref) -> None:
+        """Interpreter exit without ``teardown`` (e.g. a Fabric script that ends, or dies of an uncaught
+        exception): the last saves still land. Runs before ``multiprocessing`` stops daemon workers."""
+        io_ = ref()
+        if io_ is not None and not io_._torn_down:
+            io_._abort()
 
     # ---------------------------------------------------------------------------------------------
     # Internals
     def _start(self, dirpath: Path | None) -> None:
         if self._engine is None:
             self._engine = engines.create(self._engine_name, self._worker_mode, self._agreement.rank)
+        if self._exit_hook is None:
+            # multiprocessing's exit handler (also run by multiprocessing children, e.g. ddp_spawn ranks)
+            # runs finalizers of priority >= 0 before it terminates daemon processes such as our workers
+            self._exit_hook = multiprocessing.util.Finalize(
+                None, AsyncCheckpointIO._drain_at_exit, args=(weakref.ref(self),), exitpriority=100
+            )
         if self._results_dir is None:
             base = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))
@@ -603,6 +731,10 @@ class AsyncCheckpointIO(CheckpointIO):
             if not self._run_token_agreed:  # every rank writes into the same temporary directory
                 self._run_token = self._agreement.all_gather(self._run_token)[0]
                 self._run_token_agreed = True
+                if self._exit_agreement is None and self._agreement.active and self.drain_timeout_s > 0:
+                    # every rank is here: make the group that the ranks commit these saves over on the way
+                    # out of an exception, whose collectives give up if a rank never comes
+                    self._exit_agreement = self._agreement.exit_side(min(self.drain_timeout_s, EXIT_MEET_S))
             self._collective_count += 1
             tmp = commit.tmp_for(path, f"{self._run_token}-c{self._collective_count}")
         else:
@@ -872,6 +1004,9 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def _close(self, abort: bool) -> None:
         self._torn_down = True
+        if self._exit_hook is not None:
+            self._exit_hook.cancel()
+            self._exit_hook = None
         if self._engine is not None:
             self._engine.close(abort=abort)
         for save in self._pending:  # only left when aborting
@@ -882,6 +1017,8 @@ class AsyncCheckpointIO(CheckpointIO):
         if self._pending:
             log.warning("lightning-asyncckpt: %d unfinished save(s) dropped", len(self._pending))
         self._pending.clear()
+        if abort:
+            self._failures.clear()  # logged when recorded; an aborted run does not raise them later
         self._remove_doomed_tmps()
         self._removals = [r for r in self._removals if r[1] <= self._last_ok_order]
         self._run_removals()

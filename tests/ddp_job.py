@@ -117,6 +117,34 @@ class ResumeCheck(L.Callback):
         self.optim = clone_tree(trainer.optimizers[0].state_dict()["state"])
 
 
+def case_die(args, report):
+    """Every rank raises at step 6 while rank 0 is still writing the step-4 save: it must land."""
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    io.write_hook = testing.DelayWrite(1.5)
+    rec = SnapshotRecorder()
+    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), every_n_train_steps=4, save_top_k=-1)
+
+    class Dies(TinyModel):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 6:
+                raise ValueError(f"boom on rank {self.global_rank}")
+            return super().training_step(batch, batch_idx)
+
+    t = _trainer(args, [io], [AsyncFinalizerCallback(), rec, ck], max_steps=16)
+    _no_kill(t)
+    try:
+        t.fit(Dies(width=64), loader(width=64, n=64, batch_size=4))
+    except ValueError as e:
+        report["raised"] = str(e)
+    report["children_after_fit"] = _own_children(t)
+    if t.global_rank == 0:
+        report["files"] = sorted(os.listdir(ck.dirpath))
+        loaded = io.load_checkpoint(os.path.join(ck.dirpath, "epoch=0-step=4.ckpt"), weights_only=False)
+        got = {"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]}
+        assert_tree_equal(got, rec.copies[4], "step 4")
+        report["verified"] = True
+
+
 def case_parallel(args, report):
     """AsyncDDPStrategy: every rank writes a share of the replicated state."""
     from lightning_asyncckpt import AsyncDDPStrategy

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import lightning as L  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import assert_tree_equal, clone_tree, job_args, other_children  # noqa: E402
@@ -148,6 +150,49 @@ def case_sharded(args, fabric, io, report):
         report["loaded_exact"] = state["step"] == 5
         report["remainder"] = sorted(remainder)
     report["children_after_exit"] = _children(fabric)
+
+
+def case_sharded_exit(args, fabric, io, report):
+    """FSDP2: the script ends right after a sharded save, with no finalize or teardown (Fabric never
+    tears down). The ranks commit it together at interpreter exit; the test reads it afterwards."""
+    model, opt = _setup_sharded(fabric)
+    for i in range(6):
+        _step(fabric, model, opt, i)
+    io.write_hook = testing.DelayWrite(1.5)
+    path = os.path.join(args.out, "ckpt", "step-5")
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 5})
+    expected = _full(model, opt)
+    if fabric.global_rank == 0:
+        torch.save(expected["model"], os.path.join(args.out, "expected_model.pt"))
+    report["complete_right_after_save"] = commit.is_committed(Path(path))
+
+
+def case_sharded_abandoned(args, fabric, io, report):
+    """FSDP2: rank 0 dies with a sharded save in flight while rank 1 is elsewhere (it never comes to
+    commit). Rank 0 must give up after the exit group's timeout and drop the save, not hang."""
+    io.drain_timeout_s = 3.0  # also the exit group's timeout: made at the first collective save
+    model, opt = _setup_sharded(fabric)
+    _step(fabric, model, opt, 0)
+    path = os.path.join(args.out, "ckpt", "step-0")
+    if fabric.global_rank == 1:
+        fabric.save(path, {"model": model, "optimizer": opt})
+        time.sleep(8)  # busy elsewhere; it leaves after rank 0 has given up (and gives up in turn at exit)
+        report["left"] = True
+        return
+    io.write_hook = testing.DelayWrite(1.0)
+    try:
+        with io:
+            fabric.save(path, {"model": model, "optimizer": opt})
+            pids = io.worker_pids()
+            raise ValueError("boom on rank 0")
+    except ValueError as e:
+        report["raised"] = str(e)
+    report["files"] = sorted(os.listdir(os.path.join(args.out, "ckpt")))
+    # rank 1 (a child of rank 0 here) still runs, with its own worker: look at rank 0's own writer only
+    report["had_worker"] = bool(pids)
+    report["workers_left"] = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for peer in getattr(fabric.strategy.launcher, "procs", []):  # let rank 1 finish and report
+        peer.wait(timeout=120)
 
 
 def case_sharded_fail(args, fabric, io, report):

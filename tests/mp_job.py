@@ -213,6 +213,40 @@ def case_fail(args, report):
     report["files"] = sorted(os.listdir(dirpath))
 
 
+def case_die(args, report):
+    """Every rank raises at step 6 while the sharded step-4 save is still being written: the ranks
+    commit it together on the way out."""
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    io.write_hook = testing.DelayWrite(1.5)
+    rec = FullStateRecorder()
+    dirpath = os.path.join(args.out, "c")
+    ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
+
+    class Dies(ShardedModel):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 6:
+                raise ValueError(f"boom on rank {self.global_rank}")
+            return super().training_step(batch, batch_idx)
+
+    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), [rec, ck],
+                 plugins=[io], max_steps=40)
+    if t.strategy.launcher is not None:
+        t.strategy.launcher.kill = lambda *a, **k: None
+    L.seed_everything(1)
+    try:
+        t.fit(Dies(width=WIDTH), loader(**DATA))
+    except ValueError as e:
+        report["raised"] = str(e)
+    report["children_after_fit"] = _own_children()
+    report["history"] = [os.path.basename(r.path) for r in io.history]
+    torch.distributed.barrier()
+    report["files"] = sorted(os.listdir(dirpath))
+    if t.global_rank == 0:
+        path = os.path.join(dirpath, "epoch=0-step=4.ckpt")
+        assert_tree_equal(read_with_dcp(path, args.out), rec.copies[4], "step 4")
+        report["verified"] = True
+
+
 def main():
     run_job(lambda args, report: globals()[f"case_{args.case}"](args, report))
 

@@ -29,6 +29,14 @@ def test_ddp_top_k_snapshots_and_exact_resume(tmp_path, engine, worker):
         assert r["children_after_fit"] == [] and r["children_after_resume"] == []
 
 
+def test_ddp_a_save_in_flight_lands_when_every_rank_dies(tmp_path):
+    """Rank 0 commits the save it was writing on the way out of an error raised on every rank."""
+    r0, r1 = run_job(tmp_path, "die", "nvrx", "persistent")
+    assert r0["raised"] == "boom on rank 0" and r1["raised"] == "boom on rank 1"
+    assert r0["children_after_fit"] == [] and r1["children_after_fit"] == []
+    assert r0["files"] == ["epoch=0-step=4.ckpt"] and r0["verified"]
+
+
 def _assert_failed_everywhere(r0, r1, path_end, error_type, ranks=(0,)):
     for r in (r0, r1):
         raised = r["raised"]

@@ -57,3 +57,38 @@ def test_fabric_sharded_failing_rank_raises_on_both_ranks(tmp_path, engine, work
         assert r["files"] == ["good"]
         assert r["children_after_exit"] == []
     assert r0["raised_at_step"] == r1["raised_at_step"]
+
+
+def test_fabric_sharded_save_lands_when_the_script_just_ends(tmp_path):
+    """Both ranks leave right after a sharded save, without finalize or teardown: at interpreter exit they
+    commit it together, and it holds the state of its step."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from helpers import assert_tree_equal
+    from lightning_asyncckpt import commit
+
+    r0, r1 = run_ranks(JOB, tmp_path, "sharded_exit", "nvrx", "persistent")
+    assert r0["complete_right_after_save"] is False and r1["complete_right_after_save"] is False
+    out = tmp_path / "out"
+    path = out / "ckpt" / "step-5"
+    assert commit.is_committed(path), sorted(os.listdir(out / "ckpt"))
+    assert sorted(os.listdir(out / "ckpt")) == ["step-5"]  # nothing partial
+    dcp_to_torch_save(path, out / "read.pt")
+    got = torch.load(out / "read.pt", weights_only=False)
+    assert torch.load(path / "meta.pt", weights_only=False)["step"] == 5  # Fabric keeps non-tensors there
+    expected = torch.load(out / "expected_model.pt", weights_only=False)
+    assert_tree_equal({k: got["model"][k] for k in sorted(got["model"])}, expected, "model")
+    assert "1 of 1 checkpoint write(s) in flight committed before stopping" in (out / "log.txt").read_text()
+
+
+def test_fabric_sharded_drain_gives_up_when_a_rank_never_comes(tmp_path):
+    """Rank 0 leaves through an exception with a sharded save in flight; rank 1 never joins the commit.
+    Rank 0 stops waiting when the exit group's collective times out and drops the save (under the job's
+    hard timeout: a hang fails the test)."""
+    r0, r1 = run_ranks(JOB, tmp_path, "sharded_abandoned", "nvrx", "persistent")
+    assert r0["raised"] == "boom on rank 0" and r1["left"]
+    assert r0["files"] == []  # dropped, nothing partial
+    assert r0["had_worker"] and r0["workers_left"] == []
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert "not every rank could commit the saves in flight" in log

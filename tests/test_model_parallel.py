@@ -62,3 +62,14 @@ def test_fsdp2_one_failing_rank_raises_on_every_rank(tmp_path, engine, worker):
         assert r["files"] == ["epoch=0-step=4.ckpt"]  # the committed one survives, nothing partial
         assert r["children_after_fit"] == []
     assert r0["global_step"] == r1["global_step"] < 40
+
+
+def test_fsdp2_a_sharded_save_in_flight_lands_when_every_rank_dies(tmp_path):
+    """The ranks commit the sharded save they were writing together, on the way out of an error raised
+    on every rank (over a gloo group whose collectives give up if a rank never comes)."""
+    r0, r1 = run_ranks(JOB, tmp_path, "die", "nvrx", "persistent")
+    for r in (r0, r1):
+        assert r["raised"] == f"boom on rank {r['rank']}"
+        assert r["files"] == ["epoch=0-step=4.ckpt"] and r["history"] == ["epoch=0-step=4.ckpt"]
+        assert r["children_after_fit"] == []
+    assert r0["verified"]

@@ -357,3 +357,61 @@ def test_log_metrics_false_logs_nothing(tmp_path):
     assert len(io.history) == 2
     text = (tmp_path / "logs" / "metrics.csv").read_text() if (tmp_path / "logs" / "metrics.csv").exists() else ""
     assert "asyncckpt/" not in text
+
+
+class _DiesAtStep(TinyModel):
+    """Training dies at global step ``at``: a Python error, Ctrl-C, or a SIGTERM (a preemption), which
+    Lightning turns into ``SIGTERMException`` at the end of the batch."""
+
+    def __init__(self, how: str, at: int = 7, **kw):
+        super().__init__(**kw)
+        self.how, self.at = how, at
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.at:
+            if self.how == "error":
+                raise ValueError("boom in training_step")
+            if self.how == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("how", ["error", "ctrl-c", "sigterm"])
+def test_a_save_in_flight_lands_when_training_dies(engine_worker, tmp_path, how, caplog):
+    """A checkpoint scheduled before a crash, Ctrl-C or preemption is committed on the way out (as a
+    synchronous save would be on disk), and the original exception still propagates."""
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker)
+    io.write_hook = testing.DelayWrite(1.0)  # the step-5 write is still running when step 7 dies
+    rec = SnapshotRecorder()
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=5, save_top_k=-1)
+    t = trainer(tmp_path, [io], [AsyncFinalizerCallback(), rec, ck], max_steps=20)
+    expected = ValueError if how == "error" else SystemExit  # Lightning exits on Ctrl-C and SIGTERM
+    try:
+        with pytest.raises(expected), caplog.at_level("WARNING", logger="lightning_asyncckpt"):
+            t.fit(_DiesAtStep(how), loader())
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores SIGINT while it exits
+    assert live_children() == []
+    assert dir_entries(tmp_path / "c") == ["epoch=0-step=5.ckpt"]
+    path = tmp_path / "c" / "epoch=0-step=5.ckpt"
+    assert commit.is_committed(path)
+    loaded = io.load_checkpoint(path, weights_only=False)
+    assert_tree_equal({"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]},
+                      rec.copies[5])
+    assert "1 of 1 checkpoint write(s) in flight committed before stopping" in caplog.text
+    io.teardown()
+
+
+def test_drain_timeout_zero_drops_the_save_in_flight(tmp_path):
+    io = AsyncCheckpointIO("nvrx", worker="persistent", drain_timeout_s=0)
+    io.write_hook = testing.DelayWrite(1.0)
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=5, save_top_k=-1)
+    t = trainer(tmp_path, [io], [AsyncFinalizerCallback(), ck], max_steps=20)
+    with pytest.raises(ValueError, match="boom"):
+        t.fit(_DiesAtStep("error"), loader())
+    assert live_children() == []
+    assert dir_entries(tmp_path / "c") == []  # no partial directory either
+    with pytest.raises(ValueError, match="drain_timeout_s"):
+        AsyncCheckpointIO("nvrx", drain_timeout_s=-1)
