@@ -11,8 +11,9 @@ One save, step by step:
 3. ``teardown`` settles everything, then stops the workers.
 
 On the way out after an exception (Ctrl-C and Lightning's SIGTERM handling included), or at interpreter
-exit without ``teardown``, each rank first waits (``drain_timeout_s``) for the writes it alone commits
-(single-writer saves), so that a checkpoint scheduled before a crash or a preemption still lands.
+exit without ``teardown``, each rank first waits (``drain_timeout_s``) for its writes in flight, so that a
+checkpoint scheduled before a crash or a preemption still lands: single-writer saves commit locally,
+sharded ones over a gloo group whose collectives give up if a rank never comes.
 """
 
 from __future__ import annotations
@@ -228,8 +229,10 @@ class AsyncCheckpointIO(CheckpointIO):
             saves in flight that it commits alone (single-device and DDP saves, written by global rank 0)
             before stopping the workers. A save that finishes in time is committed, as a synchronous
             save made before the crash would be; one that fails is logged, never raised over the
-            exception. Saves written by all ranks together (sharded) need every rank to commit and are
-            dropped. ``0`` drops every unfinished save at once.
+            exception. Saves written by all ranks together (sharded) are committed by the ranks together
+            over a gloo group made at the first such save, if every rank gets there within
+            ``min(drain_timeout_s, 60)`` seconds; otherwise they are dropped. ``0`` drops every unfinished
+            save at once.
 
     Call pattern (all ranks unless noted): ``save_checkpoint`` on the ranks Lightning calls it on;
     ``finalize`` on every rank, in the same order; ``teardown`` on every rank at the end.
@@ -613,7 +616,7 @@ class AsyncCheckpointIO(CheckpointIO):
 
         if self._engine is None:
             return
-        if timeout_s > 0 and self._exit_agreement is not None and any(p.collective for p in self._pending):
+        if timeout_s > 0 and any(p.collective for p in self._pending) and self._exit_group_usable():
             self._drain_together(timeout_s)
             return
         if not waiting():
@@ -644,6 +647,13 @@ class AsyncCheckpointIO(CheckpointIO):
             "lightning-asyncckpt: %d of %d checkpoint write(s) in flight committed before stopping",
             len(self.history) - committed, count,
         )
+
+    def _exit_group_usable(self) -> bool:
+        """The exit group exists and the process group was not destroyed (e.g. by the script's end)."""
+        try:
+            return self._exit_agreement is not None and self._exit_agreement.active
+        except Exception:  # noqa: BLE001 - a destroyed group
+            return False
 
     def _drain_together(self, timeout_s: float) -> None:
         """(every rank with saves written by all ranks together; never raises) The blocking finalize,
