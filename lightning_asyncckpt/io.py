@@ -465,10 +465,10 @@ class AsyncCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """(all ranks) Blocking finalize, then stops the workers.
 
-        Inside an exception handler (Lightning tears down on errors) it runs no collectives and raises
-        nothing, so that the original exception is not masked: it waits up to ``drain_timeout_s`` for
-        this rank's single-writer saves in flight, commits those that finish, then stops the workers
-        and removes unfinished saves.
+        Inside an exception handler (Lightning tears down on errors) it raises nothing, so that the
+        original exception is not masked: it waits up to ``drain_timeout_s`` for the saves in flight
+        (collective ones only over the exit group, whose collectives give up if a rank never comes),
+        commits those that finish, then stops the workers and removes unfinished saves.
         """
         self._teardown(aborting=sys.exc_info()[1] is not None)
 
@@ -549,9 +549,8 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """``with AsyncCheckpointIO(...) as io:`` (all ranks): on a normal exit every save is committed
-        (errors raised on every rank) and the workers stop; on an exception this rank's single-writer
-        saves in flight still land (``drain_timeout_s``) and the workers stop, without masking the
-        exception. For loops that never call ``teardown``, such as Fabric's."""
+        (errors raised on every rank) and the workers stop; on an exception the saves in flight still
+        land where they can (``drain_timeout_s``) and the workers stop, without masking the exception. For loops that never call ``teardown``, such as Fabric's."""
         self._teardown(aborting=exc is not None)
 
     def warmup(self, like: dict[str, Any] | None = None) -> None:
@@ -593,60 +592,76 @@ class AsyncCheckpointIO(CheckpointIO):
         self._announced += 1
 
     def _abort(self) -> None:
-        """Lets this rank's single-writer saves in flight land (``drain_timeout_s``), then stops workers and
-        drops unfinished saves; no collectives, never raises."""
+        """Lets the saves in flight land (``drain_timeout_s``), then stops workers and drops unfinished
+        saves; never raises."""
         with contextlib.suppress(Exception):
             self._drain(self.drain_timeout_s)
         with contextlib.suppress(Exception):
             self._close(abort=True)
 
     def _drain(self, timeout_s: float) -> None:
-        """(this rank alone, no collectives; never raises) On the way out: waits up to ``timeout_s`` for the
-        saves in flight that this rank commits alone, in order, and commits those that finish (with the
-        top-k removals that waited for them). A failed one is logged by ``_record_failure``. Stops at the
-        first collective save: its commit needs every rank."""
+        """(never raises) On the way out of an exception or at interpreter exit: waits up to ``timeout_s``
+        for the saves in flight, commits those that finish (with the top-k removals that waited for
+        them) and logs those that fail (``_record_failure``).
 
-        def waiting() -> list[_PendingSave]:
-            out = []
-            for save in self._pending:
-                if save.collective:
-                    break
-                out.append(save)
-            return out
-
-        if self._engine is None:
+        - Saves this rank commits alone (single-writer, up to the first collective one): polled here,
+          with no collectives.
+        - Collective saves: the blocking finalize over the exit group, with the deadline agreed; its
+          collectives fail, rather than wait forever, when a rank never comes.
+        """
+        if self._engine is None or not self._pending:
             return
-        if timeout_s > 0 and any(p.collective for p in self._pending) and self._exit_group_usable():
-            self._drain_together(timeout_s)
-            return
-        if not waiting():
-            return
-        with contextlib.suppress(Exception):
-            self._settle_local(blocking=False)  # commits what has already finished, even with no time to wait
-        if not waiting() or timeout_s <= 0:
-            self._failures.clear()
-            return
-        count = len(waiting())
+        together = timeout_s > 0 and any(p.collective for p in self._pending) and self._exit_group_usable()
+        if not together:
+            with contextlib.suppress(Exception):
+                self._settle_local(blocking=False)  # commits what has already finished, even with no time to wait
+            if not self._solo_waiting() or timeout_s <= 0:
+                self._failures.clear()
+                return
+        count = len(self._pending) if together else len(self._solo_waiting())
         log.warning(
-            "lightning-asyncckpt: waiting up to %gs for %d checkpoint write(s) in flight before stopping",
-            timeout_s, count,
+            "lightning-asyncckpt: waiting up to %gs for %d checkpoint write(s) in flight%s before stopping",
+            timeout_s, count, " (with every rank)" if together else "",
         )
-        deadline = time.monotonic() + timeout_s
         committed = len(self.history)
+        deadline = time.monotonic() + timeout_s
+        agreement = self._agreement
         try:
-            while waiting() and time.monotonic() < deadline:
-                self._settle_local(blocking=False)
-                if waiting():
-                    time.sleep(self.poll_interval_s)
+            if together:
+                self._agreement = self._exit_agreement
+                self._finalize(blocking=True, force=True, deadline=deadline)
+            else:
+                while self._solo_waiting() and time.monotonic() < deadline:
+                    self._settle_local(blocking=False)
+                    if self._solo_waiting():
+                        time.sleep(self.poll_interval_s)
+        except CheckpointWriteError as e:
+            log.error("lightning-asyncckpt: %s", e)
         except KeyboardInterrupt:
             log.warning("lightning-asyncckpt: interrupted while waiting for checkpoint writes; dropping them")
         except Exception as e:  # noqa: BLE001 - on the way out: report, never mask the original error
-            log.error("lightning-asyncckpt: error while waiting for checkpoint writes: %s", e)
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if together:  # e.g. a rank that never came
+                log.warning("lightning-asyncckpt: not every rank could commit the saves in flight (%s);"
+                            " dropping them", reason)
+            else:
+                log.error("lightning-asyncckpt: error while waiting for checkpoint writes: %s", reason)
+        finally:
+            self._agreement = agreement
         self._failures.clear()  # each was logged when recorded; the caller is already handling an exception
         log.warning(
             "lightning-asyncckpt: %d of %d checkpoint write(s) in flight committed before stopping",
             len(self.history) - committed, count,
         )
+
+    def _solo_waiting(self) -> list[_PendingSave]:
+        """The saves in flight this rank commits alone, in order: those before the first collective one."""
+        out = []
+        for save in self._pending:
+            if save.collective:
+                break
+            out.append(save)
+        return out
 
     def _exit_group_usable(self) -> bool:
         """The exit group exists and the process group was not destroyed (e.g. by the script's end)."""
@@ -654,37 +669,6 @@ class AsyncCheckpointIO(CheckpointIO):
             return self._exit_agreement is not None and self._exit_agreement.active
         except Exception:  # noqa: BLE001 - a destroyed group
             return False
-
-    def _drain_together(self, timeout_s: float) -> None:
-        """(every rank with saves written by all ranks together; never raises) The blocking finalize,
-        run over the exit group: if every rank arrives (an exception raised on all of them, such as
-        Lightning's ``SIGTERMException``, or the end of a script), the saves in flight commit as in
-        ``teardown``, until ``timeout_s`` (agreed). If a rank does not arrive within ``EXIT_MEET_S``,
-        its collective fails and this rank drops them."""
-        assert self._exit_agreement is not None
-        count = len(self._pending)
-        log.warning(
-            "lightning-asyncckpt: waiting up to %gs for %d checkpoint write(s) in flight (with every rank)"
-            " before stopping", timeout_s, count,
-        )
-        committed = len(self.history)
-        agreement, self._agreement = self._agreement, self._exit_agreement
-        try:
-            self._finalize(blocking=True, force=True, deadline=time.monotonic() + timeout_s)
-        except CheckpointWriteError as e:
-            log.error("lightning-asyncckpt: %s", e)
-        except KeyboardInterrupt:
-            log.warning("lightning-asyncckpt: interrupted while waiting for checkpoint writes; dropping them")
-        except Exception as e:  # noqa: BLE001 - e.g. a rank that never came: report, never mask
-            log.warning("lightning-asyncckpt: not every rank could commit the saves in flight (%s); dropping them",
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
-        finally:
-            self._agreement = agreement
-        self._failures.clear()
-        log.warning(
-            "lightning-asyncckpt: %d of %d checkpoint write(s) in flight committed before stopping",
-            len(self.history) - committed, count,
-        )
 
     @staticmethod
     def _drain_at_exit(ref: weakref.ref) -> None:
