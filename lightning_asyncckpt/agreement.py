@@ -36,7 +36,18 @@ class Agreement:
 
     @property
     def active(self) -> bool:
-        return is_distributed() and dist.get_world_size(self.group) > 1
+        return is_distributed() and self.group_alive() and dist.get_world_size(self.group) > 1
+
+    def group_alive(self) -> bool:
+        """False for a group of a process group destroyed since (and perhaps made anew): its size still
+        reads, but it can no longer be used."""
+        if self.group is None:
+            return is_distributed()
+        try:
+            dist.get_process_group_ranks(self.group)
+        except (KeyError, ValueError, RuntimeError):
+            return False
+        return True
 
     @property
     def rank(self) -> int:

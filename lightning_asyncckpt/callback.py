@@ -76,6 +76,8 @@ class AsyncFinalizerCallback(Callback):
         # start the worker now on every rank that writes, not inside a training step
         writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
         self._writes_everywhere = writes_everywhere
+        if writes_everywhere and stage == "fit":
+            io._make_exit_group()  # every rank is here: not inside the first save's stall
         if stage == "fit" and (trainer.is_global_zero or writes_everywhere):
             io.warmup()
             # a sharded strategy saves its own state layout: its first save allocates the buffers

@@ -230,7 +230,7 @@ class AsyncCheckpointIO(CheckpointIO):
             before stopping the workers. A save that finishes in time is committed, as a synchronous
             save made before the crash would be; one that fails is logged, never raised over the
             exception. Saves written by all ranks together (sharded) are committed by the ranks together
-            over a gloo group made at the first such save, if every rank gets there within
+            over a gloo group made before the first such save, if every rank gets there within
             ``min(drain_timeout_s, 60)`` seconds; otherwise they are dropped. ``0`` drops every unfinished
             save at once.
 
@@ -295,7 +295,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
         self._save_started: float | None = None
         self._exit_hook: multiprocessing.util.Finalize | None = None
-        self._exit_agreement: Agreement | None = None  # made at the first collective save
+        self._exit_agreement: Agreement | None = None  # made before the first collective save
 
     # ---------------------------------------------------------------------------------------------
     # Public properties
@@ -654,6 +654,15 @@ class AsyncCheckpointIO(CheckpointIO):
             len(self.history) - committed, count,
         )
 
+    def _make_exit_group(self) -> None:
+        """(all ranks, together, once) The group that the ranks commit collective saves over on the way out
+        of an exception, whose collectives give up if a rank never comes (``drain_timeout_s``, at most
+        ``EXIT_MEET_S``). Made before the first collective save: at the callback's ``setup`` for the
+        Trainer, inside that save for Fabric."""
+        if self._exit_group_usable() or not self._agreement.active or self.drain_timeout_s <= 0:
+            return  # (a process group destroyed since, e.g. by an earlier Trainer, gets a new one)
+        self._exit_agreement = self._agreement.exit_side(min(self.drain_timeout_s, EXIT_MEET_S))
+
     def _solo_waiting(self) -> list[_PendingSave]:
         """The saves in flight this rank commits alone, in order: those before the first collective one."""
         out = []
@@ -725,10 +734,7 @@ class AsyncCheckpointIO(CheckpointIO):
             if not self._run_token_agreed:  # every rank writes into the same temporary directory
                 self._run_token = self._agreement.all_gather(self._run_token)[0]
                 self._run_token_agreed = True
-                if self._exit_agreement is None and self._agreement.active and self.drain_timeout_s > 0:
-                    # every rank is here: make the group that the ranks commit these saves over on the way
-                    # out of an exception, whose collectives give up if a rank never comes
-                    self._exit_agreement = self._agreement.exit_side(min(self.drain_timeout_s, EXIT_MEET_S))
+                self._make_exit_group()  # every rank is here (Fabric; the Trainer made it at setup)
             self._collective_count += 1
             tmp = commit.tmp_for(path, f"{self._run_token}-c{self._collective_count}")
         else:

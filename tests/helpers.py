@@ -217,11 +217,13 @@ def job_args(extra: tuple = ()) -> Any:
 def run_job(run: Any, extra: tuple = ("--dir",), report: dict | None = None) -> None:
     """The ``main`` of a job script: ``run(args, report)`` on this rank, then ``<out>/rank<r>.json`` with the
     report (and the traceback, if it raised)."""
+    import faulthandler
     import json
     import traceback
 
     import torch
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks for every stack on a hang
     args = job_args(extra=extra)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     report = {"rank": rank, **(report or {})}
@@ -233,6 +235,18 @@ def run_job(run: Any, extra: tuple = ("--dir",), report: dict | None = None) -> 
         report["world_size"] = torch.distributed.get_world_size()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
+
+
+def dump_stacks(pgid: int, script: str, log: Any) -> None:
+    """Has every process of a hung job that runs ``script`` (its ranks, and forked writers, which inherit
+    the handler ``run_job`` registers) print all its threads' stacks into the job's ``log``, one by one."""
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(p.pid) == pgid and script in " ".join(p.info["cmdline"] or []):
+                log.write(f"\n--- stacks of pid {p.pid} (parent {p.ppid()}) ---\n")
+                log.flush()  # the job's processes share this file offset
+                p.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
 
 
 def run_ranks(
@@ -253,7 +267,8 @@ def run_ranks(
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"job {case} hung for {timeout}s; log:\n{(out / 'log.txt').read_text()[-4000:]}")
+            dump_stacks(proc.pid, script, log)
+            pytest.fail(f"job {case} hung for {timeout}s; log, with every stack:\n{(out / 'log.txt').read_text()[-20000:]}")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -228,8 +228,12 @@ def case_die(args, report):
                 raise ValueError(f"boom on rank {self.global_rank}")
             return super().training_step(batch, batch_idx)
 
-    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), [rec, ck],
-                 plugins=[io], max_steps=40)
+    class ExitGroupAtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):  # made at setup, not inside the first save's stall
+            report["exit_group_at_start"] = io._exit_agreement is not None and io._exit_agreement.active
+
+    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                 [rec, ExitGroupAtStart(), ck], plugins=[io], max_steps=40)
     if t.strategy.launcher is not None:
         t.strategy.launcher.kill = lambda *a, **k: None
     L.seed_everything(1)

@@ -47,3 +47,19 @@ def test_a_gloo_group_on_a_gpu_machine_still_agrees_on_the_cpu(tmp_path):
         assert Agreement()._all_max([1]) == [1]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_of_a_destroyed_process_group_is_not_used_again(tmp_path):
+    """The exit group outlives a process group that a script destroys and makes anew (a second Trainer):
+    it must then be made again, not used."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s1"), 1), rank=0, world_size=1)
+    exit_side = Agreement().exit_side(5.0)
+    assert exit_side.group_alive()
+    dist.destroy_process_group()
+    assert not exit_side.group_alive()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s2"), 1), rank=0, world_size=1)
+    try:
+        assert Agreement().group_alive()
+        assert not exit_side.group_alive() and not exit_side.active
+    finally:
+        dist.destroy_process_group()

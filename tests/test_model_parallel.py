@@ -72,4 +72,5 @@ def test_fsdp2_a_sharded_save_in_flight_lands_when_every_rank_dies(tmp_path):
         assert r["raised"] == f"boom on rank {r['rank']}"
         assert r["files"] == ["epoch=0-step=4.ckpt"] and r["history"] == ["epoch=0-step=4.ckpt"]
         assert r["children_after_fit"] == []
+        assert r["exit_group_at_start"]
     assert r0["verified"]
