@@ -2,6 +2,7 @@
 
 import dataclasses
 import errno
+import gc
 import os
 import signal
 import threading
@@ -220,3 +221,30 @@ def test_warmup_with_a_state_prepares_the_buffers_of_the_first_save(engine_worke
         used = {name: buf for bs in io._stager._sets for name, buf in bs.buffers.items()}
         assert len(io._stager._sets) == 1 and all(used[n] is b for n, b in prepared.items())  # reused, not new
     assert_tree_equal(dcp_format.load(tmp_path / "a.ckpt", weights_only=False), ckpt)
+
+
+def test_a_forked_writer_never_runs_the_finalizers_of_the_trainers_garbage(tmp_path):
+    """A fork-per-save writer collects garbage (each write does): never the trainer's, whose finalizers may
+    wait on threads that do not exist in the child (a process group's), or on locks those held."""
+    marks = tmp_path / "finalized"
+    marks.mkdir()
+
+    class Cycle:
+        def __del__(self):
+            (marks / str(os.getpid())).touch()
+
+    io = AsyncCheckpointIO("nvrx", worker="fork", timeout_s=60)
+    try:
+        gc.disable()  # the cycle is still uncollected garbage in the trainer when the writer forks
+        try:
+            cycle = Cycle()
+            cycle.me = cycle
+            del cycle
+            io.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
+        finally:
+            gc.enable()
+        io.finalize(blocking=True)
+    finally:
+        io.teardown()
+    gc.collect()
+    assert sorted(p.name for p in marks.iterdir()) == [str(os.getpid())]  # finalized here, once

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import gc
 import inspect
 import logging
 import sys
@@ -57,7 +58,6 @@ def _resource_tracker_running() -> bool:
 def _stop_resource_tracker() -> None:
     """Spawning starts multiprocessing's resource-tracker helper; stop it again if we started it, so
     that no process outlives ``teardown``. It restarts on demand."""
-    import gc
     from multiprocessing import resource_tracker
 
     gc.collect()  # finalizers of our queues' semaphores unregister them first
@@ -208,7 +208,15 @@ class _TemporalMixin:
             daemon=True,
             name="asyncckpt-fork",
         )
-        proc.start()
+        # The trainer's objects go into the collector's permanent generation for the fork, as the gc
+        # module's documentation advises: the child never collects them, so it never runs the finalizers
+        # of the trainer's garbage (which may wait on threads that do not exist in the child, or on
+        # locks they held), and it does not touch, and so copy, the pages that hold them.
+        gc.freeze()
+        try:
+            proc.start()
+        finally:
+            gc.unfreeze()
         return proc
 
     def __del__(self) -> None:
