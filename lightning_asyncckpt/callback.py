@@ -27,7 +27,9 @@ class AsyncFinalizerCallback(Callback):
     """Commits finished background saves and raises their errors on every rank of the trainer.
 
     - ``on_save_checkpoint`` (all ranks): counts the save, so that every rank knows a save is pending
-      even though Lightning calls the plugin on global rank 0 only.
+      even though Lightning calls the plugin on global rank 0 only. Lightning skips this hook for
+      weights-only saves; those are counted as they reach the strategy's ``save_checkpoint``, which
+      every rank calls.
     - ``on_train_batch_end`` (all ranks): a non-blocking ``finalize``; a failed write raises
       :class:`~lightning_asyncckpt.CheckpointWriteError` here, within a step or two.
     - ``on_train_end`` (all ranks): a blocking ``finalize``, after every checkpoint callback's last save
@@ -50,6 +52,8 @@ class AsyncFinalizerCallback(Callback):
         self._auto = False
         self._prepare_pending = False
         self._writes_everywhere = False
+        self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
+        self._wrapped: Any = None  # (strategy, our save_checkpoint wrapper)
 
     @property
     def state_key(self) -> str:
@@ -73,6 +77,7 @@ class AsyncFinalizerCallback(Callback):
         self._io = io
         self._logged = len(io.history)
         io._attach_finalizer()
+        self._count_weights_only_saves(trainer.strategy)
         # start the worker now on every rank that writes, not inside a training step
         writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
         self._writes_everywhere = writes_everywhere
@@ -88,6 +93,34 @@ class AsyncFinalizerCallback(Callback):
         """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
         if self._io is not None:
             self._io._announce_save()
+            self._counted = checkpoint
+
+    def _count_weights_only_saves(self, strategy: Any) -> None:
+        """Every rank calls ``strategy.save_checkpoint`` for every save, weights-only ones included (for
+        which Lightning runs no callback hook): count there the saves ``on_save_checkpoint`` did not,
+        so that an error of a weights-only save reaches every rank within a step or two as well."""
+        if self._wrapped is not None and self._wrapped[0] is strategy:
+            return
+        original = strategy.save_checkpoint
+
+        def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+            if self._io is not None and checkpoint is not self._counted:
+                self._io._announce_save()
+            self._counted = None
+            return original(checkpoint, filepath, storage_options=storage_options)
+
+        strategy.save_checkpoint = save_checkpoint
+        self._wrapped = (strategy, save_checkpoint)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """(all ranks) Gives the strategy its own ``save_checkpoint`` back."""
+        if self._wrapped is not None:
+            strategy, wrapper = self._wrapped
+            if vars(strategy).get("save_checkpoint") is wrapper:
+                del strategy.save_checkpoint
+            self._wrapped = None
+        self._counted = None
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -408,10 +408,14 @@ class AsyncCheckpointIO(CheckpointIO):
             return
         if self._torn_down:
             # After teardown nobody will finalize (e.g. `trainer.save_checkpoint` after `fit`): complete
-            # the save before returning, and stop the worker again, rather than lose it at exit.
+            # the save before returning, and stop the worker again, rather than lose it at exit. Every rank
+            # is here for a collective save: the ranks commit it together.
             try:
-                self._settle_local(blocking=True)
-                self._raise_local_failures()
+                if collective:
+                    self._finalize(blocking=True, force=True)
+                else:
+                    self._settle_local(blocking=True)
+                    self._raise_local_failures()
             finally:
                 self._close(abort=False)
 

@@ -212,10 +212,10 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def _failing_run(args, report, callbacks, explicit_callback=True, **kw):
+def _failing_run(args, report, callbacks, explicit_callback=True, weights_only=False, **kw):
     io = AsyncCheckpointIO(args.engine, worker=args.worker)
     dirpath = os.path.join(args.dir or args.out, "c")
-    ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
+    ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1, save_weights_only=weights_only)
     cbs = ([AsyncFinalizerCallback()] if explicit_callback else []) + [SlowSteps()] + [cb(io) for cb in callbacks] + [ck]
     t = _trainer(args, [io], cbs, max_steps=40, **kw)
     _no_kill(t)
@@ -327,6 +327,11 @@ def case_enospc(args, report):
 
 def case_kill(args, report):
     _failing_run(args, report, [lambda io: SlowWritesFrom(io, 8), lambda io: KillWorkerAt(io, 9)])
+
+
+def case_weights_only(args, report):
+    """Lightning runs no callback hook for weights-only saves: their errors must still stop every rank."""
+    _failing_run(args, report, [lambda io: FailWritesFrom(io, 8)], weights_only=True)
 
 
 def case_auto(args, report):

@@ -161,6 +161,25 @@ def case_fit(args, report):
     report["children_after_resume"] = _own_children()
 
 
+def case_after_fit(args, report):
+    """``trainer.save_checkpoint`` after ``fit`` (the plugin is torn down): the sharded save is complete
+    when it returns, on every rank, and holds the final state."""
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    check = ResumeCheck()
+    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), [check],
+                 plugins=[io], max_steps=6, enable_checkpointing=False)
+    L.seed_everything(1)
+    t.fit(ShardedModel(width=WIDTH), loader(**DATA))
+    path = os.path.join(args.out, "final.ckpt")
+    t.save_checkpoint(path)
+    report["complete_on_return"] = os.path.exists(os.path.join(path, ".metadata"))
+    report["children_after_save"] = _own_children()
+    torch.distributed.barrier()
+    if t.global_rank == 0:
+        assert_tree_equal(read_with_dcp(path, args.out), check.final, "saved after fit")
+        report["verified"] = True
+
+
 def case_resume1(args, report):
     """1 rank resumes from a 2-rank checkpoint (``--dir``) through ``ckpt_path``, then saves on 1 rank."""
     expected = read_with_dcp(args.dir, args.out)

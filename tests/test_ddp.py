@@ -69,6 +69,14 @@ def test_ddp_plugin_alone_gets_the_finalizer_on_every_rank(tmp_path, engine, wor
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
 
 
+def test_ddp_weights_only_save_error_raises_on_every_rank_within_steps(tmp_path):
+    """``ModelCheckpoint(save_weights_only=True)``: Lightning skips callbacks' ``on_save_checkpoint``,
+    yet the failed write stops both ranks a few steps after it, not at the end of fit."""
+    r0, r1 = run_job(tmp_path, "weights_only", "nvrx", "persistent")
+    _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
+    assert r0["global_step"] <= 12  # the next save, at step 12, is never reached
+
+
 def test_ddp_bad_input_on_rank0_raises_on_every_rank(tmp_path):
     """A save that fails at save time on rank 0 must not leave rank 1 waiting in Lightning's barrier."""
     r0, r1 = run_job(tmp_path, "badinput", "nvrx", "persistent")

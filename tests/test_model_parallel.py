@@ -64,6 +64,15 @@ def test_fsdp2_one_failing_rank_raises_on_every_rank(tmp_path, engine, worker):
     assert r0["global_step"] == r1["global_step"] < 40
 
 
+def test_fsdp2_save_after_fit_is_complete_when_it_returns(tmp_path):
+    """``trainer.save_checkpoint`` after ``fit`` (the plugin is torn down): the ranks commit the sharded
+    save together before it returns, with the final state; it was dropped before."""
+    r0, r1 = run_ranks(JOB, tmp_path, "after_fit", "nvrx", "persistent")
+    for r in (r0, r1):
+        assert r["complete_on_return"] and r["children_after_save"] == []
+    assert r0["verified"]
+
+
 def test_fsdp2_a_sharded_save_in_flight_lands_when_every_rank_dies(tmp_path):
     """The ranks commit the sharded save they were writing together, on the way out of an error raised
     on every rank (over a gloo group whose collectives give up if a rank never comes)."""
