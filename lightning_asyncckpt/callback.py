@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -11,6 +13,9 @@ from typing_extensions import override
 from lightning_asyncckpt.io import AsyncCheckpointIO
 
 log = logging.getLogger(__name__)
+
+# Lightning's SLURM auto-requeue saves `hpc_ckpt_<N>.ckpt`, then requeues the job, which stops it soon after
+_REQUEUE_SAVE = re.compile(r"hpc_ckpt_\d+\.ckpt")
 
 
 def find_async_io(strategy: Any) -> AsyncCheckpointIO | None:
@@ -34,6 +39,10 @@ class AsyncFinalizerCallback(Callback):
       :class:`~lightning_asyncckpt.CheckpointWriteError` here, within a step or two.
     - ``on_train_end`` (all ranks): a blocking ``finalize``, after every checkpoint callback's last save
       (Lightning runs checkpoint callbacks last).
+    - Lightning's SLURM auto-requeue save (``hpc_ckpt_<N>.ckpt``, made right before ``scontrol requeue``
+      stops the job): each rank waits for its writes before the requeue, with no collectives (a
+      single-writer save is then committed; the ranks commit a sharded one at the next finalize or
+      on the way out).
     - ``on_exception``: stops the workers without collectives and without masking the exception.
 
     After each of these, global rank 0 sends every newly committed save's figures to the trainer's
@@ -77,7 +86,7 @@ class AsyncFinalizerCallback(Callback):
         self._io = io
         self._logged = len(io.history)
         io._attach_finalizer()
-        self._count_weights_only_saves(trainer.strategy)
+        self._watch_saves(trainer.strategy)
         # start the worker now on every rank that writes, not inside a training step
         writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
         self._writes_everywhere = writes_everywhere
@@ -95,10 +104,11 @@ class AsyncFinalizerCallback(Callback):
             self._io._announce_save()
             self._counted = checkpoint
 
-    def _count_weights_only_saves(self, strategy: Any) -> None:
+    def _watch_saves(self, strategy: Any) -> None:
         """Every rank calls ``strategy.save_checkpoint`` for every save, weights-only ones included (for
-        which Lightning runs no callback hook): count there the saves ``on_save_checkpoint`` did not,
-        so that an error of a weights-only save reaches every rank within a step or two as well."""
+        which Lightning runs no callback hook). There: count the saves ``on_save_checkpoint`` did not, so
+        that an error of a weights-only save reaches every rank within a step or two as well; and finish
+        the write of a SLURM requeue save before it returns."""
         if self._wrapped is not None and self._wrapped[0] is strategy:
             return
         original = strategy.save_checkpoint
@@ -107,7 +117,10 @@ class AsyncFinalizerCallback(Callback):
             if self._io is not None and checkpoint is not self._counted:
                 self._io._announce_save()
             self._counted = None
-            return original(checkpoint, filepath, storage_options=storage_options)
+            original(checkpoint, filepath, storage_options=storage_options)
+            if self._io is not None and _REQUEUE_SAVE.fullmatch(os.path.basename(str(filepath))):
+                # the requeue that follows stops this job: the write must not still be running then
+                self._io._write_now()
 
         strategy.save_checkpoint = save_checkpoint
         self._wrapped = (strategy, save_checkpoint)

@@ -658,6 +658,18 @@ class AsyncCheckpointIO(CheckpointIO):
             len(self.history) - committed, count,
         )
 
+    def _write_now(self) -> None:
+        """(this rank, no collectives) Waits for this rank's writes in flight: single-writer saves commit,
+        with the removals that waited for them; this rank's part of a collective save is written (the
+        ranks commit it at the next finalize, or on the way out). A failure is recorded and raised on
+        every rank by the next finalize. For a save that must be on disk when it returns, such as the one
+        Lightning's SLURM auto-requeue makes right before it requeues the job."""
+        if self._engine is None or not any(p.written is None for p in self._pending):
+            return
+        log.info("lightning-asyncckpt: waiting for %d checkpoint write(s) before going on",
+                 sum(p.written is None for p in self._pending))
+        self._settle_local(blocking=True)
+
     def _make_exit_group(self) -> None:
         """(all ranks, together, once) The group that the ranks commit collective saves over on the way out
         of an exception, whose collectives give up if a rank never comes (``drain_timeout_s``, at most

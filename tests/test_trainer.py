@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -415,3 +416,50 @@ def test_drain_timeout_zero_drops_the_save_in_flight(tmp_path):
     assert dir_entries(tmp_path / "c") == []  # no partial directory either
     with pytest.raises(ValueError, match="drain_timeout_s"):
         AsyncCheckpointIO("nvrx", drain_timeout_s=-1)
+
+
+class _RequeueSignalAt(L.Callback):
+    """Sends SLURM's requeue signal (SIGUSR1) to this process at ``step``; Lightning's handler saves
+    ``hpc_ckpt_1.ckpt`` and requeues the job before ``os.kill`` returns. Records whether that checkpoint
+    was on disk, complete, by then (the requeue stops the job soon after)."""
+
+    def __init__(self, step):
+        self.step, self.complete_after_handler = step, None
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            self.complete_after_handler = commit.is_committed(_hpc_path(trainer))
+
+
+def _hpc_path(trainer):
+    return Path(trainer.default_root_dir) / "hpc_ckpt_1.ckpt"
+
+
+def test_slurm_requeue_save_is_on_disk_before_the_requeue(tmp_path, monkeypatch, caplog):
+    """Lightning's SLURM auto-requeue saves ``hpc_ckpt_<N>.ckpt`` and runs ``scontrol requeue`` right
+    after, which stops the job: the write must be finished and committed before that, not in flight."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `scontrol` here: Lightning logs that the requeue failed
+    io = AsyncCheckpointIO("nvrx", worker="persistent")
+    io.write_hook = testing.DelayWrite(1.0)
+    rec = SnapshotRecorder()
+    requeue = _RequeueSignalAt(3)
+    t = trainer(tmp_path, [io, SLURMEnvironment(auto_requeue=True)], [AsyncFinalizerCallback(), rec, requeue],
+                max_steps=6, enable_checkpointing=False)
+    old_handler = signal.getsignal(signal.SIGUSR1)
+    try:
+        with caplog.at_level("INFO", logger="lightning_asyncckpt"):
+            t.fit(TinyModel(), loader())
+    finally:
+        signal.signal(signal.SIGUSR1, old_handler)
+    assert requeue.complete_after_handler
+    loaded = io.load_checkpoint(_hpc_path(t), weights_only=False)
+    assert_tree_equal({"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]},
+                      rec.copies[3])
+    assert "waiting for 1 checkpoint write(s) before going on" in caplog.text
+    assert live_children() == []
