@@ -24,14 +24,17 @@ COMBOS = [(e, w) for e in ENGINES for w in WORKERS]
 MAIN_COMBOS = {("nvrx", "persistent"), ("mcore", "fork")}
 
 
-def combo_params(single: bool = False) -> list:
-    """``(engine, worker)`` parameters, two of them marked ``slow``; ``single`` for a fixture's one value."""
+def combo_params(single: bool = False, fast: Any = MAIN_COMBOS, combos: Any = COMBOS) -> list:
+    """``(engine, worker)`` parameters for ``combos`` (all four by default); those not in ``fast`` are
+    marked ``slow`` (``make test-all`` runs them, ``make test`` does not). ``single`` for a fixture's one
+    value. Tests whose subject does not depend on the engine run one combination in ``make test``,
+    chosen so that every combination still runs there somewhere."""
     import pytest
 
     return [
         pytest.param(*([(e, w)] if single else [e, w]), id=f"{e}-{w}",
-                     marks=() if (e, w) in MAIN_COMBOS else pytest.mark.slow)
-        for e, w in COMBOS
+                     marks=() if (e, w) in fast else pytest.mark.slow)
+        for e, w in combos
     ]
 
 

@@ -114,7 +114,19 @@ def _resume(args, strategy, ckpt_path, max_steps, callbacks=(), plugins=()):
     return check
 
 
+def case_save(args, report):
+    """Trains with sharded saves and checks every committed checkpoint against the state it was taken from."""
+    _fit_and_check(args, report)
+
+
 def case_fit(args, report):
+    """``case_save``, then resumes from one of our checkpoints with stock ``ModelParallelStrategy`` and with
+    ours (both start from the saved state exactly and continue identically), and from stock's with ours."""
+    t, ck, rec = _fit_and_check(args, report)
+    _resume_both_ways(args, report, ck, rec)
+
+
+def _fit_and_check(args, report):
     io = AsyncCheckpointIO(args.engine, worker=args.worker)
     io.write_hook = testing.DelayWrite(0.1)  # each write outlasts a few steps
     rec = FullStateRecorder()
@@ -138,7 +150,10 @@ def case_fit(args, report):
             assert_tree_equal(read_with_dcp(path, args.out), rec.copies[meta["global_step"]], name)
         report["verified"] = report["files"]
     torch.distributed.barrier()
+    return t, ck, rec
 
+
+def _resume_both_ways(args, report, ck, rec):
     # Stock ModelParallelStrategy resumes from our checkpoint, and so do we: both start from the saved state
     # exactly and continue identically. Stock saves at the end; we resume from that too.
     ours = os.path.join(ck.dirpath, "epoch=1-step=12.ckpt")

@@ -9,7 +9,6 @@ import pytest
 from helpers import combo_params, run_ranks
 
 JOB = os.path.join(os.path.dirname(__file__), "ddp_job.py")
-FAIL_COMBOS = combo_params()
 
 
 def run_job(tmp_path, case, engine, worker, **extra):
@@ -49,21 +48,21 @@ def _assert_failed_everywhere(r0, r1, path_end, error_type, ranks=(0,)):
     assert r0["global_step"] == r1["global_step"] < 40  # training stopped, at the same point on both ranks
 
 
-@pytest.mark.parametrize(("engine", "worker"), FAIL_COMBOS)
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "persistent")}))
 def test_ddp_real_disk_full_raises_on_every_rank(tmp_path, small_tmpfs, engine, worker):
     r0, r1 = run_job(tmp_path, "enospc", engine, worker, dir=small_tmpfs)
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
     assert r0["raised"]["errno"] == 28 and "ENOSPC" in r0["raised"]["message"]
 
 
-@pytest.mark.parametrize(("engine", "worker"), FAIL_COMBOS)
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("mcore", "fork")}))
 def test_ddp_killed_worker_raises_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "kill", engine, worker)
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "WorkerDied")
     assert "SIGKILL" in r0["raised"]["message"]
 
 
-@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("mcore", "fork")}, combos=[("nvrx", "persistent"), ("mcore", "fork")]))
 def test_ddp_plugin_alone_gets_the_finalizer_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "auto", engine, worker)
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
@@ -118,14 +117,14 @@ def test_async_ddp_strategy_writes_on_every_rank(tmp_path, engine, worker):
     assert_tree_equal(seen["weights"], clone_tree(dict(saved["state_dict"])))
 
 
-@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "persistent")}, combos=[("nvrx", "persistent"), ("mcore", "fork")]))
 def test_async_ddp_strategy_one_failing_rank_raises_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "parallel_fail", engine, worker)
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError", ranks=(1,))
     assert "rank 1" in r0["raised"]["message"] and "ENOSPC" in r0["raised"]["message"]
 
 
-@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), ("mcore", "persistent")], ids=["nvrx-fork", "mcore-persistent"])
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "fork")}, combos=[("nvrx", "fork"), ("mcore", "persistent")]))
 def test_checkpoint_from_one_rank_resumes_on_two(tmp_path, engine, worker):
     from lightning.pytorch.callbacks import ModelCheckpoint
 

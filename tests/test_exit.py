@@ -30,7 +30,7 @@ def _run(tmp_path, how, engine="nvrx", worker="persistent", **extra):
 
 
 @pytest.mark.parametrize("how", ["end", "raise"])
-@pytest.mark.parametrize("engine,worker", combo_params())
+@pytest.mark.parametrize("engine,worker", combo_params(fast={("nvrx", "persistent")}))
 def test_the_last_save_lands_when_the_script_exits(tmp_path, how, engine, worker):
     proc, report = _run(tmp_path, how, engine, worker)
     assert proc.returncode == (0 if how == "end" else 1), proc.stderr[-3000:]

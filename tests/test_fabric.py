@@ -48,7 +48,7 @@ def test_fabric_sharded_save_finalize_load_is_exact(tmp_path, engine, worker):
         assert r["children_after_exit"] == []
 
 
-@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), ("mcore", "persistent")], ids=["nvrx-fork", "mcore-persistent"])
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "fork")}, combos=[("nvrx", "fork"), ("mcore", "persistent")]))
 def test_fabric_sharded_failing_rank_raises_on_both_ranks(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "sharded_fail", engine, worker)
     for r in (r0, r1):

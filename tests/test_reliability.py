@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import run_ranks
+from helpers import combo_params, run_ranks
 from lightning_asyncckpt import commit
 
 HERE = os.path.dirname(__file__)
@@ -34,7 +34,7 @@ def _kill_group(proc):
     proc.wait()
 
 
-@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "persistent")}, combos=[("nvrx", "persistent"), ("mcore", "fork")]))
 def test_trainer_killed_mid_write_resumes_from_newest_committed(tmp_path, engine, worker):
     # the 5th and 6th saves (step 12: top-k and last) take a minute: the kill lands in the middle of them
     proc, out, log = _start("crash_job.py", tmp_path, "train", engine, worker,
