@@ -405,11 +405,13 @@ class AsyncCheckpointIO(CheckpointIO):
                 if failure.rank == rank:
                     self._failures.append(_Failed(self._order, str(path), failure))
             log.error("lightning-asyncckpt: save to %s failed at save time: %s", path, e)
-            return
+            if not self._torn_down:
+                return
         if self._torn_down:
             # After teardown nobody will finalize (e.g. `trainer.save_checkpoint` after `fit`): complete
             # the save before returning, and stop the worker again, rather than lose it at exit. Every rank
-            # is here for a collective save: the ranks commit it together.
+            # is here for a collective save: the ranks commit it together, or all raise its error (also
+            # one recorded above on some ranks only, which must not leave the others in the finalize).
             try:
                 if collective:
                     self._finalize(blocking=True, force=True)

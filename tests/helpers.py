@@ -226,9 +226,16 @@ def run_job(run: Any, extra: tuple = ("--dir",), report: dict | None = None) -> 
 
     import torch
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks for every stack on a hang
     args = job_args(extra=extra)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # On a hang, run_ranks shows every process's stacks. Each rank writes its own just before the harness
+    # gives up (a watchdog thread: Lightning resets signal handlers at teardown); forked writers inherit a
+    # SIGUSR1 handler, and run_ranks signals them.
+    stacks_after = os.environ.get(STACKS_AFTER_VAR)
+    if stacks_after:
+        stacks = open(os.path.join(args.out, f"{STACKS_PREFIX}{os.getpid()}.txt"), "w")  # noqa: SIM115 - kept open
+        faulthandler.dump_traceback_later(float(stacks_after), exit=False, file=stacks)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     report = {"rank": rank, **(report or {})}
     try:
         run(args, report)
@@ -240,16 +247,27 @@ def run_job(run: Any, extra: tuple = ("--dir",), report: dict | None = None) -> 
         json.dump(report, f, indent=1, default=str)
 
 
-def dump_stacks(pgid: int, script: str, log: Any) -> None:
-    """Has every process of a hung job that runs ``script`` (its ranks, and forked writers, which inherit
-    the handler ``run_job`` registers) print all its threads' stacks into the job's ``log``, one by one."""
+STACKS_AFTER_VAR = "ASYNCCKPT_TEST_STACKS_AFTER_S"
+STACKS_PREFIX = "stacks-"
+
+
+def hang_report(pgid: int, script: str, out: Any, log: Any) -> str:
+    """Every stack of a hung job that runs ``script``: the ranks' own (written by their watchdog, see
+    ``run_job``), and those of the other processes (forked writers), which print them into ``log`` on
+    SIGUSR1, one by one."""
+    ranks = {int(f.name[len(STACKS_PREFIX):-4]) for f in out.glob(f"{STACKS_PREFIX}*.txt")}
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error, OSError):
-            if os.getpgid(p.pid) == pgid and script in " ".join(p.info["cmdline"] or []):
+            if p.pid not in ranks and os.getpgid(p.pid) == pgid and script in " ".join(p.info["cmdline"] or []):
                 log.write(f"\n--- stacks of pid {p.pid} (parent {p.ppid()}) ---\n")
                 log.flush()  # the job's processes share this file offset
                 p.send_signal(signal.SIGUSR1)
                 time.sleep(1.0)
+    parts = [(out / "log.txt").read_text()[-8000:]]
+    for f in sorted(out.glob(f"{STACKS_PREFIX}*.txt")):
+        if f.stat().st_size:
+            parts.append(f"--- stacks of rank process {f.name[len(STACKS_PREFIX):-4]} ---\n{f.read_text()[-6000:]}")
+    return "\n".join(parts)
 
 
 def run_ranks(
@@ -264,14 +282,14 @@ def run_ranks(
     cmd = [sys.executable, script, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(20000 + os.getpid() % 20000))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(20000 + os.getpid() % 20000),
+               **{STACKS_AFTER_VAR: str(max(timeout - 8, timeout * 0.8))})
     with open(out / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            dump_stacks(proc.pid, script, log)
-            pytest.fail(f"job {case} hung for {timeout}s; log, with every stack:\n{(out / 'log.txt').read_text()[-20000:]}")
+            pytest.fail(f"job {case} hung for {timeout}s; log, and every stack:\n{hang_report(proc.pid, script, out, log)}")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -195,6 +195,30 @@ def case_after_fit(args, report):
         report["verified"] = True
 
 
+def case_after_fit_fail(args, report):
+    """As ``case_after_fit``, but handing the save to rank 1's worker fails (after the ranks agreed to
+    save): both ranks raise the same error, and neither waits for the other forever."""
+    from lightning_asyncckpt import CheckpointWriteError
+
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), [],
+                 plugins=[io], max_steps=2, enable_checkpointing=False)
+    t.fit(ShardedModel(width=WIDTH), loader(**DATA))
+    if t.global_rank == 1:
+        io._start(Path(args.out))
+        io._engine.schedule = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    path = os.path.join(args.out, "final.ckpt")
+    try:
+        t.save_checkpoint(path)
+        report["raised"] = None
+    except CheckpointWriteError as e:
+        report["raised"] = {"ranks": list(e.ranks), "path": e.path, "message": str(e)}
+    report["children_after_save"] = _own_children()
+    torch.distributed.barrier()
+    report["final_exists"] = os.path.exists(path)
+    report["leftovers"] = [n for n in os.listdir(args.out) if n.startswith(".asyncckpt-incomplete-")]
+
+
 def case_resume1(args, report):
     """1 rank resumes from a 2-rank checkpoint (``--dir``) through ``ckpt_path``, then saves on 1 rank."""
     expected = read_with_dcp(args.dir, args.out)

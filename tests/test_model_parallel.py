@@ -74,6 +74,17 @@ def test_fsdp2_save_after_fit_is_complete_when_it_returns(tmp_path):
     assert r0["verified"]
 
 
+def test_fsdp2_save_after_fit_failing_on_one_rank_raises_on_both(tmp_path):
+    """The save after ``fit`` fails on rank 1 alone, after the ranks agreed to save: rank 0 must not wait
+    for rank 1 in the commit; both raise the same error, and nothing is left at the path."""
+    r0, r1 = run_ranks(JOB, tmp_path, "after_fit_fail", "nvrx", "fork", timeout=120)
+    for r in (r0, r1):
+        assert r["raised"] is not None, f"rank {r['rank']} did not raise"
+        assert r["raised"]["ranks"] == [1] and r["raised"]["path"].endswith("final.ckpt")
+        assert "No space left" in r["raised"]["message"]
+        assert r["children_after_save"] == [] and not r["final_exists"] and r["leftovers"] == []
+
+
 def test_fsdp2_a_sharded_save_in_flight_lands_when_every_rank_dies(tmp_path):
     """The ranks commit the sharded save they were writing together, on the way out of an error raised
     on every rank (over a gloo group whose collectives give up if a rank never comes)."""
