@@ -145,6 +145,19 @@ def write_job(
     gc.collect(1)
 
 
+def run_forked(started_fd: int, fn: Any, args: tuple, kwargs: dict) -> None:
+    """Entry point of a fork-per-save writer: first tells the trainer it runs (it got past ``fork``),
+    then runs ``fn``."""
+    before_start()
+    os.write(started_fd, b"1")
+    os.close(started_fd)
+    fn(*args, **kwargs)
+
+
+def before_start() -> None:
+    """(forked writer) Nothing; a test makes it hang, as a fork of a multi-threaded process can."""
+
+
 def engine_loop(loop_fn: Any, preload: tuple, ready: Any, **kwargs: Any) -> None:
     """Entry point of the persistent worker: the engine's own loop, made to run without CUDA.
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from helpers import assert_tree_equal, clone_tree
+from helpers import assert_tree_equal, clone_tree, live_children
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, dcp_format, testing
 
 
@@ -248,3 +248,34 @@ def test_a_forked_writer_never_runs_the_finalizers_of_the_trainers_garbage(tmp_p
         io.teardown()
     gc.collect()
     assert sorted(p.name for p in marks.iterdir()) == [str(os.getpid())]  # finalized here, once
+
+
+def test_a_forked_writer_that_hangs_before_it_starts_is_forked_again(tmp_path, monkeypatch, caplog):
+    """A child forked from a process with other threads can hang inside ``fork``, before any Python runs
+    (seen in CI: the writer's stack stopped at ``os.fork``). The save kills it and forks again while the
+    state is still this step's; the checkpoint lands and holds the state at save time."""
+    from lightning_asyncckpt import _worker
+    from lightning_asyncckpt.engines import base
+
+    first = tmp_path / "first-child-hung"
+
+    def hang_the_first_child():  # runs in the forked child
+        if not first.exists():
+            first.touch()
+            time.sleep(3600)
+
+    monkeypatch.setattr(_worker, "before_start", hang_the_first_child)
+    monkeypatch.setattr(base, "FORK_START_S", 1.0)
+    io = AsyncCheckpointIO("nvrx", worker="fork", timeout_s=60)
+    try:
+        ckpt = _checkpoint()
+        expected = clone_tree(ckpt)
+        with caplog.at_level("WARNING", logger="lightning_asyncckpt"):
+            io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+        ckpt["state_dict"]["layer.weight"].add_(1.0)  # training goes on after save returns
+        io.finalize(blocking=True)
+        assert_tree_equal(io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False), expected)
+    finally:
+        io.teardown()
+    assert first.exists() and "did not start within 1s (attempt 1 of 3" in caplog.text
+    assert live_children() == []

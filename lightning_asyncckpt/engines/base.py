@@ -18,6 +18,8 @@ import enum
 import gc
 import inspect
 import logging
+import os
+import select
 import sys
 import time
 from dataclasses import dataclass
@@ -196,28 +198,57 @@ class _PersistentMixin:
             self.close(abort=True)
 
 
+# A forked writer signals that it runs within this many seconds (normally a few milliseconds), else it
+# is killed and the trainer forks again, this many times in all.
+FORK_START_S = 5.0
+FORK_ATTEMPTS = 3
+
+
 class _TemporalMixin:
     """Fork per save: a copy-on-write snapshot of the trainer for the cost of a ``fork``."""
 
     def schedule_fork(self, async_req: Any) -> Any:
+        """Forks the writer and returns once it runs (inside the save, so the snapshot is still this step's).
+
+        A child forked from a process with other threads (gloo's, torch's) can hang inside ``fork``
+        itself, before any Python runs, on a lock one of them held: it is killed after
+        ``FORK_START_S`` and the trainer forks again, up to ``FORK_ATTEMPTS`` times.
+        """
         ctx = mp.get_context("fork")
-        proc = ctx.Process(
-            target=async_req.async_fn,
-            args=tuple(async_req.async_fn_args),
-            kwargs=dict(async_req.async_fn_kwargs or {}),  # None in nvrx 0.7
-            daemon=True,
-            name="asyncckpt-fork",
+        for attempt in range(1, FORK_ATTEMPTS + 1):
+            started_r, started_w = os.pipe()
+            proc = ctx.Process(
+                target=_worker.run_forked,
+                args=(started_w, async_req.async_fn, tuple(async_req.async_fn_args),
+                      dict(async_req.async_fn_kwargs or {})),  # None in nvrx 0.7
+                daemon=True,
+                name="asyncckpt-fork",
+            )
+            # The trainer's objects go into the collector's permanent generation for the fork, as the gc
+            # module's documentation advises: the child never collects them, so it never runs the
+            # finalizers of the trainer's garbage (which may wait on threads that do not exist in the
+            # child, or on locks they held), and it does not touch, and so copy, the pages that hold them.
+            gc.freeze()
+            try:
+                proc.start()
+            finally:
+                gc.unfreeze()
+                os.close(started_w)
+            try:
+                started = bool(select.select([started_r], [], [], FORK_START_S)[0])
+            finally:
+                os.close(started_r)
+            if started:
+                return proc
+            proc.kill()
+            proc.join(5.0)
+            log.warning("lightning-asyncckpt: the forked checkpoint writer did not start within %gs (attempt %d"
+                        " of %d; a fork of a multi-threaded process can hang); forking again",
+                        FORK_START_S, attempt, FORK_ATTEMPTS)
+        raise RuntimeError(
+            f"the forked checkpoint writer did not start in {FORK_ATTEMPTS} attempts of {FORK_START_S:g}s each;"
+            " AsyncCheckpointIO(worker='persistent') does not fork the training process"
         )
-        # The trainer's objects go into the collector's permanent generation for the fork, as the gc
-        # module's documentation advises: the child never collects them, so it never runs the finalizers
-        # of the trainer's garbage (which may wait on threads that do not exist in the child, or on
-        # locks they held), and it does not touch, and so copy, the pages that hold them.
-        gc.freeze()
-        try:
-            proc.start()
-        finally:
-            gc.unfreeze()
-        return proc
 
     def __del__(self) -> None:
         pass
