@@ -85,13 +85,12 @@ class AsyncFinalizerCallback(Callback):
             return
         self._io = io
         self._logged = len(io.history)
-        io._attach_finalizer()
-        self._watch_saves(trainer.strategy)
-        # start the worker now on every rank that writes, not inside a training step
         writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
         self._writes_everywhere = writes_everywhere
-        if writes_everywhere and stage == "fit":
-            io._make_exit_group()  # every rank is here: not inside the first save's stall
+        # every rank is here: the exit group is made now, not inside the first save's stall
+        io.begin_run(collective=writes_everywhere and stage == "fit")
+        self._watch_saves(trainer.strategy)
+        # start the worker now on every rank that writes, not inside a training step
         if stage == "fit" and (trainer.is_global_zero or writes_everywhere):
             io.warmup()
             # a sharded strategy saves its own state layout: its first save allocates the buffers
@@ -101,7 +100,7 @@ class AsyncFinalizerCallback(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
         if self._io is not None:
-            self._io._announce_save()
+            self._io.announce()
             self._counted = checkpoint
 
     def _watch_saves(self, strategy: Any) -> None:
@@ -115,12 +114,12 @@ class AsyncFinalizerCallback(Callback):
 
         def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
             if self._io is not None and checkpoint is not self._counted:
-                self._io._announce_save()
+                self._io.announce()
             self._counted = None
             original(checkpoint, filepath, storage_options=storage_options)
             if self._io is not None and _REQUEUE_SAVE.fullmatch(os.path.basename(str(filepath))):
                 # the requeue that follows stops this job: the write must not still be running then
-                self._io._write_now()
+                self._io.wait_for_local_writes()
 
         strategy.save_checkpoint = save_checkpoint
         self._wrapped = (strategy, save_checkpoint)
@@ -146,15 +145,15 @@ class AsyncFinalizerCallback(Callback):
             self._prepare_pending = False
             like = {"state_dict": pl_module.state_dict(),
                     "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
-            self._io._prepare(like, collective=self._writes_everywhere and self._io._agreement.active)
-        self._io._finalize(blocking=False, force=False)
+            self._io.prepare(like, distributed=self._writes_everywhere)
+        self._io.finalize_step(blocking=False)
         self._log_committed(trainer)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """(all ranks, once at the end of fit) Blocking finalize: every save is committed or raised."""
         if self._io is not None:
-            self._io._finalize(blocking=True, force=False)
+            self._io.finalize_step(blocking=True)
             self._log_committed(trainer)
 
     def _log_committed(self, trainer: Trainer) -> None:
@@ -173,7 +172,7 @@ class AsyncFinalizerCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """(the ranks that raised) Stops the workers without collectives, leaving ``exception`` to propagate."""
         if self._io is not None:
-            self._io._abort()
+            self._io.abort()
 
 
 def _external_callbacks() -> list[Callback]:

@@ -84,7 +84,7 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """(all ranks) Commits or fails every pending save first, then loads as Fabric does."""
-        self.checkpoint_io._finalize(blocking=True, force=True)  # the user's finalize() still returns its record
+        self.checkpoint_io.settle()
         return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 

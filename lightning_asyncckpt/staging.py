@@ -244,6 +244,10 @@ class Stager:
     def clear(self) -> None:
         self._sets = [s for s in self._sets if s.busy]
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every host buffer held for reuse, busy or not (what staging costs in host memory)."""
+        return [b for s in self._sets for b in s.buffers.values()]
+
     def _buffer(self, bs: BufferSet, name: str, t: torch.Tensor) -> torch.Tensor:
         buf = bs.buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:

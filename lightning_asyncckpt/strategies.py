@@ -145,7 +145,7 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         """(all ranks) Settles pending saves, then loads a sharded checkpoint (this package's or stock
         Lightning's, written on any number of ranks) or a full one."""
         io = self._async_io()
-        io._finalize(blocking=True, force=True)
+        io.settle()  # every pending save committed or raised first
         path = Path(self.broadcast(checkpoint_path))
         if path.is_dir() and commit.is_committed(path) and not (path / META_FILE).is_file():
             return self._load_full(io, path, weights_only)  # a full checkpoint written by AsyncCheckpointIO

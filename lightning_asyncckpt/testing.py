@@ -28,9 +28,15 @@ slow       the background write sleeps ``delay`` seconds first (a slow filesyste
 crash      the writer process exits hard in the middle of writing a shard file
 metadata   the coordinator (global rank 0) fails writing ``.metadata``
 commit     the coordinator fails the final rename that publishes the checkpoint
+snapshot   ``MemoryError`` raised in the trainer as it takes the snapshot, on that rank alone (before
+           any collective of the save: the host memory for the staging buffers ran out)
+handover   ``OSError(ENOSPC)`` raised in the trainer as it hands the planned write to the worker, on
+           that rank alone (after the ranks planned the save together)
 ========== ==================================================================================
 
-Coordinator faults fire on global rank 0, which commits every checkpoint.
+Coordinator faults fire on global rank 0, which commits every checkpoint. The pipeline sees all of
+them through one policy object (:class:`lightning_asyncckpt.faults.EnvironmentFaults` by default),
+never through their names.
 
 Targets: ``ranks`` (global ranks, default all), ``saves`` (the n-th save of the ``AsyncCheckpointIO``
 on that rank, counting from 1; default every save), ``engine`` (``nvrx``/``mcore``) and ``worker``
@@ -49,10 +55,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-ENV_VAR = "LIGHTNING_ASYNCCKPT_FAULTS"
+from lightning_asyncckpt.faults import ENV_VAR, ChainedHooks, SaveFaults
+
 WORKER_KINDS = ("enospc", "eio", "permission", "slow", "crash")
 COORDINATOR_KINDS = ("metadata", "commit")
-KINDS = WORKER_KINDS + COORDINATOR_KINDS
+SAVE_TIME_KINDS = ("snapshot", "handover")
+KINDS = WORKER_KINDS + COORDINATOR_KINDS + SAVE_TIME_KINDS
 _ERRNO = {"enospc": _errno.ENOSPC, "eio": _errno.EIO, "permission": _errno.EACCES}
 
 
@@ -94,15 +102,20 @@ class CrashWrite:
         os._exit(self.exit_code)
 
 
+Hooks = ChainedHooks  # several write hooks, run in order
+
+
 @dataclass(frozen=True)
-class Hooks:
-    """Several write hooks, run in order (the user's ``write_hook`` and injected faults)."""
+class FailAt:
+    """Raises ``OSError(code)`` (``MemoryError`` for code 0) in the trainer at one point of a save."""
 
-    hooks: tuple
+    what: str
+    code: int = _errno.EIO
 
-    def __call__(self, buckets: list) -> None:
-        for hook in self.hooks:
-            hook(buckets)
+    def __call__(self, path: Any) -> None:
+        if self.code == 0:
+            raise MemoryError(f"cannot allocate the staging buffers while {self.what} of {path} (injected by lightning_asyncckpt.testing)")
+        raise OSError(self.code, f"{os.strerror(self.code)} while {self.what} of {path} (injected by lightning_asyncckpt.testing)")
 
 
 def _values(text: str) -> tuple[int, ...]:
@@ -206,21 +219,21 @@ def inject_faults(*faults: Fault) -> Iterator[list[Fault]]:
             os.environ[ENV_VAR] = before
 
 
-def faults_for(rank: int, save: int, engine: str, worker: str) -> tuple[Any, str | None]:
-    """(trainer) For one save: the worker-side hook to add (or ``None``) and the coordinator fault kind."""
-    hooks, coordinator = [], None
+def faults_for(rank: int, save: int, engine: str, worker: str) -> SaveFaults:
+    """(trainer) The active faults of one save, as the pipeline's :class:`~lightning_asyncckpt.faults.SaveFaults`."""
+    hooks: list = []
+    points: dict[str, Any] = {}
     for fault in active_faults():
         if not fault.matches(rank, save, engine, worker):
             continue
-        if fault.kind in COORDINATOR_KINDS:
-            coordinator = coordinator or fault.kind
+        if fault.kind == "metadata":
+            points.setdefault("before_metadata", FailAt("writing .metadata"))
+        elif fault.kind == "commit":
+            points.setdefault("before_publish", FailAt("publishing the checkpoint (rename)"))
+        elif fault.kind == "snapshot":
+            points.setdefault("at_snapshot", FailAt("taking the snapshot", 0))
+        elif fault.kind == "handover":
+            points.setdefault("at_handover", FailAt("handing the write to the worker", _errno.ENOSPC))
         else:
             hooks.append(fault.hook())
-    return (Hooks(tuple(hooks)) if hooks else None), coordinator
-
-
-def raise_coordinator_fault(kind: str | None, stage: str, path: Any) -> None:
-    """(coordinator) Fails the commit at ``stage`` (``"metadata"`` or ``"commit"``) if so injected."""
-    if kind == stage:
-        what = "writing .metadata" if stage == "metadata" else "publishing the checkpoint (rename)"
-        raise OSError(_errno.EIO, f"{os.strerror(_errno.EIO)} while {what} of {path} (injected by lightning_asyncckpt.testing)")
+    return SaveFaults(worker_hook=ChainedHooks(tuple(hooks)) if hooks else None, **points)

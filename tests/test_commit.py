@@ -1,4 +1,8 @@
 import os
+import subprocess
+import sys
+
+import pytest
 
 from lightning_asyncckpt import commit
 
@@ -44,12 +48,73 @@ def test_publish_replaces_existing_checkpoint_and_link(tmp_path):
     assert (target / "data").read_text() == "target"
 
 
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no process has it now (a reuse in between would only keep a leftover)
+
+
 def test_cleanup_leftovers_keeps_what_is_asked(tmp_path):
-    keep = commit.tmp_for(tmp_path / "b.ckpt", "run9-1")
+    mine = commit.new_token()
+    keep = commit.tmp_for(tmp_path / "b.ckpt", f"{mine}-1")
     keep.mkdir()
-    stale = commit.tmp_for(tmp_path / "a.ckpt", "run1-1")
+    stale = commit.tmp_for(tmp_path / "a.ckpt", f"{commit.new_token(_dead_pid())}-1")
     stale.mkdir()
     (tmp_path / "a.ckpt").mkdir()
-    removed = commit.cleanup_leftovers(tmp_path, keep_prefix=commit.tmp_for(tmp_path, "run9-").name)
+    removed = commit.cleanup_leftovers(tmp_path, keep_prefix=commit.tmp_for(tmp_path, mine).name)
     assert removed == [stale]
     assert sorted(os.listdir(tmp_path)) == sorted([keep.name, "a.ckpt"])
+
+
+def test_cleanup_keeps_the_saves_in_flight_of_another_live_job(tmp_path):
+    """Two jobs save into one directory: the first save of the second job removes only what is provably
+    dead, never the first job's save in flight (its process lives), nor another host's."""
+    with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE) as other:
+        try:
+            live = commit.tmp_for(tmp_path / "x.ckpt", f"{commit.new_token(other.pid)}-3")
+            elsewhere = commit.tmp_for(tmp_path / "y.ckpt", "0badc0de.1.abcdef-1")  # another host's
+            dead = commit.tmp_for(tmp_path / "z.ckpt", f"{commit.new_token(_dead_pid())}-c2")
+            for d in (live, elsewhere, dead):
+                d.mkdir()
+            removed = commit.cleanup_leftovers(tmp_path, keep_prefix=commit.tmp_for(tmp_path, commit.new_token()).name)
+            assert removed == [dead]
+            assert sorted(os.listdir(tmp_path)) == sorted([live.name, elsewhere.name])
+        finally:
+            other.stdin.close()
+
+
+def test_a_crash_between_the_fallback_renames_never_loses_the_last_checkpoint(tmp_path, monkeypatch):
+    """Where RENAME_EXCHANGE is unsupported (NFS, Lustre, FUSE), replacing last.ckpt takes two renames. A
+    crash between them leaves nothing at last.ckpt; the next run's cleanup puts the old one back."""
+    last = tmp_path / "last.ckpt"
+    _complete(commit.tmp_for(last, "old"), "old")
+    commit.publish(commit.tmp_for(last, "old"), last)
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)  # the filesystem cannot exchange
+    crashed = commit.tmp_for(last, f"{commit.new_token(_dead_pid())}-7")  # a process that died mid-publish
+    _complete(crashed, "new")
+    real_rename = os.rename
+
+    def crash_on_second(src, dst):
+        if os.fspath(src) == os.fspath(crashed):
+            raise KeyboardInterrupt("killed between the renames")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        commit.publish(crashed, last)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not last.exists()
+    commit.cleanup_leftovers(tmp_path, keep_prefix=commit.tmp_for(tmp_path, commit.new_token()).name)
+    assert (last / "data").read_text() == "old"
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def test_a_fallback_publish_replaces_and_leaves_nothing(tmp_path, monkeypatch):
+    last = tmp_path / "last.ckpt"
+    _complete(commit.tmp_for(last, "a"), "old")
+    commit.publish(commit.tmp_for(last, "a"), last)
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
+    _complete(commit.tmp_for(last, commit.new_token()), "new")
+    tmp = next(p for p in tmp_path.iterdir() if commit.is_leftover(p.name))
+    commit.publish(tmp, last)
+    assert (last / "data").read_text() == "new" and sorted(os.listdir(tmp_path)) == ["last.ckpt"]

@@ -185,7 +185,12 @@ def test_loads_a_torch_save_file(io, tmp_path):
 
 
 def test_leftovers_of_interrupted_saves_are_removed(io, tmp_path):
-    stale = commit.tmp_for(tmp_path / "a.ckpt", "999-1")
+    import subprocess
+    import sys
+
+    crashed = subprocess.Popen([sys.executable, "-c", "pass"])
+    crashed.wait()  # the process that owned the leftover is gone
+    stale = commit.tmp_for(tmp_path / "a.ckpt", f"{commit.new_token(crashed.pid)}-1")
     stale.mkdir()
     (stale / "__0_0.distcp").write_bytes(b"partial")
     io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "b.ckpt")
@@ -279,3 +284,56 @@ def test_a_forked_writer_that_hangs_before_it_starts_is_forked_again(tmp_path, m
         io.teardown()
     assert first.exists() and "did not start within 1s (attempt 1 of 3" in caplog.text
     assert live_children() == []
+
+
+def test_teardown_inside_a_users_except_block_still_raises_a_failed_write(engine_worker, tmp_path):
+    """A retry or fallback loop runs training inside an ``except`` block: teardown there is a normal
+    teardown (not an abort), so a failed write is raised, not only logged."""
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker, timeout_s=60)
+    try:
+        raise RuntimeError("the first attempt failed; the user retries")
+    except RuntimeError:
+        io.write_hook = testing.FailWrite()
+        io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "retry.ckpt")
+        with pytest.raises(CheckpointWriteError, match="retry.ckpt") as raised:
+            io.teardown()
+    assert raised.value.errno == errno.ENOSPC and io.worker_pids() == []
+
+
+def test_abort_logs_what_goes_wrong_while_stopping(engine_worker, tmp_path, monkeypatch, caplog):
+    """``abort`` never raises (it runs beside the user's exception), but says what went wrong."""
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker, timeout_s=60)
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+    from lightning_asyncckpt.engines import Engine
+
+    real_close = Engine.close
+
+    def failing_close(self, abort=False):
+        real_close(self, abort=abort)
+        raise RuntimeError("the worker could not be stopped cleanly")
+
+    monkeypatch.setattr(Engine, "close", failing_close)
+    with caplog.at_level("ERROR", logger="lightning_asyncckpt"):
+        io.abort()  # does not raise
+    assert "the worker could not be stopped cleanly" in caplog.text
+
+
+def test_a_checkpoint_that_cannot_be_removed_is_named_in_a_warning(io, tmp_path, caplog):
+    """A top-k removal that fails (here: the checkpoint is a busy mount point) is not silent."""
+    import subprocess
+
+    old = tmp_path / "epoch=0.ckpt"
+    io.save_checkpoint({"w": torch.ones(3)}, old)
+    io.finalize(blocking=True)
+    inner = old / "pinned"
+    inner.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(inner)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with caplog.at_level("WARNING", logger="lightning_asyncckpt"):
+            io.remove_checkpoint(old)
+        assert "could not remove" in caplog.text and str(old) in caplog.text
+    finally:
+        subprocess.run(["umount", "-l", str(inner)], capture_output=True)

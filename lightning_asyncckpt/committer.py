@@ -1,0 +1,130 @@
+"""Commit and retention: a written save becomes a checkpoint (``.metadata`` -> atomic publish -> record),
+and the removals Lightning asked for (top-k) run once nothing newer can still fail.
+
+Which ranks call what is said per function; every function here runs on the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from lightning_asyncckpt import commit
+from lightning_asyncckpt.agreement import Agreement
+from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
+from lightning_asyncckpt.failures import Failed
+from lightning_asyncckpt.pending import PendingSave
+from lightning_asyncckpt.records import SaveRecord, written_bytes
+from lightning_asyncckpt.run import Run
+
+log = logging.getLogger(__name__)
+
+
+def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coordinator: bool) -> RankFailure | None:
+    """write complete -> (coordinator) .metadata -> publish -> record -> removals that waited for it.
+    A failure is returned as a value: the caller raises it on every rank."""
+    if coordinator:
+        try:
+            save.faults.check(save.faults.before_metadata, save.path)
+            save.plan.writer.finish(save.plan.metadata, all_results)
+            save.faults.check(save.faults.before_publish, save.path)
+            commit.publish(save.tmp, save.path)
+        except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
+            return RankFailure.from_exception(rank, e)
+    record = SaveRecord(
+        path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.started,
+        nbytes=written_bytes(all_results), local_nbytes=save.nbytes, pending=len(run.pending) - (save in run.pending),
+        worker_s=save.write_s,
+    )
+    run.history.append(record)
+    run.last_ok_order = save.order
+    if rank == 0:
+        log.info("lightning-asyncckpt: %s", record.summary())
+    log.debug(
+        "lightning-asyncckpt: %s: stall %.4f s, worker write %.3f s, scheduled-to-commit %.3f s, %d bytes"
+        " staged here, %d pending", save.path, record.stall_s, record.worker_s, record.write_s,
+        record.local_nbytes, record.pending,
+    )
+    run_removals(run)
+    return None
+
+
+def commit_collective(run: Run, agreement: Agreement, save: PendingSave) -> None:
+    """(all ranks, same order) Gathers every rank's write results to the coordinator, which writes the
+    metadata and publishes; then every rank learns the outcome and raises the same error.
+
+    The save leaves the queue only after the gathers: if one of them fails (a rank that never comes on
+    the way out), it is still pending, and closing the run removes its directory."""
+    all_results = agreement.all_gather(save.written)
+    coordinator = agreement.rank == 0
+    failure = commit_save(run, save, all_results, agreement.rank, coordinator) if coordinator else None
+    failure = agreement.all_gather(failure)[0]
+    run.pending.remove(save)
+    if failure is not None:
+        if coordinator:
+            commit.try_remove(save.tmp, "the failed save")  # every rank's part of it was written
+        drop_collective_pending(run, agreement.rank)
+        agreement.all_max([0])  # every rank has stopped its writers
+        remove_doomed(run)
+        raise CheckpointWriteError(str(save.path), [failure])
+    if not coordinator:
+        commit_save(run, save, all_results, agreement.rank, coordinator=False)
+
+
+def drop_collective_pending(run: Run, rank: int) -> None:
+    """After an agreed failure, the other saves written by all ranks together cannot complete
+    consistently: stop them everywhere (their directories go once every rank has stopped)."""
+    dropped = run.pending.take_where(lambda s: s.collective)
+    for save in dropped:
+        if run.engine is not None:
+            run.engine.kill(save.ticket)
+        run.stager.release(save.buffer_set)
+        discard_tmp(run, save, rank)
+    if dropped and run.engine is not None and run.engine.persistent:
+        run.engine.reset_after_failure()
+
+
+def discard_tmp(run: Run, save: PendingSave, rank: int) -> None:
+    """Removes a failed save's partial directory. Other ranks may still be writing into a collective
+    save's directory: the coordinator removes it once every rank has stopped (``remove_doomed``)."""
+    if save.collective:
+        if rank == 0:
+            run.doomed.append(save.tmp)
+    else:
+        commit.try_remove(save.tmp, "the failed save")
+
+
+def remove_doomed(run: Run) -> None:
+    for tmp in run.doomed:
+        commit.try_remove(tmp, "the failed save")
+    run.doomed = []
+
+
+def record_failure(run: Run, save: PendingSave, failure: RankFailure, rank: int) -> None:
+    discard_tmp(run, save, rank)
+    try:
+        os.unlink(save.result_path)
+    except OSError:
+        pass  # the worker never reported
+    run.failures.record(Failed(save.order, str(save.path), failure, save.seq))
+    log.error("lightning-asyncckpt: save to %s failed: %s", save.path, failure.describe())
+
+
+def request_removal(run: Run, path: Path) -> None:
+    """(the ranks Lightning calls ``remove_checkpoint`` on) ``path`` goes once every save scheduled so far
+    has committed: a checkpoint still being written is never deleted, and the newest committed one is
+    kept until a newer one commits."""
+    run.removals.append((path, run.order))
+    run_removals(run)
+
+
+def run_removals(run: Run) -> None:
+    keep = []
+    for path, after in run.removals:
+        if after <= run.last_ok_order:
+            commit.try_remove(path, "the checkpoint that ModelCheckpoint removed")
+        else:
+            keep.append((path, after))
+    run.removals = keep

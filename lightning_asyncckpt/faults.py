@@ -1,0 +1,79 @@
+"""The fault policy: how injected faults (``lightning_asyncckpt.testing``) reach a save, without the
+save pipeline knowing their kinds.
+
+A policy answers, for each save, with a :class:`SaveFaults`: a picklable hook the writer runs before it
+writes, and checks the trainer runs at named points of the save (before the snapshot, at the handover to the
+worker, before ``.metadata``, before the publish). Production code runs with :data:`NO_FAULTS` unless ``LIGHTNING_ASYNCCKPT_FAULTS``
+is set, and imports the testing module only then.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+ENV_VAR = "LIGHTNING_ASYNCCKPT_FAULTS"
+
+
+@dataclass(frozen=True)
+class SaveFaults:
+    """What to break in one save.
+
+    Attributes:
+        worker_hook: picklable; the writer process calls it with the save's buckets before writing.
+        at_snapshot: called in the trainer before it takes the snapshot, with the path.
+        at_handover: called in the trainer right before it hands the planned write to the worker.
+        before_metadata: called by the coordinator before it writes ``.metadata``, with the path.
+        before_publish: called by the coordinator before the rename that publishes the checkpoint.
+    """
+
+    worker_hook: Any = None
+    at_snapshot: Callable[[Any], None] | None = None
+    at_handover: Callable[[Any], None] | None = None
+    before_metadata: Callable[[Any], None] | None = None
+    before_publish: Callable[[Any], None] | None = None
+
+    def check(self, point: Callable[[Any], None] | None, path: Any) -> None:
+        if point is not None:
+            point(path)
+
+
+NO_FAULTS = SaveFaults()
+
+
+class FaultPolicy(Protocol):
+    def for_save(self, rank: int, save: int, engine: str, worker: str) -> SaveFaults:
+        """The faults of this rank's ``save``-th save (counting from 1) on that engine and worker."""
+
+
+class EnvironmentFaults:
+    """The default policy: the faults in ``LIGHTNING_ASYNCCKPT_FAULTS``, read at every save (so that
+    ``testing.inject_faults`` blocks take effect at once); none when it is unset."""
+
+    def for_save(self, rank: int, save: int, engine: str, worker: str) -> SaveFaults:
+        if not os.environ.get(ENV_VAR):
+            return NO_FAULTS
+        from lightning_asyncckpt import testing  # opted in: only then is the testing module loaded
+
+        return testing.faults_for(rank, save, engine, worker)
+
+
+def with_hook(faults: SaveFaults, hook: Any) -> Any:
+    """The writer's hook for a save: the user's ``write_hook`` (may be None) then the injected one."""
+    hooks = tuple(h for h in (hook, faults.worker_hook) if h is not None)
+    if len(hooks) <= 1:
+        return hooks[0] if hooks else None
+    return ChainedHooks(hooks)
+
+
+@dataclass(frozen=True)
+class ChainedHooks:
+    """Several picklable writer hooks, run in order."""
+
+    hooks: tuple
+
+    def __call__(self, buckets: list) -> None:
+        for hook in self.hooks:
+            hook(buckets)

@@ -1,0 +1,22 @@
+"""Reading a checkpoint back: a directory this library (or DCP, or stock Lightning) wrote, or a
+``torch.save`` file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from lightning_asyncckpt import commit, dcp_format
+
+
+def load(path: Path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    """(any rank) The checkpoint at ``path``; a clear error for a missing or incomplete one."""
+    if path.is_file():
+        return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint at {str(path)!r} not found.")
+    if not commit.is_committed(path):
+        raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {commit.METADATA_FILE}).")
+    return dcp_format.load(path, map_location=map_location, weights_only=weights_only)

@@ -1,0 +1,91 @@
+"""Local progress: this rank polls its own writes, commits finished single-writer saves, marks its parts
+of collective saves as written, notices a dead or hung worker, and waits for room (``max_pending``).
+
+Everything here is local to one rank: no collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+from lightning_asyncckpt.committer import commit_save, record_failure
+from lightning_asyncckpt.engines import Status
+from lightning_asyncckpt.errors import RankFailure
+from lightning_asyncckpt.pending import PendingSave
+from lightning_asyncckpt.run import Run, Settings
+
+
+def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until: int | None = None) -> None:
+    """(this rank) Polls own writes in order; commits finished single-writer saves, marks finished parts of
+    collective saves as written (the ranks commit them together), records failures. ``blocking`` waits
+    for every write (up to the save of order ``until``)."""
+    while True:
+        save = run.pending.next_to_poll(until)
+        if save is None:
+            return
+        assert run.engine is not None
+        status = run.engine.poll(save.ticket)
+        if status is Status.RUNNING:
+            if time.monotonic() - save.ticket.scheduled_at > settings.timeout_s:
+                fail_all(run, rank, RankFailure(
+                    rank, "TimeoutError",
+                    f"the background write did not finish within timeout_s={settings.timeout_s:g}s; its worker was killed",
+                ))
+                return
+            if not blocking:
+                return
+            time.sleep(settings.poll_interval_s)
+            continue
+        if status is Status.DEAD:
+            fail_all(run, rank, RankFailure(rank, "WorkerDied", save.ticket.detail))
+            return
+        run.stager.release(save.buffer_set)
+        results, failure = read_outcome(save, rank)
+        if failure is None and save.collective:
+            save.written = results
+            continue
+        run.pending.remove(save)
+        if failure is None:
+            failure = commit_save(run, save, [results], rank, coordinator=True)
+        if failure is not None:
+            record_failure(run, save, failure, rank)
+
+
+def wait_for_room(run: Run, settings: Settings, rank: int) -> None:
+    """Each write in progress holds one copy of the state: wait until fewer than ``max_pending`` are (a
+    collective save whose part is written has released its buffers)."""
+    while True:
+        unwritten = run.pending.unwritten()
+        if len(unwritten) < settings.max_pending:
+            return
+        oldest = unwritten[0]
+        settle_local(run, settings, rank, blocking=True, until=oldest.order)
+        if oldest in run.pending and oldest.written is None:
+            return  # cannot progress locally (it waits for a collective commit): go on rather than spin
+
+
+def read_outcome(save: PendingSave, rank: int) -> tuple[list, RankFailure | None]:
+    """The worker's report for ``save``: its write results, or what went wrong."""
+    try:
+        with open(save.result_path, "rb") as f:
+            outcome = pickle.load(f)
+        os.unlink(save.result_path)
+    except FileNotFoundError:
+        return [], RankFailure(rank, "WorkerDied", "the checkpoint worker exited without reporting a result")
+    if not outcome["ok"]:
+        return [], RankFailure(rank, outcome["error_type"], outcome["message"], outcome["errno"])
+    save.write_s = float(outcome.get("write_s", 0.0))
+    return outcome["results"], None
+
+
+def fail_all(run: Run, rank: int, failure: RankFailure) -> None:
+    """The worker is dead or hung: every save queued on it is lost, and the next save starts a new one.
+    A collective save whose part this rank already wrote is not lost: it still commits."""
+    assert run.engine is not None
+    run.engine.reset_after_failure()
+    for save in run.pending.take_where(lambda s: s.written is None):
+        run.engine.kill(save.ticket)
+        run.stager.release(save.buffer_set)
+        record_failure(run, save, failure, rank)

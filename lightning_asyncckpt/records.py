@@ -1,0 +1,82 @@
+"""``SaveRecord``: what one committed save cost, and the figures loggers get from it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_asyncckpt.units import human_bytes, seconds
+
+METRICS_PREFIX = "asyncckpt/"
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """What one committed save cost, as this rank saw it (``AsyncCheckpointIO.history``, and what
+    ``finalize`` returns).
+
+    Attributes:
+        path: the committed checkpoint.
+        step: the checkpoint's ``global_step``, when it has one.
+        stall_s: how long ``save_checkpoint`` held training on this rank (waiting for room included).
+        write_s: from scheduling the write to the commit: how long the checkpoint took to become durable.
+        nbytes: bytes written into shard files, by all ranks together.
+        local_nbytes: bytes of tensors this rank staged and wrote.
+        pending: saves still pending on this rank right after this one committed.
+        worker_s: the background worker's own time for this rank's part (write and fsync).
+    """
+
+    path: str
+    step: int | None
+    stall_s: float
+    write_s: float
+    nbytes: int
+    local_nbytes: int
+    pending: int
+    worker_s: float
+
+    @property
+    def gbps(self) -> float:
+        """Write throughput in GB/s (1e9 bytes): all ranks' bytes over the time to the commit."""
+        return self.nbytes / max(self.write_s, 1e-9) / 1e9
+
+    def metrics(self, prefix: str = METRICS_PREFIX) -> dict[str, float]:
+        """The figures a logger gets, under one prefix (``AsyncFinalizerCallback`` logs these on rank 0)."""
+        return {
+            f"{prefix}stall_seconds": self.stall_s,
+            f"{prefix}write_seconds": self.write_s,
+            f"{prefix}bytes_written": float(self.nbytes),
+            f"{prefix}write_gb_per_second": self.gbps,
+            f"{prefix}pending_saves": float(self.pending),
+        }
+
+    def summary(self) -> str:
+        """The INFO line logged on rank zero for every committed checkpoint."""
+        rate = f"{self.gbps:.2f} GB/s" if self.gbps >= 0.01 else f"{human_bytes(self.gbps * 1e9)}/s"
+        return (
+            f"committed {os.path.basename(self.path)}: {human_bytes(self.nbytes)} in {seconds(self.write_s)}"
+            f" ({rate}); training stalled {seconds(self.stall_s)}"
+        )
+
+
+def global_step(state: Any) -> int | None:
+    """The step a checkpoint was taken at: Lightning's ``global_step``, or a Fabric loop's ``step``."""
+    if not isinstance(state, dict):
+        return None
+    step = state.get("global_step", state.get("step"))
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
+
+def written_bytes(all_results: list) -> int:
+    """Bytes in shard files, from every rank's DCP write results."""
+    total = 0
+    for rank_results in all_results:
+        for r in rank_results or ():
+            info = getattr(r, "storage_data", None)
+            total += int(getattr(info, "length", 0) or 0)
+    return total

@@ -1,0 +1,138 @@
+"""``Run``: the state of one run of saves, made when saving starts and dropped when it stops.
+
+A run owns the engine (its worker), the stager's buffers, the pending queue, the failure log, the
+cross-rank save count, the results directory and the token that names its temporary directories. One
+place makes all of it and one place (:meth:`Run.close`) lets all of it go, so that nothing of an
+earlier run (a Trainer's ``fit`` before a ``test``, a torn-down plugin saving once more) leaks into the
+next.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from lightning_asyncckpt import commit, engines
+from lightning_asyncckpt.failures import FailureLog
+from lightning_asyncckpt.pending import PendingQueue
+from lightning_asyncckpt.records import SaveRecord
+from lightning_asyncckpt.staging import Stager
+
+log = logging.getLogger(__name__)
+
+
+class Settings(Protocol):
+    """What the pipeline reads of ``AsyncCheckpointIO``'s settings (its public attributes)."""
+
+    thread_count: int
+    timeout_s: float
+    max_pending: int
+    poll_interval_s: float
+    drain_timeout_s: float
+
+    @property
+    def engine(self) -> str: ...
+
+    @property
+    def worker(self) -> str: ...
+
+
+@dataclass
+class SaveCount:
+    """The cross-rank count of saves. Lightning calls the plugin on global rank 0 only, so every rank
+    counts the saves it is told of (``announced``); a save takes its number (``claim``) when it is made;
+    ``reported`` is how far every rank has agreed that the saves are settled."""
+
+    announced: int = 0
+    consumed: int = 0
+    reported: int = 0
+
+    def claim(self, collective: bool) -> int | None:
+        """(the saving ranks, when a save starts) The save's number: the announced one, or for a collective
+        save that nobody announced (Fabric), the next one (every rank is here)."""
+        if self.announced > self.consumed:
+            self.consumed = self.announced
+            return self.announced
+        if collective:
+            self.announced += 1
+            self.consumed = self.announced
+            return self.announced
+        return None
+
+    def unsettled(self) -> bool:
+        return self.announced > self.reported
+
+    def settle_all(self) -> None:
+        self.reported = self.consumed = self.announced
+
+
+@dataclass(eq=False)
+class Run:
+    engine_name: engines.EngineName
+    worker_mode: engines.WorkerMode
+    history: list[SaveRecord]  # the IO's, shared: records outlive the run
+    token: str = field(default_factory=commit.new_token)
+    token_agreed: bool = False  # collective saves write into rank 0's token's directories
+    collective_count: int = 0
+    order: int = 0  # saves scheduled on this rank
+    last_ok_order: int = 0  # the newest save committed on this rank
+    count: SaveCount = field(default_factory=SaveCount)
+    pending: PendingQueue = field(default_factory=PendingQueue)
+    failures: FailureLog = field(default_factory=FailureLog)
+    removals: list[tuple[Path, int]] = field(default_factory=list)  # (path, after order): retention
+    doomed: list[Path] = field(default_factory=list)  # partial dirs of failed collective saves (coordinator)
+    engine: engines.Engine | None = None
+    results_dir: Path | None = None
+    cleaned_dirs: set[Path] = field(default_factory=set)
+    stager: Stager = field(init=False)
+
+    def __post_init__(self) -> None:
+        persistent = self.worker_mode is engines.WorkerMode.PERSISTENT
+        self.stager = Stager(shared=persistent, copy_cpu=persistent)
+
+    def start(self, rank: int, dirpath: Path | None) -> engines.Engine:
+        """(writing ranks) The engine (its worker starts at the first write or ``warmup``), the results
+        directory, and for rank 0 the leftovers of dead saves in ``dirpath`` removed, once per directory."""
+        if self.engine is None:
+            self.engine = engines.create(self.engine_name, self.worker_mode, rank)
+        if self.results_dir is None:
+            base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            self.results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))
+        if dirpath is not None and dirpath not in self.cleaned_dirs:
+            dirpath.mkdir(parents=True, exist_ok=True)
+            if rank == 0:
+                commit.cleanup_leftovers(dirpath, keep_prefix=commit.tmp_for(dirpath, self.token).name)
+            self.cleaned_dirs.add(dirpath)
+        return self.engine
+
+    def close(self, rank: int, abort: bool) -> None:
+        """(this rank) Stops the worker, drops what is still pending (only left when aborting), runs the
+        removals that were waiting for committed saves, and frees every buffer."""
+        if self.engine is not None:
+            self.engine.close(abort=abort)
+        dropped = self.pending.take_where(lambda s: True)
+        for save in dropped:
+            if self.engine is not None:
+                self.engine.kill(save.ticket)
+            if not save.collective or rank == 0:  # every rank writes into a collective save's directory
+                commit.try_remove(save.tmp, "the unfinished save")
+        if dropped:
+            log.warning("lightning-asyncckpt: %d unfinished save(s) dropped", len(dropped))
+        if abort:
+            self.failures.clear()  # logged when recorded; an aborted run does not raise them later
+        for tmp in self.doomed:
+            commit.try_remove(tmp, "the failed save")
+        self.doomed = []
+        for path, after in self.removals:
+            if after <= self.last_ok_order:
+                commit.try_remove(path, "the checkpoint")
+        self.removals = []
+        self.count.settle_all()
+        self.stager.clear()
+        if self.results_dir is not None:
+            shutil.rmtree(self.results_dir, ignore_errors=True)  # our own scratch files in /dev/shm
+            self.results_dir = None

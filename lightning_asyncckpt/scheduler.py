@@ -1,0 +1,138 @@
+"""Scheduling one save: snapshot, plan, and hand the write to the engine's worker.
+
+Runs on the training thread of each saving rank, inside ``save_checkpoint``: everything here is the
+stall that training sees. A collective save (every rank writes a part) arrives with its snapshot taken
+and the ranks agreed that each has one; its planning is collective too.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_asyncckpt import _worker, commit, dcp_format, staging
+from lightning_asyncckpt.agreement import Agreement
+from lightning_asyncckpt.faults import NO_FAULTS, SaveFaults, with_hook
+from lightning_asyncckpt.layout import Layout
+from lightning_asyncckpt.pending import PendingSave
+from lightning_asyncckpt.run import Run, Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveRequest:
+    """One call to save, as the face received it."""
+
+    checkpoint: dict[str, Any]
+    path: Path
+    layout: Layout
+    collective: bool  # every rank writes a part (and is here)
+    seq: int | None  # the save's number in the cross-rank count
+    started: float  # perf_counter at the call: the stall counts from here
+    step: int | None = None
+    extra_files: list[tuple[str, bytes]] = field(default_factory=list)  # (name in the checkpoint, bytes)
+    faults: SaveFaults = NO_FAULTS
+
+
+def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest) -> staging.Snapshot:
+    """Copies the state into reused host buffers (this rank's shards or share when collective)."""
+    request.faults.check(request.faults.at_snapshot, request.path)
+    if request.layout is Layout.SHARDED:
+        return run.stager.snapshot_tree(request.checkpoint)
+    if request.collective:  # replicated state: this rank copies and writes its share only
+        return run.stager.snapshot(request.checkpoint, rank=agreement.rank, world_size=agreement.world_size)
+    return run.stager.snapshot(request.checkpoint)
+
+
+def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_collective: Callable[[], None]) -> Path:
+    """The hidden directory the save is written into: per save for one writer; for a collective save the
+    same on every rank (rank 0's token, agreed at the first one, and a count every rank keeps)."""
+    if not request.collective:
+        return commit.tmp_for(request.path, f"{run.token}-{run.order}")
+    if not run.token_agreed:
+        run.token = agreement.all_gather(run.token)[0]
+        run.token_agreed = True
+        on_first_collective()  # every rank is here (Fabric; the Trainer made its exit group at setup)
+    run.collective_count += 1
+    return commit.tmp_for(request.path, f"{run.token}-c{run.collective_count}")
+
+
+def schedule(
+    run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, snapshot: staging.Snapshot | None,
+    write_hook: Any, on_first_collective: Callable[[], None],
+) -> PendingSave:
+    """Plans and hands over one save; returns it, pending. On an error nothing of it is left behind."""
+    assert run.engine is not None and run.results_dir is not None
+    run.order += 1
+    tmp = _tmp_dir(run, agreement, request, on_first_collective)
+    rank = agreement.rank if request.collective else 0
+    try:
+        if snapshot is None:
+            snapshot = take_snapshot(run, agreement, request)
+        if request.layout is Layout.SHARDED:
+            state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
+        else:
+            state = dict(snapshot.tensors)
+            if rank == 0:
+                state[staging.SKELETON_KEY] = snapshot.skeleton
+        plan = dcp_format.plan_save(
+            state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
+            request.collective, flatten=request.layout is Layout.SHARDED,
+        )
+        result_path = run.results_dir / f"{run.order}.result"
+        extra = [(str(tmp / name), data) for name, data in request.extra_files]
+        if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
+            extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
+        request.faults.check(request.faults.at_handover, request.path)
+        ticket = run.engine.schedule(
+            _worker.write_job,
+            (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, write_hook), extra),
+        )
+    except BaseException:
+        # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
+        if not request.collective:
+            commit.try_remove(tmp, "the unfinished save")
+        run.stager.release(snapshot.buffer_set if snapshot is not None else None)
+        raise
+    save = PendingSave(
+        order=run.order, seq=request.seq, path=request.path, tmp=tmp, ticket=ticket, plan=plan,
+        result_path=result_path, buffer_set=snapshot.buffer_set, stall_s=time.perf_counter() - request.started,
+        nbytes=snapshot.nbytes, step=request.step, collective=request.collective, faults=request.faults,
+    )
+    run.pending.append(save)
+    log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", request.path, snapshot.nbytes, save.stall_s)
+    return save
+
+
+def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:
+    """(global rank 0 of a sharded save) ``meta.pt``, serialized now: a snapshot of the non-tensor state."""
+    buf = io.BytesIO()
+    torch.save(meta, buf)
+    return dcp_format.META_FILE, buf.getvalue()
+
+
+def writer_info(run: Run, agreement: Agreement, settings: Settings, request: SaveRequest) -> dict[str, Any]:
+    """The provenance file's content: who wrote the checkpoint, how, and when."""
+    from lightning_asyncckpt import __version__
+
+    world = agreement.world_size
+    return {
+        "writer": f"lightning-asyncckpt {__version__}",
+        "engine": settings.engine,
+        "engine_version": getattr(run.engine, "version", None),
+        "worker": settings.worker,
+        "layout": (request.layout if request.layout is Layout.SHARDED or request.collective else Layout.SINGLE_WRITER).value,
+        "world_size": world,
+        "writing_ranks": world if request.collective else 1,
+        "global_step": request.step,
+        "torch": torch.__version__,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
