@@ -1,8 +1,9 @@
 """The on-disk format: torch.distributed.checkpoint (DCP), one shard file per writing rank.
 
 Planning follows DCP's own protocol (planner -> storage writer -> plan -> metadata), without
-collectives when one rank writes the whole checkpoint. Reading uses DCP's ``FileSystemReader`` and
-needs nothing from this package beyond :func:`staging.join` to rebuild the nested dict.
+collectives when one rank writes the whole checkpoint. Reading uses DCP's ``FileSystemReader``, handed
+the ``.metadata`` that :func:`lightning_asyncckpt.metadata.read_metadata` unpickled (restricted to DCP's
+types unless ``weights_only=False``), and :func:`staging.join` to rebuild the nested dict.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lightning_asyncckpt import staging
+from lightning_asyncckpt.metadata import read_metadata
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a sharded checkpoint
+_PICKLE_HINT = "load it with weights_only=False if you trust this checkpoint"
 
 # (shard path, shard file name, (bytes items, tensor items)): the engines' unit of work for one file.
 WriteBucket = tuple
@@ -127,14 +130,33 @@ class _RawBytesLoadPlanner(DefaultLoadPlanner):
         self.raw[read_item.dest_index.fqn] = value.read()
 
 
-def read_metadata(path: Path) -> Metadata:
-    return FileSystemReader(str(path)).read_metadata()
+class _Reader(FileSystemReader):
+    """DCP's reader, returning the metadata it is given instead of unpickling ``.metadata`` itself
+    (without restrictions)."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if hasattr(self._metadata, "storage_meta") and hasattr(self, "load_id"):  # as FileSystemReader does
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if self._metadata.storage_meta is None:
+                self._metadata.storage_meta = StorageMeta()
+            self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 def load(path: Path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-    """Reads a checkpoint directory back into the dict that was saved (local, no collectives)."""
-    reader = FileSystemReader(str(path))
-    metadata = reader.read_metadata()
+    """Reads a checkpoint directory back into the dict that was saved (local, no collectives).
+
+    Unless ``weights_only`` is ``False``, ``.metadata`` may name only DCP's metadata types (else
+    :class:`~lightning_asyncckpt.metadata.MetadataError`, an ``UnpicklingError`` naming the file), as the
+    objects are read with ``torch.load(weights_only=...)``.
+    """
+    metadata = read_metadata(path, allow_pickle=weights_only is False, hint=_PICKLE_HINT)
+    reader = _Reader(path, metadata)
     state: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):

@@ -433,13 +433,13 @@ def test_clean_lists_then_removes_only_leftovers(ckpts, tmp_path, capsys):
 
     code, out, err = run(capsys, "clean", tmp_path)
     assert code == 0 and err == ""
-    assert f"would remove {leftover} (1000 B," in out and f"would remove {aside} (10 B," in out
+    assert f"would remove {leftover} (1.0 kB," in out and f"would remove {aside} (10 B," in out
     assert "2 leftover(s)" in out and "--yes" in out
     assert leftover.exists() and aside.exists()
 
     code, out, err = run(capsys, "clean", tmp_path, "--yes")
     assert code == 0 and err == ""
-    assert f"removed {leftover}" in out and "removed 2 leftover(s), 1010 B" in out
+    assert f"removed {leftover}" in out and "removed 2 leftover(s), 1.0 kB" in out
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "notes.txt"]
     assert run(capsys, "verify", real)[0] == 0
 

@@ -29,6 +29,17 @@ def test_missing_engine_names_the_install_command(monkeypatch):
         engines.resolve("mcore")
 
 
+@pytest.mark.parametrize("name", list(engines.EngineName)[:2])
+@pytest.mark.parametrize("worker", list(engines.WorkerMode))
+def test_created_engines_implement_the_protocol(name, worker):
+    engine = engines.create(name, worker, rank=0)
+    try:
+        assert isinstance(engine, engines.EngineProtocol)
+        assert engine.persistent is (worker is engines.WorkerMode.PERSISTENT) and engine.version
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("kwargs", [{"thread_count": 0}, {"max_pending": 0}, {"timeout_s": 0}])
 def test_bad_arguments_are_rejected(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):

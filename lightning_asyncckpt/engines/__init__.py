@@ -1,4 +1,5 @@
-"""Engine selection: ``"nvrx"`` (default), ``"mcore"``, or ``"auto"``."""
+"""Engine selection: ``"nvrx"`` (default), ``"mcore"``, or ``"auto"``; :func:`create` returns the
+:class:`~.base.Engine` adapter, which implements :class:`~.protocol.EngineProtocol`."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import enum
 import importlib.util
 import warnings
 
-from lightning_asyncckpt.engines.base import Engine, Status, Ticket
+from lightning_asyncckpt.engines.base import Engine
+from lightning_asyncckpt.engines.protocol import EngineProtocol, Status, Ticket
 from lightning_asyncckpt.errors import EngineNotAvailableError
 
-__all__ = ["Engine", "EngineName", "Status", "Ticket", "WorkerMode", "create", "resolve"]
+__all__ = ["Engine", "EngineName", "EngineProtocol", "Status", "Ticket", "WorkerMode", "create", "parse_worker", "resolve"]
 
 
 class EngineName(str, enum.Enum):

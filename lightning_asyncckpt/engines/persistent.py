@@ -1,0 +1,169 @@
+"""The persistent worker: the engine's ``async_loop`` in one spawned process, fed through a queue, with
+liveness checks (a mixin over the engine's ``PersistentAsyncCaller``), and the cleanup of the
+multiprocessing helpers that starting it brings (queues' feeder threads, the resource tracker)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import logging
+import sys
+import time
+from multiprocessing import queues as mp_queues
+from queue import Empty
+from typing import Any
+
+from torch import multiprocessing as mp
+
+from lightning_asyncckpt import _worker
+from lightning_asyncckpt.engines.protocol import Status
+
+log = logging.getLogger(__name__)
+
+
+def resource_tracker_running() -> bool:
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None) is not None
+
+
+def stop_resource_tracker() -> None:
+    """Spawning starts multiprocessing's resource-tracker helper; stop it again if we started it, so
+    that no process outlives ``teardown``. It restarts on demand."""
+    from multiprocessing import resource_tracker
+
+    gc.collect()  # finalizers of our queues' semaphores unregister them first
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
+
+
+@contextlib.contextmanager
+def _no_main_reimport():
+    """Spawned children re-run the user's ``__main__`` unless it is guarded by
+    ``if __name__ == "__main__"``; many training scripts are not. Our worker needs nothing from
+    ``__main__``, so hide it from ``multiprocessing``'s spawn preparation while the worker starts."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+class RequestQueue(mp_queues.JoinableQueue):
+    """The persistent worker's request queue. When the worker dies or hangs, its feeder thread can be
+    blocked writing a request into the pipe; ``close`` then closes our end of the pipe, so that the
+    write fails with EPIPE and the thread exits. That expected EPIPE is not printed."""
+
+    @staticmethod
+    def _on_queue_feeder_error(e: Exception, obj: Any) -> None:
+        if not isinstance(e, (BrokenPipeError, OSError)):
+            mp_queues.Queue._on_queue_feeder_error(e, obj)
+
+
+class PersistentMixin:
+    """Persistent worker: the engine's ``async_loop`` in a spawned process, with liveness checks."""
+
+    queue: Any
+    preload_q: Any
+    comp_q: Any
+    process: Any
+
+    def start_worker(self, rank: int) -> None:
+        if self.process is not None:
+            return
+        loop = type(self).async_loop
+        known = {
+            "rank": rank,
+            "queue": self.queue,
+            "preload_q": self.preload_q,
+            "comp_q": self.comp_q,
+            "log_level": logging.DEBUG if log.isEnabledFor(logging.DEBUG) else logging.WARNING,
+            # nvrx >= 0.6: the requests hold host (shared-memory) tensors only, so the worker needs no
+            # CUDA device (without it, the loop pins one and creates a context)
+            "cpu_shm_mode": True,
+        }
+        # by keyword: versions add parameters with defaults between the ones we pass (nvrx 0.6:
+        # cpu_priority and io_priority before cpu_shm_mode)
+        kwargs = {}
+        for name, p in inspect.signature(loop).parameters.items():
+            if name in known:
+                kwargs[name] = known[name]
+            elif p.default is inspect.Parameter.empty:
+                raise RuntimeError(f"unsupported engine version: async_loop needs {name!r}")
+        ctx = mp.get_context("spawn")
+        self._ready = ctx.Event()
+        with _no_main_reimport():
+            self.process = ctx.Process(
+                target=_worker.engine_loop,
+                args=(loop, self._preload_modules, self._ready),
+                kwargs=kwargs,
+                daemon=True,
+                name="asyncckpt-worker",
+            )
+            self.process.start()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Blocks until the worker has imported what a write needs (bounded; raises if it died)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.05):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the checkpoint worker process exited while starting (code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the checkpoint worker process did not start within {timeout_s:g}s")
+
+    def schedule_async_call(self, async_req: Any) -> None:
+        self.queue.put(async_req)
+
+    def poll_done(self) -> Status:
+        try:
+            self.comp_q.get_nowait()
+            return Status.FINISHED
+        except Empty:
+            pass
+        if self.process is not None and self.process.is_alive():
+            return Status.RUNNING
+        try:  # the completion message may have been flushed just before the exit
+            self.comp_q.get(timeout=0.1)
+            return Status.FINISHED
+        except Empty:
+            return Status.DEAD
+
+    def close(self, abort: bool = False, timeout_s: float = 30.0) -> None:  # type: ignore[override]
+        proc, self.process = self.process, None
+        if proc is not None:
+            if not abort and proc.is_alive():
+                self.queue.put("DONE")
+                proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5.0)
+            if not proc.is_alive():
+                proc.close()
+        del proc
+        # Join the queues' feeder threads (bounded: one blocked on a dead reader never returns), so
+        # that their semaphores are released before the resource tracker is stopped.
+        self._queues_closed = True
+        for q in (self.queue, self.preload_q, self.comp_q):
+            with contextlib.suppress(Exception):
+                q.cancel_join_thread()
+                if abort:  # nobody reads any more: a write blocked on the full pipe fails instead of hanging
+                    q._reader.close()
+                q.close()
+                feeder = getattr(q, "_thread", None)
+                if feeder is not None:
+                    feeder.join(5.0)
+                    self._queues_closed &= not feeder.is_alive()
+        self.queue = self.preload_q = self.comp_q = self._ready = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close(abort=True)
