@@ -14,7 +14,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_asyncckpt import commit, dcp_format
+from lightning_asyncckpt import commit, dcp_format, metadata
 from lightning_asyncckpt.callback import AsyncFinalizerCallback, find_async_io
 from lightning_asyncckpt.io import META_FILE, AsyncCheckpointIO
 
@@ -147,6 +147,8 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         io = self._async_io()
         io.settle()  # every pending save committed or raised first
         path = Path(self.broadcast(checkpoint_path))
+        if commit.is_committed(path) and weights_only is not False:
+            metadata.read_metadata(path)  # refuses a .metadata that would run code, before stock unpickles it
         if path.is_dir() and commit.is_committed(path) and not (path / META_FILE).is_file():
             return self._load_full(io, path, weights_only)  # a full checkpoint written by AsyncCheckpointIO
         return super().load_checkpoint(path, weights_only=weights_only)
