@@ -22,6 +22,13 @@ COMBOS = [(e, w) for e in ENGINES for w in WORKERS]
 # The default run covers both engines and both worker modes with two of the four combinations; the other
 # two run with `make test-all` (marked `slow`).
 MAIN_COMBOS = {("nvrx", "persistent"), ("mcore", "fork")}
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def job_script(name: str) -> str:
+    """The path of a job script in ``tests/jobs`` (the scripts the tests start in their own processes)."""
+    return os.path.join(TESTS, "jobs", name)
 
 
 def combo_params(single: bool = False, fast: Any = MAIN_COMBOS, combos: Any = COMBOS) -> list:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import job_script
 from lightning_asyncckpt._worker import write_call_kwargs
 
 
@@ -51,7 +52,7 @@ def test_a_newer_release_saves_loads_and_reports_enospc(tree, tmp_path, small_tm
     if tree is None:
         pytest.skip("no unpacked nvidia-resiliency-ext releases given (scripts/nvrx_versions.sh)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, str(Path(__file__).parents[1])]))
-    job = Path(__file__).with_name("nvrx_version_job.py")
+    job = job_script("nvrx_version_job.py")
     proc = subprocess.run([sys.executable, str(job), str(tmp_path), str(small_tmpfs)], env=env,
                           capture_output=True, text=True, timeout=240)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

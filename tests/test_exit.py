@@ -9,10 +9,10 @@ import psutil
 import pytest
 import torch
 
-from helpers import combo_params
+from helpers import combo_params, job_script
 from lightning_asyncckpt import commit, dcp_format
 
-JOB = os.path.join(os.path.dirname(__file__), "exit_job.py")
+JOB = job_script("exit_job.py")
 
 
 def _run(tmp_path, how, engine="nvrx", worker="persistent", **extra):

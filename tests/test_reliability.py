@@ -12,16 +12,14 @@ import time
 
 import pytest
 
-from helpers import combo_params, run_ranks
+from helpers import combo_params, job_script, run_ranks
 from lightning_asyncckpt import commit
-
-HERE = os.path.dirname(__file__)
 
 
 def _start(script, tmp_path, case, engine, worker, env=None):
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    cmd = [sys.executable, os.path.join(HERE, script), "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
+    cmd = [sys.executable, job_script(script), "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
     log = open(out / f"{case}.log", "w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
@@ -135,7 +133,7 @@ def test_read_only_remount(tmp_path, small_tmpfs, engine, worker):
 
 def test_soak_hundred_saves_nothing_grows(tmp_path):
     """100 saves (and 100 of `last`) on 2 ranks with save_top_k=2 (AsyncDDPStrategy, persistent worker)."""
-    r0, r1 = run_ranks(os.path.join(HERE, "ddp_job.py"), tmp_path, "soak", "nvrx", "persistent", timeout=200)
+    r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "soak", "nvrx", "persistent", timeout=200)
     for r in (r0, r1):
         assert r["saves"] == 200
         assert r["files"] == ["epoch=0-step=100.ckpt", "epoch=0-step=99.ckpt", "last.ckpt"]  # exactly these

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402

@@ -9,7 +9,7 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
 import lightning as L  # noqa: E402
 import psutil  # noqa: E402
