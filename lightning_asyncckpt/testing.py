@@ -224,3 +224,48 @@ def raise_coordinator_fault(kind: str | None, stage: str, path: Any) -> None:
     if kind == stage:
         what = "writing .metadata" if stage == "metadata" else "publishing the checkpoint (rename)"
         raise OSError(_errno.EIO, f"{os.strerror(_errno.EIO)} while {what} of {path} (injected by lightning_asyncckpt.testing)")
+
+
+@dataclass(frozen=True)
+class HoldWrite:
+    """Holds every background write until ``release_file`` exists, so that a test knows a write is still
+    in flight instead of hoping a slow one is: ``started_file`` (if given) is created when a write reaches
+    the hook; ``release()`` lets the held writes go (and every later one). A write held longer than
+    ``timeout_s`` fails with ``TimeoutError``, so a test that never releases does not hang::
+
+        hold = HoldWrite(str(tmp / "release"), started_file=str(tmp / "started"))
+        io.write_hook = hold
+        io.save_checkpoint(state, path)
+        hold.wait_started()  # the writer has the save
+        ...                  # the write is in flight for sure
+        hold.release()
+    """
+
+    release_file: str
+    started_file: str | None = None
+    timeout_s: float = 120.0
+    poll_s: float = 0.005
+
+    def __call__(self, buckets: list) -> None:
+        if self.started_file:
+            with open(self.started_file, "a"):
+                pass
+        self._wait_for(self.release_file, self.timeout_s, f"write held for {self.timeout_s:g}s")
+
+    def release(self) -> None:
+        """Lets the held writes (and every later one) go."""
+        with open(self.release_file, "a"):
+            pass
+
+    def wait_started(self, timeout_s: float = 120.0) -> None:
+        """Returns once a write has reached the hook (``started_file``); ``TimeoutError`` after ``timeout_s``."""
+        if not self.started_file:
+            raise ValueError("HoldWrite.wait_started needs a started_file")
+        self._wait_for(self.started_file, timeout_s, f"no write started within {timeout_s:g}s")
+
+    def _wait_for(self, path: str, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: {path} never appeared")
+            time.sleep(self.poll_s)
