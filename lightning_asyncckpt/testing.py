@@ -219,11 +219,12 @@ def inject_faults(*faults: Fault) -> Iterator[list[Fault]]:
             os.environ[ENV_VAR] = before
 
 
-def faults_for(rank: int, save: int, engine: str, worker: str) -> SaveFaults:
-    """(trainer) The active faults of one save, as the pipeline's :class:`~lightning_asyncckpt.faults.SaveFaults`."""
+def faults_for(rank: int, save: int, engine: str, worker: str, faults: Sequence[Fault] | None = None) -> SaveFaults:
+    """(trainer) The faults of one save (``faults``, else the active ones), as the pipeline's
+    :class:`~lightning_asyncckpt.faults.SaveFaults`."""
     hooks: list = []
     points: dict[str, Any] = {}
-    for fault in active_faults():
+    for fault in active_faults() if faults is None else faults:
         if not fault.matches(rank, save, engine, worker):
             continue
         if fault.kind == "metadata":
@@ -237,3 +238,62 @@ def faults_for(rank: int, save: int, engine: str, worker: str) -> SaveFaults:
         else:
             hooks.append(fault.hook())
     return SaveFaults(worker_hook=ChainedHooks(tuple(hooks)) if hooks else None, **points)
+
+
+@dataclass(frozen=True)
+class FaultList:
+    """A fault policy for one ``AsyncCheckpointIO`` (its ``faults`` attribute, or the ``faults`` argument),
+    e.g. to break the saves of one rank from some point of a run on::
+
+        io.faults = FaultList([Fault("snapshot")])  # every later save of this process fails to snapshot
+    """
+
+    faults: Sequence[Fault]
+
+    def for_save(self, rank: int, save: int, engine: str, worker: str) -> SaveFaults:
+        return faults_for(rank, save, engine, worker, self.faults)
+
+
+@dataclass(frozen=True)
+class HoldWrite:
+    """Holds every background write until ``release_file`` exists, so that a test knows a write is still
+    in flight instead of hoping a slow one is: ``started_file`` (if given) is created when a write reaches
+    the hook; ``release()`` lets the held writes go (and every later one). A write held longer than
+    ``timeout_s`` fails with ``TimeoutError``, so a test that never releases does not hang::
+
+        hold = HoldWrite(str(tmp / "release"), started_file=str(tmp / "started"))
+        io.write_hook = hold
+        io.save_checkpoint(state, path)
+        hold.wait_started()  # the writer has the save
+        ...                  # the write is in flight for sure
+        hold.release()
+    """
+
+    release_file: str
+    started_file: str | None = None
+    timeout_s: float = 120.0
+    poll_s: float = 0.005
+
+    def __call__(self, buckets: list) -> None:
+        if self.started_file:
+            with open(self.started_file, "a"):
+                pass
+        self._wait_for(self.release_file, self.timeout_s, f"write held for {self.timeout_s:g}s")
+
+    def release(self) -> None:
+        """Lets the held writes (and every later one) go."""
+        with open(self.release_file, "a"):
+            pass
+
+    def wait_started(self, timeout_s: float = 120.0) -> None:
+        """Returns once a write has reached the hook (``started_file``); ``TimeoutError`` after ``timeout_s``."""
+        if not self.started_file:
+            raise ValueError("HoldWrite.wait_started needs a started_file")
+        self._wait_for(self.started_file, timeout_s, f"no write started within {timeout_s:g}s")
+
+    def _wait_for(self, path: str, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: {path} never appeared")
+            time.sleep(self.poll_s)

@@ -6,12 +6,21 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import combo_params, live_children, wait_no_children  # noqa: E402
+from helpers import combo_params, hold_write, live_children, wait_no_children  # noqa: E402
 
 
 @pytest.fixture(params=combo_params(single=True))
 def engine_worker(request):
     return request.param
+
+
+@pytest.fixture
+def hold(tmp_path_factory):
+    """A ``testing.HoldWrite`` for this test: set it as the write hook, then ``hold.release()`` (released at the
+    end of the test in any case, so that a failing test does not leave a write held)."""
+    held = hold_write(tmp_path_factory.mktemp("hold"))
+    yield held
+    held.release()
 
 
 @pytest.fixture(autouse=True)

@@ -6,9 +6,12 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -22,6 +25,13 @@ COMBOS = [(e, w) for e in ENGINES for w in WORKERS]
 # The default run covers both engines and both worker modes with two of the four combinations; the other
 # two run with `make test-all` (marked `slow`).
 MAIN_COMBOS = {("nvrx", "persistent"), ("mcore", "fork")}
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def job_script(name: str) -> str:
+    """The path of a job script in ``tests/jobs`` (the scripts the tests start in their own processes)."""
+    return os.path.join(TESTS, "jobs", name)
 
 
 def combo_params(single: bool = False, fast: Any = MAIN_COMBOS, combos: Any = COMBOS) -> list:
@@ -156,6 +166,15 @@ class SlowSteps(L.Callback):
         time.sleep(self.seconds)
 
 
+def hold_write(folder: Any) -> Any:
+    """A ``testing.HoldWrite`` whose release and started files live in ``folder`` (made if missing; keep it
+    apart from the folders a test lists)."""
+    from lightning_asyncckpt import testing
+
+    os.makedirs(folder, exist_ok=True)
+    return testing.HoldWrite(os.path.join(folder, "release"), started_file=os.path.join(folder, "started"))
+
+
 def live_children() -> list[psutil.Process]:
     out = []
     for p in psutil.Process().children(recursive=True):
@@ -263,37 +282,83 @@ def hang_report(pgid: int, script: str, out: Any, log: Any) -> str:
                 log.flush()  # the job's processes share this file offset
                 p.send_signal(signal.SIGUSR1)
                 time.sleep(1.0)
-    parts = [(out / "log.txt").read_text()[-8000:]]
+    parts = [Path(log.name).read_text()[-8000:]]
     for f in sorted(out.glob(f"{STACKS_PREFIX}*.txt")):
         if f.stat().st_size:
             parts.append(f"--- stacks of rank process {f.name[len(STACKS_PREFIX):-4]} ---\n{f.read_text()[-6000:]}")
     return "\n".join(parts)
 
 
-def run_ranks(
-    script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, ranks: int = 2, **extra: Any
-) -> list:
-    """Runs a ``ranks``-rank job script under a hard timeout, kills its whole process group after, and returns
-    each rank's JSON report (a rank that crashed fails the test with its traceback)."""
-    import pytest
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the kernel picks it): each job gets its own ``MASTER_PORT``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    out = tmp_path / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, script, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
-    for k, v in extra.items():
-        cmd += [f"--{k}", str(v)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(20000 + os.getpid() % 20000),
-               **{STACKS_AFTER_VAR: str(max(timeout - 8, timeout * 0.8))})
-    with open(out / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+class Job:
+    """A process that ``launch`` started: the leader of its own session, with its output in ``log``."""
+
+    def __init__(self, proc: subprocess.Popen, script: str, out: Path, log: Any, timeout: float) -> None:
+        self.proc, self.script, self.out, self.log, self.timeout = proc, script, out, log, timeout
+        self.deadline = time.monotonic() + timeout
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def wait(self) -> int:
+        """The job's exit status; a job still running at its hard timeout fails the test with its log and
+        every stack of its processes."""
+        import pytest
+
         try:
-            proc.wait(timeout=timeout)
+            return self.proc.wait(timeout=max(self.deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"job {case} hung for {timeout}s; log, and every stack:\n{hang_report(proc.pid, script, out, log)}")
+            report = hang_report(self.proc.pid, self.script, self.out, self.log)
+            pytest.fail(f"{self.script} hung for {self.timeout}s; log, and every stack:\n{report}")
+
+
+@contextlib.contextmanager
+def launch(cmd: list, out: Any, timeout: float, cwd: Any = None, env: dict | None = None,
+           log_name: str = "log.txt") -> Iterator[Job]:
+    """The one way the tests start a process: ``cmd`` in its own session, stdout and stderr in
+    ``<out>/<log_name>``, its own free ``MASTER_PORT``, ``tests/`` importable (``helpers``), and ``env`` on
+    top of this environment. ``Job.wait`` bounds it by ``timeout`` (a hang fails the test with every
+    stack: job scripts that use ``run_job`` write theirs into ``out``); leaving the block kills the job's
+    whole process group, whatever is still running in it."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()),
+               **{STACKS_AFTER_VAR: str(max(timeout - 8, timeout * 0.8))}, **(env or {}))
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [TESTS] * (TESTS not in paths))
+    script = next((str(c) for c in cmd if str(c).endswith(".py")), str(cmd[0]))
+    with open(out / log_name, "w") as log:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            yield Job(proc, script, out, log, timeout)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def run_ranks(
+    script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, ranks: int = 2, **extra: Any
+) -> list:
+    """Runs a ``ranks``-rank job script with ``launch`` and returns each rank's JSON report (a rank that
+    crashed fails the test with its traceback)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, script, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
+    for k, v in extra.items():
+        cmd += [f"--{k}", str(v)]
+    with launch(cmd, out, timeout, cwd=tmp_path) as job:
+        job.wait()
     reports = []
     for rank in range(ranks):
         path = out / f"rank{rank}.json"

@@ -11,12 +11,12 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import job_script, launch
 from lightning_asyncckpt._worker import write_call_kwargs
 
 
@@ -50,12 +50,12 @@ _TREES = [t for t in os.environ.get("LIGHTNING_ASYNCCKPT_NVRX_TREES", "").split(
 def test_a_newer_release_saves_loads_and_reports_enospc(tree, tmp_path, small_tmpfs):
     if tree is None:
         pytest.skip("no unpacked nvidia-resiliency-ext releases given (scripts/nvrx_versions.sh)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, str(Path(__file__).parents[1])]))
-    job = Path(__file__).with_name("nvrx_version_job.py")
-    proc = subprocess.run([sys.executable, str(job), str(tmp_path), str(small_tmpfs)], env=env,
-                          capture_output=True, text=True, timeout=240)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    env = dict(PYTHONPATH=os.pathsep.join([tree, str(Path(__file__).parents[1])]))
+    job = job_script("nvrx_version_job.py")
+    with launch([sys.executable, job, tmp_path, small_tmpfs], tmp_path / "log", 240, env=env) as run:
+        code = run.wait()
+    lines = [ln for ln in run.log_text().splitlines() if ln.startswith("RESULT ")]
+    assert code == 0 and lines, run.log_text()[-4000:]
     report = json.loads(lines[-1][len("RESULT "):])
     assert report["module"].startswith(tree), report  # the release under test, not the installed one
     for worker in ("fork", "persistent"):

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from helpers import combo_params, run_ranks
+from helpers import combo_params, job_script, run_ranks
 
-JOB = os.path.join(os.path.dirname(__file__), "fabric_job.py")
+JOB = job_script("fabric_job.py")
 
 
 @pytest.mark.parametrize(("engine", "worker"), combo_params())

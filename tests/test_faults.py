@@ -9,13 +9,11 @@ fault kind once, rotating the failing rank); `make test-faults` runs the full ma
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from helpers import COMBOS, run_ranks
+from helpers import COMBOS, job_script, run_ranks
 
-JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
+JOB = job_script("fault_job.py")
 CAUSE = {  # what the message must say about the cause
     "enospc": "ENOSPC", "eio": "EIO", "permission": "PermissionError", "slow": "TimeoutError",
     "crash": "WorkerDied", "metadata": ".metadata", "commit": "rename",

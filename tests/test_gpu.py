@@ -4,14 +4,14 @@ real TransformerEngine FP8 model. Skipped without CUDA (and without TE); ``scrip
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from lightning_asyncckpt import AsyncCheckpointIO, dcp_format, staging, testing
+from helpers import ROOT, launch
+from lightning_asyncckpt import AsyncCheckpointIO, dcp_format, staging
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,7 @@ def _gpu_pids() -> set[int]:
 
 @pytest.mark.parametrize("worker", ["persistent", "fork"])
 @pytest.mark.parametrize("engine", ["nvrx", "mcore"])
-def test_cuda_tensors_are_staged_through_pinned_memory(engine, worker, tmp_path):
+def test_cuda_tensors_are_staged_through_pinned_memory(engine, worker, tmp_path, hold):
     torch.cuda.set_device(0)
     state = {
         "global_step": 3,
@@ -41,15 +41,16 @@ def test_cuda_tensors_are_staged_through_pinned_memory(engine, worker, tmp_path)
     io = AsyncCheckpointIO(engine, worker=worker, timeout_s=120)
     try:
         io.warmup(like=state)
-        io.write_hook = testing.DelayWrite(1.0)
+        io.write_hook = hold  # the write waits until the state has changed
         io.save_checkpoint(state, tmp_path / "c")
         for v in state["state_dict"].values():  # the next step changes every tensor on the GPU
             v.add_(1)
-        buffers = [b for bs in io._stager._sets for b in bs.buffers.values()]
+        buffers = io.staging_buffers()
         assert buffers and all(b.device.type == "cpu" and b.is_pinned() for b in buffers)
         if worker == "persistent":
-            pid = io._engine.worker_pids()[0]
+            pid = io.worker_pids()[0]
             assert pid not in _gpu_pids(), "the writer process created a CUDA context"
+        hold.release()
         io.finalize(blocking=True)
         loaded = io.load_checkpoint(tmp_path / "c", weights_only=True)
     finally:
@@ -90,10 +91,9 @@ def test_transformer_engine_fp8_weights_are_saved_dequantized_and_load_into_te(t
 
 def test_bench_cuda_smoke(tmp_path):
     """The CUDA benchmark runs end to end (one small size): what gpu_check.sh measures at 2 to 8 GiB."""
-    out = subprocess.run(
-        [sys.executable, "benchmarks/bench_save.py", "--device", "cuda", "--sizes", "0.05", "--saves", "3",
-         "--variants", "dcp_sync,nvrx_persistent", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "nvrx_persistent" in out.stdout
+    cmd = [sys.executable, "benchmarks/bench_save.py", "--device", "cuda", "--sizes", "0.05", "--saves", "3",
+           "--variants", "dcp_sync,nvrx_persistent", "--out", tmp_path]
+    with launch(cmd, tmp_path / "log", 600, cwd=ROOT) as job:
+        code = job.wait()
+    assert code == 0, job.log_text()[-3000:]
+    assert "nvrx_persistent" in job.log_text()

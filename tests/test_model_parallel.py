@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from helpers import combo_params, run_ranks
+from helpers import combo_params, job_script, run_ranks
 
-JOB = os.path.join(os.path.dirname(__file__), "mp_job.py")
+JOB = job_script("mp_job.py")
 
 
 

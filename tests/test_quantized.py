@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from lightning_asyncckpt import AsyncCheckpointIO, dcp_format, staging, testing
+from lightning_asyncckpt import AsyncCheckpointIO, dcp_format, staging
 
 aten = torch.ops.aten
 
@@ -135,18 +135,19 @@ def test_no_hasattr_dequantize_in_the_package():
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_quantized_tensors_are_written_dequantized(engine_worker, device, tmp_path):
+def test_quantized_tensors_are_written_dequantized(engine_worker, device, tmp_path, hold):
     engine, worker = engine_worker
     state = _quantized_state(device)
     sd = state["state_dict"]
     expected = {k: (v.dequantize() if staging.is_quantized(v) else v.clone()) for k, v in sd.items()}
     io = AsyncCheckpointIO(engine, worker=worker, timeout_s=60)
     try:
-        io.write_hook = testing.DelayWrite(0.5)
+        io.write_hook = hold  # the write waits until the data has changed
         io.save_checkpoint(state, tmp_path / "q")
         # the save is a snapshot: changing the quantized data now does not reach the checkpoint
         for v in sd.values():
             (v._data if staging.is_quantized(v) else v).zero_()
+        hold.release()
         io.finalize(blocking=True)
         meta = dcp_format.read_metadata(tmp_path / "q")
         loaded = io.load_checkpoint(tmp_path / "q", weights_only=True)

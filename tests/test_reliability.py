@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -12,57 +11,35 @@ import time
 
 import pytest
 
-from helpers import combo_params, run_ranks
+from helpers import combo_params, job_script, launch, run_ranks
 from lightning_asyncckpt import commit
 
-HERE = os.path.dirname(__file__)
 
-
-def _start(script, tmp_path, case, engine, worker, env=None):
+def _launch(tmp_path, case, engine, worker, timeout, env=None):
     out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
-    cmd = [sys.executable, os.path.join(HERE, script), "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
-    log = open(out / f"{case}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-    return proc, out, log
-
-
-def _kill_group(proc):
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    cmd = [sys.executable, job_script("crash_job.py"), "--case", case, "--engine", engine, "--worker", worker, "--out", out]
+    return launch(cmd, out, timeout, cwd=tmp_path, env=env, log_name=f"{case}.log")
 
 
 @pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "persistent")}, combos=[("nvrx", "persistent"), ("mcore", "fork")]))
 def test_trainer_killed_mid_write_resumes_from_newest_committed(tmp_path, engine, worker):
     # the 5th and 6th saves (step 12: top-k and last) take a minute: the kill lands in the middle of them
-    proc, out, log = _start("crash_job.py", tmp_path, "train", engine, worker,
-                            env={"LIGHTNING_ASYNCCKPT_FAULTS": "slow:save=5+6,delay=60"})
-    try:
-        deadline = time.monotonic() + 120
+    out = tmp_path / "out"
+    with _launch(tmp_path, "train", engine, worker, 120, env={"LIGHTNING_ASYNCCKPT_FAULTS": "slow:save=5+6,delay=60"}) as job:
         while not (out / "ready").exists():
-            assert proc.poll() is None, (out / "train.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the job never reached step 13"
+            assert job.running, job.log_text()[-3000:]
+            assert time.monotonic() < job.deadline, "the job never reached step 13"
             time.sleep(0.1)
-        time.sleep(0.2)
         ready = json.loads((out / "ready").read_text())
         assert ready["pending"] == 2  # both step-12 writes are in flight
-        os.kill(proc.pid, signal.SIGKILL)  # the trainer only: an orphaned writer must not commit anything
-        proc.wait()
+        os.kill(job.proc.pid, signal.SIGKILL)  # the trainer only: an orphaned writer must not commit anything
+        job.proc.wait()
         time.sleep(1.0)
         entries = sorted(os.listdir(out / "c"))
         assert [e for e in entries if not e.startswith(".")] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
         assert any(e.startswith(".asyncckpt-incomplete-") for e in entries)  # the interrupted writes
-    finally:
-        _kill_group(proc)
-        log.close()
-    proc, out, log = _start("crash_job.py", tmp_path, "resume", engine, worker)
-    try:
-        assert proc.wait(timeout=180) == 0, (out / "resume.log").read_text()[-3000:]
-    finally:
-        _kill_group(proc)
-        log.close()
+    with _launch(tmp_path, "resume", engine, worker, 180) as job:
+        assert job.wait() == 0, job.log_text()[-3000:]
     resumed = json.loads((out / "resumed.json").read_text())
     assert resumed["start"] == 8  # `last` is the newest committed checkpoint, never the interrupted one
     assert resumed["files"] == ["epoch=0-step=12.ckpt", "epoch=0-step=16.ckpt", "last.ckpt"]  # leftovers gone
@@ -82,33 +59,43 @@ class _AtStep:
         return Cb()
 
 
-def _fit_expecting_failure(tmp_path, dirpath, engine, worker, at_step, fn):
+def _fit_expecting_failure(tmp_path, dirpath, engine, worker, at_step, fn, hold=None):
+    """Saves every 4 steps; at the end of step ``at_step``, once the first save is committed, ``fn`` makes the
+    disk fail. With ``hold``, the step-8 write is held until then: the fault lands while it is in flight."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from helpers import SlowSteps, TinyModel, loader, trainer
-    from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
+    from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError
 
     io = AsyncCheckpointIO(engine, worker=worker)
-    io.write_hook = testing.DelayWrite(0.5)  # the fault lands while a write is in flight
     ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
 
     def settle_then(t):
-        io._settle_local(blocking=True, until=1)  # the first save is committed
+        deadline = time.monotonic() + 60
+        while not io.history and time.monotonic() < deadline:  # the first save is committed
+            io.finalize()
+            time.sleep(0.01)
         fn(t)
+        if hold is not None:
+            hold.release()
 
-    t = trainer(tmp_path, [io], [SlowSteps(), _AtStep(at_step, settle_then), ck], max_steps=60)
+    callbacks = [SlowSteps(), _AtStep(at_step, settle_then), ck]
+    if hold is not None:
+        callbacks.append(_AtStep(7, lambda t: setattr(io, "write_hook", hold)))  # from the step-8 save on
+    t = trainer(tmp_path, [io], callbacks, max_steps=60)
     with pytest.raises(CheckpointWriteError) as info:
         t.fit(TinyModel(width=128), loader(width=128, n=512))
-    assert t.global_step < 60 and io.worker_pids() == []
+    # the step-8 save fails: raised by the finalizer before the next save (step 12)
+    assert max(8, at_step) <= t.global_step <= 12 and io.worker_pids() == [], t.global_step
     return info.value
 
 
 @pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
-def test_checkpoint_directory_deleted_during_the_run(tmp_path, engine, worker):
+def test_checkpoint_directory_deleted_during_the_run(tmp_path, engine, worker, hold):
     import shutil
 
     dirpath = tmp_path / "ckpts"
-    err = _fit_expecting_failure(tmp_path, dirpath, engine, worker, 9, lambda t: shutil.rmtree(dirpath))
+    err = _fit_expecting_failure(tmp_path, dirpath, engine, worker, 9, lambda t: shutil.rmtree(dirpath), hold)
     # the save in flight when the directory went away fails, named, with the real cause
     assert err.path.endswith("step=8.ckpt") and err.errno == 2, str(err)
     assert "FileNotFoundError" in str(err)
@@ -135,7 +122,7 @@ def test_read_only_remount(tmp_path, small_tmpfs, engine, worker):
 
 def test_soak_hundred_saves_nothing_grows(tmp_path):
     """100 saves (and 100 of `last`) on 2 ranks with save_top_k=2 (AsyncDDPStrategy, persistent worker)."""
-    r0, r1 = run_ranks(os.path.join(HERE, "ddp_job.py"), tmp_path, "soak", "nvrx", "persistent", timeout=200)
+    r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "soak", "nvrx", "persistent", timeout=200)
     for r in (r0, r1):
         assert r["saves"] == 200
         assert r["files"] == ["epoch=0-step=100.ckpt", "epoch=0-step=99.ckpt", "last.ckpt"]  # exactly these

@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, launch
 
 
 def _run(cmd, cwd, timeout=180):
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out = ""
-        pytest.fail(f"{cmd} hung for {timeout}s")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return proc.returncode, out
+    with launch(cmd, cwd, timeout, cwd=cwd) as job:
+        code = job.wait()
+    return code, job.log_text()
 
 
 @pytest.mark.parametrize("engine", ["nvrx", "mcore"])

@@ -9,7 +9,7 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
 import lightning as L  # noqa: E402
 import psutil  # noqa: E402
@@ -174,10 +174,14 @@ def case_sharded_abandoned(args, fabric, io, report):
     model, opt = _setup_sharded(fabric)
     _step(fabric, model, opt, 0)
     path = os.path.join(args.out, "ckpt", "step-0")
+    gave_up = os.path.join(args.out, "rank0-gave-up")
     if fabric.global_rank == 1:
         fabric.save(path, {"model": model, "optimizer": opt})
-        time.sleep(8)  # busy elsewhere; it leaves after rank 0 has given up (and gives up in turn at exit)
-        report["left"] = True
+        # busy elsewhere until rank 0 has given up (then it gives up in turn at exit)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(gave_up) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        report["left"] = os.path.exists(gave_up)
         return
     io.write_hook = testing.DelayWrite(1.0)
     try:
@@ -187,6 +191,7 @@ def case_sharded_abandoned(args, fabric, io, report):
             raise ValueError("boom on rank 0")
     except ValueError as e:
         report["raised"] = str(e)
+    open(gave_up, "w").close()  # the `with io:` block is left: rank 0 stopped waiting for rank 1
     report["files"] = sorted(os.listdir(os.path.join(args.out, "ckpt")))
     # rank 1 (a child of rank 0 here) still runs, with its own worker: look at rank 0's own writer only
     report["had_worker"] = bool(pids)

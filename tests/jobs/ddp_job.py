@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -239,7 +239,7 @@ class FillDiskAt(L.Callback):
 
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == self.step and trainer.global_rank == 0:
-            self.io._settle_local(blocking=True)  # the step-4 checkpoint is written first
+            self.io.wait_for_local_writes()  # the step-4 checkpoint is written first
             st = os.statvfs(self.mnt)
             with open(os.path.join(self.mnt, "filler"), "wb") as f:
                 f.write(b"\0" * (st.f_bavail * st.f_frsize - 4096))
@@ -263,7 +263,7 @@ class SlowWritesFrom(L.Callback):
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == self.step - 1:
             if trainer.global_rank == 0:
-                self.io._settle_local(blocking=True)  # earlier saves are written before the slow one
+                self.io.wait_for_local_writes()  # earlier saves are written before the slow one
             self.io.write_hook = testing.DelayWrite(30.0)
 
 
@@ -287,7 +287,7 @@ class UnpicklableAt(L.Callback):
             import threading
 
             if trainer.global_rank == 0:
-                self.io._settle_local(blocking=True)  # the earlier save is committed first
+                self.io.wait_for_local_writes()  # the earlier save is committed first
             checkpoint["bad"] = threading.Lock()
 
 
@@ -309,10 +309,7 @@ class SnapshotFailsOnRank(L.Callback):
 
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
-            def fail(*args, **kwargs):
-                raise MemoryError("injected: cannot allocate the staging buffers")
-
-            self.io._stager.snapshot = fail
+            self.io.faults = testing.FaultList([testing.Fault("snapshot")])
 
 
 def case_parallel_snapfail(args, report):

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -27,8 +27,10 @@ class Ready(L.Callback):
 
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == 13:
-            with open(os.path.join(self.out, "ready"), "w") as f:
+            tmp = os.path.join(self.out, "ready.tmp")
+            with open(tmp, "w") as f:
                 json.dump({"pending": self.io.num_pending, "workers": self.io.worker_pids()}, f)
+            os.replace(tmp, os.path.join(self.out, "ready"))  # the test never reads a partial file
 
 
 class StartStep(L.Callback):
