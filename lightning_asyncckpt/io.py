@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 from lightning_asyncckpt import engines, loading, logsetup, paths, poller, scheduler
@@ -26,8 +25,7 @@ from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.committer import request_removal
 from lightning_asyncckpt.dcp_format import META_FILE
 from lightning_asyncckpt.drain import AtExit, ExitGroup, drain
-from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.failures import Failed, filesystem_failures
+from lightning_asyncckpt.errors import CheckpointWriteError
 from lightning_asyncckpt.faults import EnvironmentFaults, FaultPolicy
 from lightning_asyncckpt.finalizer import finalize
 from lightning_asyncckpt.layout import Layout
@@ -54,13 +52,9 @@ class AsyncCheckpointIO(CheckpointIO):
         max_pending: saves in flight per rank; a further save first waits for the oldest write. Each
             in-flight save holds one copy of the state in host memory.
         poll_interval_s: sleep between checks while a blocking finalize waits.
-        drain_timeout_s: on the way out after an exception (Ctrl-C and Lightning's SIGTERM handling
-            included) or at interpreter exit without ``teardown``, how long this rank waits for the saves
-            in flight. Those it commits alone (single-device and DDP saves, written by global rank 0) are
-            committed if they finish in time; those written by all ranks together (sharded) are
-            committed by the ranks together over a gloo group made before the first such save, if every
-            rank gets there within ``min(drain_timeout_s, 60)`` seconds. A save that fails on the way
-            out is logged, never raised over the exception. ``0`` drops every unfinished save at once.
+        drain_timeout_s: on the way out of an exception (Ctrl-C, SIGTERM) or at interpreter exit without
+            ``teardown``, how long this rank waits for the saves in flight to land (see
+            :mod:`lightning_asyncckpt.drain`); ``0`` drops every unfinished save at once.
         faults: where injected faults come from (:mod:`lightning_asyncckpt.testing`); by default the
             ``LIGHTNING_ASYNCCKPT_FAULTS`` environment variable, read at every save.
 
@@ -76,13 +70,10 @@ class AsyncCheckpointIO(CheckpointIO):
         faults: FaultPolicy | None = None,
     ) -> None:
         super().__init__()
-        for name, value, low in (("thread_count", thread_count, 1), ("max_pending", max_pending, 1)):
-            if value < low:
-                raise ValueError(f"`AsyncCheckpointIO({name}={value})` must be at least {low}.")
-        if timeout_s <= 0:
-            raise ValueError(f"`AsyncCheckpointIO(timeout_s={timeout_s})` must be positive.")
-        if drain_timeout_s < 0:
-            raise ValueError(f"`AsyncCheckpointIO(drain_timeout_s={drain_timeout_s})` must not be negative.")
+        for name, ok, want in (("thread_count", thread_count >= 1, "at least 1"), ("max_pending", max_pending >= 1, "at least 1"),
+                               ("timeout_s", timeout_s > 0, "positive"), ("drain_timeout_s", drain_timeout_s >= 0, "at least 0")):
+            if not ok:
+                raise ValueError(f"`AsyncCheckpointIO({name}={locals()[name]})` must be {want}.")
         self._engine_name = engines.resolve(strategy)
         self._worker_mode = engines.parse_worker(worker)
         self.thread_count, self.max_pending = thread_count, max_pending
@@ -120,11 +111,7 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def worker_pids(self) -> list[int]:
         """(any rank, any time) PIDs of this rank's live background writers (the persistent worker, or forked ones)."""
-        run = self._run
-        if run is None or run.engine is None:
-            return []
-        forked = [s.ticket.process for s in run.pending if s.ticket.process is not None]
-        return run.engine.worker_pids() + [p.pid for p in forked if p.is_alive()]
+        return self._run.worker_pids() if self._run is not None else []
 
     def staging_buffers(self) -> list[torch.Tensor]:
         """(any rank) The host buffers held for snapshots, reused from save to save (empty after ``teardown``)."""
@@ -153,51 +140,15 @@ class AsyncCheckpointIO(CheckpointIO):
     def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, layout: Layout,
               extra_files: list | None = None, step: int | None = None) -> None:
         self._save_calls += 1
-        started = time.perf_counter()  # the stall counts from here: waiting for room and the snapshot
-        run, agreement = self._ensure_run(), self._agreement
-        rank, collective = agreement.rank, layout.all_ranks_write(agreement.active)
-        seq = run.count.claim(collective)  # before anything can fail: a failure knows which save it was
-        try:
-            request, snapshot, local_error = None, None, None
-            try:
-                path = paths.check_save_path(path, storage_options)
-                request = scheduler.SaveRequest(
-                    checkpoint, path, layout, collective, seq, started, step if step is not None else global_step(checkpoint),
-                    extra_files or [], self.faults.for_save(rank, self._save_calls, self.engine, self.worker))
-                run.start(rank, path.parent)
-                self._at_exit.arm(self, AsyncCheckpointIO.abort)
-                poller.settle_local(run, self, rank, blocking=False)
-                if not agreement.active:
-                    run.failures.raise_local()
-                poller.wait_for_room(run, self, rank)
-                if collective:
-                    snapshot = scheduler.take_snapshot(run, agreement, request)
-            except Exception as e:
-                if not collective:
-                    raise
-                local_error = e
-            if collective and agreement.all_max([int(local_error is not None)])[0]:
-                # a rank that failed before the collective planning must not leave the others in it: the
-                # others drop the save, the failing rank records its error for the next finalize
-                run.stager.release(snapshot.buffer_set if snapshot is not None else None)
-                if local_error is not None:
-                    raise local_error
-                return
-            scheduler.schedule(run, agreement, self, request, snapshot, self.write_hook, self.begin_collective_saves)
-        except (Exception, CheckpointException) as e:
-            if isinstance(e, CheckpointWriteError):
-                raise
-            failures = filesystem_failures(e, rank)
-            if not agreement.active:
-                if failures is None:
-                    raise  # bad input: the caller's own error type (TypeError, pickling error, ...)
-                raise CheckpointWriteError(str(path), failures) from (None if isinstance(e, CheckpointException) else e)
-            # raising on one rank alone would leave the others in Lightning's barrier: the next finalize
-            # raises it on every rank (a failure in DCP's collective planning reaches all; each records its own)
-            for failure in failures if failures is not None else [RankFailure.from_exception(rank, e)]:
-                if failure.rank == rank:
-                    run.failures.record(Failed(run.order, str(path), failure, seq))
-            log.error("lightning-asyncckpt: save to %s failed at save time: %s", path, e)
+        run, rank = self._ensure_run(), self._agreement.rank
+        collective = layout.all_ranks_write(self._agreement.active)
+        request = scheduler.SaveRequest(
+            checkpoint, path, layout, collective, seq=run.count.claim(collective), started=time.perf_counter(),
+            step=step if step is not None else global_step(checkpoint), extra_files=extra_files or [],
+            faults=self.faults.for_save(rank, self._save_calls, self.engine, self.worker),
+        )
+        self._at_exit.arm(self, AsyncCheckpointIO.abort)
+        scheduler.submit(run, self._agreement, self, request, storage_options, self.write_hook, self.begin_collective_saves)
         if self._closed:
             self._complete_after_teardown(collective)
 

@@ -109,6 +109,13 @@ class Run:
             self.cleaned_dirs.add(dirpath)
         return self.engine
 
+    def worker_pids(self) -> list[int]:
+        """PIDs of this run's live writers: the persistent worker, or the forked ones of pending saves."""
+        if self.engine is None:
+            return []
+        forked = [s.ticket.process for s in self.pending if s.ticket.process is not None]
+        return self.engine.worker_pids() + [p.pid for p in forked if p.is_alive()]
+
     def close(self, rank: int, abort: bool) -> None:
         """(this rank) Stops the worker, drops what is still pending (only left when aborting), runs the
         removals that were waiting for committed saves, and frees every buffer."""

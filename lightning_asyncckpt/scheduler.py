@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_asyncckpt import _worker, commit, dcp_format, staging
+from lightning_asyncckpt import _worker, commit, dcp_format, paths, poller, staging
 from lightning_asyncckpt.agreement import Agreement
+from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
+from lightning_asyncckpt.failures import Failed, filesystem_failures
 from lightning_asyncckpt.faults import NO_FAULTS, SaveFaults, with_hook
 from lightning_asyncckpt.layout import Layout
 from lightning_asyncckpt.pending import PendingSave
@@ -32,7 +35,7 @@ class SaveRequest:
     """One call to save, as the face received it."""
 
     checkpoint: dict[str, Any]
-    path: Path
+    path: Any  # as the caller gave it; a checked local Path once ``submit`` has validated it
     layout: Layout
     collective: bool  # every rank writes a part (and is here)
     seq: int | None  # the save's number in the cross-rank count
@@ -40,6 +43,53 @@ class SaveRequest:
     step: int | None = None
     extra_files: list[tuple[str, bytes]] = field(default_factory=list)  # (name in the checkpoint, bytes)
     faults: SaveFaults = NO_FAULTS
+
+
+def submit(
+    run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, storage_options: Any, write_hook: Any,
+    on_first_collective: Callable[[], None],
+) -> None:
+    """(the saving ranks; every rank for a collective save) The save-time half of a save: validate, wait for
+    room, snapshot (agreed across the ranks when collective: a rank that failed before the collective
+    planning must not leave the others in it), plan and hand over.
+
+    Alone (no process group), a write failure raises :class:`CheckpointWriteError` here and bad input its
+    own error. With a process group, a failure is recorded for the next finalize, which raises it on every
+    rank: raising on one rank alone would leave the others waiting in Lightning's barrier."""
+    rank, collective = agreement.rank, request.collective
+    try:
+        snapshot, local_error = None, None
+        try:
+            request.path = paths.check_save_path(request.path, storage_options)
+            run.start(rank, request.path.parent)
+            poller.settle_local(run, settings, rank, blocking=False)
+            if not agreement.active:
+                run.failures.raise_local()
+            poller.wait_for_room(run, settings, rank)
+            if collective:
+                snapshot = take_snapshot(run, agreement, request)
+        except Exception as e:
+            if not collective:
+                raise
+            local_error = e
+        if collective and agreement.all_max([int(local_error is not None)])[0]:
+            run.stager.release(snapshot.buffer_set if snapshot is not None else None)  # the others drop it
+            if local_error is not None:
+                raise local_error
+            return
+        schedule(run, agreement, settings, request, snapshot, write_hook, on_first_collective)
+    except (Exception, CheckpointException) as e:
+        if isinstance(e, CheckpointWriteError):
+            raise
+        failures = filesystem_failures(e, rank)
+        if not agreement.active:
+            if failures is None:
+                raise  # bad input: the caller's own error type (TypeError, pickling error, ...)
+            raise CheckpointWriteError(str(request.path), failures) from (None if isinstance(e, CheckpointException) else e)
+        for failure in failures if failures is not None else [RankFailure.from_exception(rank, e)]:
+            if failure.rank == rank:  # a failure in DCP's collective planning reaches all; each records its own
+                run.failures.record(Failed(run.order, str(request.path), failure, request.seq))
+        log.error("lightning-asyncckpt: save to %s failed at save time: %s", request.path, e)
 
 
 def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest) -> staging.Snapshot:
