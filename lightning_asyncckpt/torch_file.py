@@ -6,7 +6,10 @@ and the staged shared-memory copies) and ``torch.save``\\ s it into a hidden sib
 (``commit.tmp_for``, so that ``commit.cleanup_leftovers`` removes the remains of an interrupted save),
 flushed and fsync'd; the trainer then publishes it with one ``os.replace`` and an fsync of the directory.
 
-What the file holds, compared with stock's file for the same checkpoint dict:
+For a CPU checkpoint written with its ``layout``, the file is byte for byte stock's: both ``torch.save``
+into a Python file object (stock into a ``BytesIO``), so the zip records are named alike. A file object
+is also needed because torch's own path writer refuses a file name starting with ``.`` (the hidden
+temporary name). What the file holds, compared with stock's file for the same checkpoint dict:
 
 - the same keys, nesting and non-tensor values (the skeleton keeps dict subclasses, namedtuples,
   ``AttributeDict`` hyper-parameters, int keys), the same tensor values, dtypes and shapes;
@@ -49,28 +52,40 @@ class FileLayout:
     """What the staged copies no longer know about the original tensors (computed in the trainer).
 
     ``aliases``: fqn -> the first fqn that is the same view of the same storage (tied weights).
+    ``same_object``: those aliases that are the very same tensor object as their target (a dict holding
+    one tensor twice), which pickle stores once and loads as one object.
     ``locations``: fqn -> device location tag (``"cuda:0"``) for tensors not on the CPU.
     """
 
     aliases: dict[str, str] = field(default_factory=dict)
+    same_object: set[str] = field(default_factory=set)
     locations: dict[str, str] = field(default_factory=dict)
 
 
 def layout(checkpoint: dict[str, Any]) -> FileLayout:
     """(trainer) The aliases and devices of ``checkpoint``'s tensors, named as ``staging.split`` names
     them. Reads metadata only: no tensor data is touched or copied."""
-    _, tensors = staging.split(checkpoint)
     out = FileLayout()
-    first: dict[tuple, str] = {}
-    for name, t in tensors.items():
+    first: dict[tuple, tuple[str, torch.Tensor]] = {}
+    namer = staging._FqnNamer()
+
+    def visit(path: tuple, t: torch.Tensor) -> torch.Tensor:
+        name = namer(path)
+        if t.device.type == "meta":
+            return t
         if t.device.type != "cpu":
             out.locations[name] = str(t.device)
         if t.numel() == 0:
-            continue
+            return t
         key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        target = first.setdefault(key, name)
+        target, obj = first.setdefault(key, (name, t))
         if target != name:
             out.aliases[name] = target
+            if obj is t:
+                out.same_object.add(name)
+        return t
+
+    staging._walk(checkpoint, (), visit)
     return out
 
 
@@ -118,23 +133,27 @@ def _register_tagger() -> None:
 
 def rebuild(
     skeleton: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None,
+    same_object: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """The checkpoint dict to save: the skeleton with the staged tensors put back (each on an exact
-    storage, aliases pointing at one tensor). Also returns the tensors used, by fqn."""
+    storage, aliases on their target's storage). Also returns the tensors used, by fqn."""
     used = {name: _exact(t) for name, t in tensors.items()}
     for name, target in (aliases or {}).items():
         if target in used:
-            used[name] = used[target]
+            # The storage is written once either way. Tied weights in a state_dict are two tensor objects
+            # on one storage (a new one here); one object held twice is pickled once (the same one here).
+            used[name] = used[target] if name in same_object else used[target].detach()
     return staging.join(skeleton, used), used
 
 
 def write_file(
     skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str | os.PathLike,
     aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
+    same_object: set[str] | frozenset[str] = frozenset(),
 ) -> int:
     """(writer) Writes the checkpoint as stock's ``torch.save`` file at ``tmp_path`` (the hidden sibling
     of the final path), flushed and fsync'd. Returns the file's size in bytes."""
-    checkpoint, used = rebuild(skeleton, tensors, aliases)
+    checkpoint, used = rebuild(skeleton, tensors, aliases, same_object)
     by_ptr = {}
     if locations:
         _register_tagger()
@@ -162,6 +181,7 @@ def hook_buckets(tmp_path: str | os.PathLike) -> list:
 def write_file_job(
     skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str, result_path: str, hook: Any | None = None,
     aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
+    same_object: set[str] | frozenset[str] = frozenset(),
 ) -> None:
     """The async function handed to the engine's queue (like ``_worker.write_job``): runs ``hook``, writes
     the file, then reports in the same result file: ``ok``, ``results`` (empty: no DCP write results),
@@ -172,7 +192,7 @@ def write_file_job(
     try:
         if hook is not None:
             hook(buckets)
-        nbytes = write_file(skeleton, tensors, tmp_path, aliases, locations)
+        nbytes = write_file(skeleton, tensors, tmp_path, aliases, locations, same_object)
         outcome: dict[str, Any] = {"ok": True, "results": [], "nbytes": nbytes}
     except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
         outcome = {"ok": False, **_worker._describe(e, buckets)}
