@@ -133,16 +133,22 @@ def write_job(
             _write_file(path, data)
     except BaseException as e:  # noqa: BLE001
         outcome = {"ok": False, **_describe(e, buckets)}
+    report(result_path, outcome, t0)
+    # Each write leaves reference cycles (torch.save of tensors rebuilt from shared memory). In a
+    # long-lived worker they are otherwise only freed by a rare full collection, and memory grows by
+    # kilobytes per save; collecting the young generations (well under a millisecond) frees them.
+    gc.collect(1)
+
+
+def report(result_path: str, outcome: dict[str, Any], t0: float) -> None:
+    """Tells the trainer how a write went: ``outcome`` with the write's time and this process's pid,
+    written whole (temp file, then rename), so that the trainer never reads half a report."""
     outcome["write_s"] = time.monotonic() - t0
     outcome["pid"] = os.getpid()
     tmp = f"{result_path}.tmp"
     with open(tmp, "wb") as f:
         pickle.dump(outcome, f)
     os.replace(tmp, result_path)
-    # Each write leaves reference cycles (torch.save of tensors rebuilt from shared memory). In a
-    # long-lived worker they are otherwise only freed by a rare full collection, and memory grows by
-    # kilobytes per save; collecting the young generations (well under a millisecond) frees them.
-    gc.collect(1)
 
 
 def run_forked(started_fd: int, fn: Any, args: tuple, kwargs: dict) -> None:

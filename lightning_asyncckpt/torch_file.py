@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -196,12 +195,7 @@ def write_file_job(
         outcome: dict[str, Any] = {"ok": True, "results": [], "nbytes": nbytes}
     except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
         outcome = {"ok": False, **_worker._describe(e, buckets)}
-    outcome["write_s"] = time.monotonic() - t0
-    outcome["pid"] = os.getpid()
-    tmp = f"{result_path}.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(outcome, f)
-    os.replace(tmp, result_path)
+    _worker.report(result_path, outcome, t0)
 
 
 def publish_file(tmp: Path, path: Path) -> None:

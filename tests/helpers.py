@@ -29,6 +29,24 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
 
+def run_fabric_case(args: Any, fabric: Any, io: Any, cases: dict) -> None:
+    """The ``main`` of a Fabric job script after ``fabric.launch()``: runs ``case_<args.case>`` from ``cases``
+    on this rank, then writes ``<out>/rank<r>.json`` (whole: temp file, then rename) with its report and
+    the traceback, if it raised."""
+    import traceback
+
+    report = {"rank": fabric.global_rank}
+    try:
+        cases[f"case_{args.case}"](args, fabric, io, report)
+    except BaseException as e:  # noqa: BLE001
+        report["crash"] = "".join(traceback.format_exception(e))
+    report["world_size"] = fabric.world_size
+    path = os.path.join(args.out, f"rank{fabric.global_rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
 def job_script(name: str) -> str:
     """The path of a job script in ``tests/jobs`` (the scripts the tests start in their own processes)."""
     return os.path.join(TESTS, "jobs", name)
@@ -105,20 +123,25 @@ def clone_tree(obj: Any) -> Any:
     return obj
 
 
-def assert_tree_equal(a: Any, b: Any, where: str = "") -> None:
-    """Bit-for-bit equality of nested checkpoint content, key types included."""
-    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), f"{where}: {type(a)} != {type(b)}"
+def assert_tree_equal(a: Any, b: Any, where: str = "", strict: bool = False) -> None:
+    """Bit-for-bit equality of nested checkpoint content, key types included. ``strict``: the same types
+    (dict subclasses, namedtuples, namespaces) and tensors on the same device, too."""
+    same_kind = type(a) is type(b) or (not strict and isinstance(a, dict) and isinstance(b, dict))
+    assert same_kind, f"{where}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert not strict or a.device == b.device, f"{where}: device {a.device} != {b.device}"
         assert torch.equal(a, b), f"{where}: tensor values differ"
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a.keys())} != {list(b.keys())}"
         for k in a:
-            assert_tree_equal(a[k], b[k], f"{where}.{k!r}")
+            assert_tree_equal(a[k], b[k], f"{where}.{k!r}", strict)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_equal(x, y, f"{where}[{i}]")
+            assert_tree_equal(x, y, f"{where}[{i}]", strict)
+    elif strict and hasattr(a, "__dict__") and not callable(a):
+        assert_tree_equal(vars(a), vars(b), f"{where}(namespace)", strict)
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
 

@@ -8,6 +8,8 @@ import errno
 import multiprocessing as mp
 import os
 import pickle
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers import assert_tree_equal
 from lightning_asyncckpt import commit, staging, testing, torch_file
-from lightning_asyncckpt.engines.base import _resource_tracker_running, _stop_resource_tracker
+from lightning_asyncckpt.engines.persistent import resource_tracker_running, stop_resource_tracker
 
 
 class TiedModel(L.LightningModule):
@@ -58,22 +61,7 @@ def _lightning_checkpoint(tmp_path: Path) -> dict:
 def assert_same(a: Any, b: Any, where: str = "") -> None:
     """Same types (dict subclasses, namedtuples, namespaces), keys in order, values; tensors equal in
     dtype, shape, device and value."""
-    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), f"{where}: tensor metadata differs"
-        assert torch.equal(a, b), f"{where}: tensor values differ"
-    elif isinstance(a, dict):
-        assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k!r}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, argparse.Namespace):
-        assert_same(vars(a), vars(b), f"{where}(namespace)")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    assert_tree_equal(a, b, where, strict=True)
 
 
 def _sharing(ckpt: dict) -> list[set[str]]:
@@ -87,12 +75,12 @@ def _sharing(ckpt: dict) -> list[set[str]]:
 
 
 def _run_job(ctx_name: str, args: tuple, kwargs: dict | None = None) -> dict | None:
-    tracker_before = _resource_tracker_running()
+    tracker_before = resource_tracker_running()
     proc = mp.get_context(ctx_name).Process(target=torch_file.write_file_job, args=args, kwargs=kwargs or {})
     proc.start()
     proc.join(120)
     if not tracker_before:  # spawning started multiprocessing's helper process: leave none behind
-        _stop_resource_tracker()
+        stop_resource_tracker()
     assert not proc.is_alive()
     result_path = args[3]
     if not os.path.exists(result_path):
@@ -237,7 +225,9 @@ def test_job_reports_an_injected_failure_in_the_result_file_format(tmp_path):
 def test_crash_mid_write_leaves_only_a_leftover(tmp_path):
     snap = staging.Stager(shared=True, copy_cpu=True).snapshot({"w": torch.ones(4)})
     final = tmp_path / "x.ckpt"
-    tmp = commit.tmp_for(final, "t")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the trainer that owned the save is gone too: its leftover is provably dead
+    tmp = commit.tmp_for(final, commit.new_token(gone.pid))
     assert _run_job("fork", (snap.skeleton, snap.tensors, str(tmp), str(tmp_path / "r.result"), testing.CrashWrite())) is None
     assert tmp.exists() and not final.exists()  # the partial file is under the hidden name only
     assert commit.cleanup_leftovers(tmp_path) == [tmp]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
@@ -15,7 +13,7 @@ import lightning as L  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import assert_tree_equal, clone_tree, job_args, other_children  # noqa: E402
+from helpers import assert_tree_equal, clone_tree, job_args, other_children, run_fabric_case  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, testing  # noqa: E402
 
 
@@ -226,14 +224,7 @@ def main():
     else:
         fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[io])
     fabric.launch()
-    report = {"rank": fabric.global_rank}
-    try:
-        globals()[f"case_{args.case}"](args, fabric, io, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    report["world_size"] = fabric.world_size
-    with open(os.path.join(args.out, f"rank{fabric.global_rank}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    run_fabric_case(args, fabric, io, globals())
 
 
 if __name__ == "__main__":

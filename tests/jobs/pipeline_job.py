@@ -3,10 +3,8 @@ cross-rank protocol's edge cases in tests/test_pipeline.py. Each rank writes <ou
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
@@ -14,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import job_args  # noqa: E402
+from helpers import job_args, run_fabric_case  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, testing  # noqa: E402
 from lightning_asyncckpt.faults import EnvironmentFaults, SaveFaults  # noqa: E402
 
@@ -89,16 +87,7 @@ def main():
     io = AsyncCheckpointIO(args.engine, worker=args.worker, drain_timeout_s=5)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[io])
     fabric.launch()
-    report = {"rank": fabric.global_rank}
-    try:
-        globals()[f"case_{args.case}"](args, fabric, io, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    report["world_size"] = fabric.world_size
-    tmp = os.path.join(args.out, f"rank{fabric.global_rank}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(tmp, os.path.join(args.out, f"rank{fabric.global_rank}.json"))
+    run_fabric_case(args, fabric, io, globals())
 
 
 if __name__ == "__main__":
