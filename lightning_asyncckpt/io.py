@@ -58,10 +58,8 @@ class AsyncCheckpointIO(CheckpointIO):
         faults: where injected faults come from (:mod:`lightning_asyncckpt.testing`); by default the
             ``LIGHTNING_ASYNCCKPT_FAULTS`` environment variable, read at every save.
 
-    Call pattern (all ranks unless noted): ``save_checkpoint`` on the ranks Lightning calls it on;
-    ``finalize`` on every rank, in the same order; ``teardown`` on every rank at the end. ``history``
-    lists a :class:`SaveRecord` for each save this rank committed. Construct it on every rank; it starts
-    nothing until its first save, ``warmup``, or the callback's ``setup``.
+    Construct it on every rank; it starts nothing until the first save, ``warmup`` or the callback's
+    ``setup``. ``history`` lists a :class:`SaveRecord` for each save this rank committed.
     """
 
     def __init__(
@@ -91,13 +89,12 @@ class AsyncCheckpointIO(CheckpointIO):
 
     @property
     def engine(self) -> str:
-        """The resolved engine name: ``"nvrx"`` or ``"mcore"`` (decided in ``__init__``, on every rank)."""
+        """``"nvrx"`` or ``"mcore"``: the engine ``strategy`` resolved to (in ``__init__``, on every rank)."""
         return self._engine_name.value
 
     @property
     def worker(self) -> str:
-        """The worker mode: ``"persistent"`` or ``"fork"``."""
-        return self._worker_mode.value
+        return self._worker_mode.value  # "persistent" or "fork"
 
     @property
     def num_pending(self) -> int:
@@ -153,8 +150,7 @@ class AsyncCheckpointIO(CheckpointIO):
             self._complete_after_teardown(collective)
 
     def _complete_after_teardown(self, collective: bool) -> None:
-        """Nobody finalizes after teardown (``trainer.save_checkpoint`` after ``fit``): the save completes
-        before it returns (every rank is here for a collective one), and the workers stop again."""
+        # nobody finalizes after teardown (`trainer.save_checkpoint` after `fit`): complete it now
         run = self._ensure_run()
         try:
             if collective:
@@ -212,8 +208,7 @@ class AsyncCheckpointIO(CheckpointIO):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """``with AsyncCheckpointIO(...) as io:`` (all ranks), for loops that never tear down, such as
-        Fabric's: a normal exit is ``teardown``; an exception is :meth:`abort`, which does not mask it."""
+        """(all ranks) For loops that never tear down (Fabric's): ``teardown``, or :meth:`abort` on an exception."""
         if exc is None:
             self.teardown()
         else:
@@ -227,6 +222,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._ensure_run().start(self._agreement.rank, None).start()
         if like is not None:
             self.prepare(like, distributed=False)
+
     # The package's interface for the callback and the strategies ---------------------------------------
     def begin_run(self, collective: bool) -> None:
         """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
@@ -237,8 +233,7 @@ class AsyncCheckpointIO(CheckpointIO):
             self.begin_collective_saves()
 
     def begin_collective_saves(self) -> None:
-        """(all ranks, together) Makes the exit group that collective saves are drained over."""
-        self._exit_group.make(self._agreement, self.drain_timeout_s)
+        self._exit_group.make(self._agreement, self.drain_timeout_s)  # (all ranks, together)
 
     def announce(self) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts a save that the plugin will be called for

@@ -71,7 +71,9 @@ def test_ddp_weights_only_save_error_raises_on_every_rank_within_steps(tmp_path)
     yet the failed write stops both ranks a few steps after it, not at the end of fit."""
     r0, r1 = run_job(tmp_path, "weights_only", "nvrx", "persistent")
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
-    assert r0["global_step"] <= 12  # the next save, at step 12, is never reached
+    # raised within steps of the failure: before the save after next (a busy 2-core machine can delay the
+    # worker's report past the next save, so the bound is the one after that)
+    assert r0["global_step"] <= 16
 
 
 def test_ddp_bad_input_on_rank0_raises_on_every_rank(tmp_path):

@@ -29,4 +29,4 @@ def test_a_collective_commit_interrupted_on_the_way_out_leaves_nothing_partial(t
     """The coordinator is interrupted between the commit's gathers while draining; rank 1's gather gives
     up (the exit group's timeout). Neither the checkpoint nor its temporary directory is left."""
     reports = run_ranks(JOB, tmp_path, "drain_interrupted", "nvrx", "persistent", timeout=150)
-    assert reports[0]["entries"] == [], reports[0]
+    assert reports[0]["interrupted"] and reports[0]["entries"] == [], reports[0]

@@ -62,11 +62,14 @@ def case_warmup_on_some_ranks(args, fabric, io, report):
 class InterruptCommit(EnvironmentFaults):
     """Ctrl-C lands on the coordinator while it commits (before ``.metadata``), between the gathers."""
 
+    fired = False
+
     def for_save(self, rank, save, engine, worker):
         return SaveFaults(before_metadata=self._interrupt) if rank == 0 else super().for_save(rank, save, engine, worker)
 
     @staticmethod
     def _interrupt(path):
+        InterruptCommit.fired = True
         raise KeyboardInterrupt(f"interrupted while committing {path}")
 
 
@@ -77,7 +80,9 @@ def case_drain_interrupted(args, fabric, io, report):
     ckpts = Path(args.out) / "ckpts"
     io.faults = InterruptCommit()
     io.save_checkpoint_distributed(_state(1.0), ckpts / "one.ckpt")
+    io.wait_for_local_writes()  # both parts written: the drain goes on to commit it
     io.abort()
+    report["interrupted"] = InterruptCommit.fired
     fabric.barrier()
     report["entries"] = _names(ckpts)
 
