@@ -34,6 +34,11 @@ class Agreement:
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
 
+    @classmethod
+    def alone(cls) -> Agreement:
+        """An agreement of this rank with itself: never collective (a rank that must not wait for others)."""
+        return _Alone()
+
     @property
     def active(self) -> bool:
         return is_distributed() and self.group_alive() and dist.get_world_size(self.group) > 1
@@ -84,3 +89,9 @@ class Agreement:
         out: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+class _Alone(Agreement):
+    @property
+    def active(self) -> bool:
+        return False

@@ -111,7 +111,8 @@ def read_info(path: Path) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes renames inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -162,21 +163,34 @@ def publish(tmp: Path, path: Path) -> None:
     """
     if not (tmp / METADATA_FILE).is_file():
         raise FileNotFoundError(f"refusing to publish {tmp}: it has no {METADATA_FILE}")
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if os.path.lexists(path):
         if not _exchange(tmp, path):
-            # No atomic exchange here (NFS, Lustre, FUSE): the old one is moved aside under a name that
-            # says where it belongs, so that a crash between the renames puts it back (restore_replaced)
-            aside = path.parent / f"{REPLACED_PREFIX}{tmp.name[len(INCOMPLETE_PREFIX):]}-{path.name.encode().hex()}"
-            os.rename(path, aside)
-            _fsync_dir(path.parent)
-            os.rename(tmp, path)
-            tmp = aside
-        _fsync_dir(path.parent)
+            tmp = _replace_via_aside(tmp, path)  # no atomic exchange here (NFS, Lustre, FUSE)
+        fsync_dir(path.parent)
         try_remove(tmp, "the replaced checkpoint")
     else:
         os.rename(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
+
+
+def _replace_via_aside(tmp: Path, path: Path) -> Path:
+    """Replaces ``path`` by ``tmp`` in two renames; returns where the old one went. The old one is moved
+    aside under a name that says where it belongs, so that a crash between the renames puts it back
+    (``restore_replaced``) instead of losing both."""
+    aside = path.parent / f"{REPLACED_PREFIX}{tmp.name[len(INCOMPLETE_PREFIX):]}-{path.name.encode().hex()}"
+    os.rename(path, aside)
+    fsync_dir(path.parent)
+    os.rename(tmp, path)
+    return aside
+
+
+def replace_dir_with_file(tmp: Path, path: Path) -> None:
+    """(coordinator) A checkpoint file replaces the checkpoint directory at ``path`` (a file cannot be
+    renamed over a directory): the directory goes aside, the file in, then the directory is removed."""
+    aside = _replace_via_aside(tmp, path)
+    fsync_dir(path.parent)
+    try_remove(aside, "the replaced checkpoint")
 
 
 def _replaced_target(entry: Path) -> Path | None:

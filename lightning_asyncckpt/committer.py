@@ -1,4 +1,5 @@
-"""Commit and retention: a written save becomes a checkpoint (``.metadata`` -> atomic publish -> record),
+"""Commit and retention: a written save becomes a checkpoint (a file: atomic replace; a DCP directory:
+``.metadata`` -> atomic publish; then the record),
 and the removals Lightning asked for (top-k) run once nothing newer can still fail.
 
 Which ranks call what is said per function; every function here runs on the training thread.
@@ -11,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from lightning_asyncckpt import commit
+from lightning_asyncckpt import commit, torch_file
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.failures import Failed
@@ -28,14 +29,15 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
     if coordinator:
         try:
             save.faults.check(save.faults.before_metadata, save.path)
-            save.plan.writer.finish(save.plan.metadata, all_results)
+            if not save.writes_file:  # a file is complete when written; a DCP directory once .metadata is
+                save.plan.writer.finish(save.plan.metadata, all_results)
             save.faults.check(save.faults.before_publish, save.path)
-            commit.publish(save.tmp, save.path)
+            (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
         except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
             return RankFailure.from_exception(rank, e)
     record = SaveRecord(
         path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.started,
-        nbytes=written_bytes(all_results), local_nbytes=save.nbytes, pending=len(run.pending) - (save in run.pending),
+        nbytes=save.file_nbytes if save.writes_file else written_bytes(all_results), local_nbytes=save.nbytes, pending=len(run.pending) - (save in run.pending),
         worker_s=save.write_s,
     )
     run.history.append(record)

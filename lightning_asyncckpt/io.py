@@ -25,7 +25,6 @@ from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.committer import request_removal
 from lightning_asyncckpt.dcp_format import META_FILE
 from lightning_asyncckpt.drain import AtExit, ExitGroup, drain
-from lightning_asyncckpt.errors import CheckpointWriteError
 from lightning_asyncckpt.faults import EnvironmentFaults, FaultPolicy
 from lightning_asyncckpt.finalizer import finalize
 from lightning_asyncckpt.layout import Layout
@@ -34,12 +33,14 @@ from lightning_asyncckpt.run import Run
 
 __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 
+FORMATS = ("auto", "dcp")
+
 log = logging.getLogger(__name__)
 logsetup.configure()
 
 
 class AsyncCheckpointIO(CheckpointIO):
-    """Writes checkpoints asynchronously as torch.distributed.checkpoint directories.
+    """Writes checkpoints in the background: the same file or DCP directory stock Lightning writes.
 
     Args:
         strategy: the async engine: ``"nvrx"`` (nvidia-resiliency-ext), ``"mcore"`` (Megatron-Core), or
@@ -55,6 +56,9 @@ class AsyncCheckpointIO(CheckpointIO):
         drain_timeout_s: on the way out of an exception (Ctrl-C, SIGTERM) or at interpreter exit without
             ``teardown``, how long this rank waits for the saves in flight to land (see
             :mod:`lightning_asyncckpt.drain`); ``0`` drops every unfinished save at once.
+        format: ``"auto"``: where stock Lightning writes one file (single device, DDP from rank 0, Fabric),
+            the same ``torch.save`` file; sharded and ``AsyncDDPStrategy`` saves are DCP directories.
+            ``"dcp"``: single-writer saves are DCP directories too (0.1's layout).
         faults: where injected faults come from (:mod:`lightning_asyncckpt.testing`); by default the
             ``LIGHTNING_ASYNCCKPT_FAULTS`` environment variable, read at every save.
 
@@ -65,13 +69,16 @@ class AsyncCheckpointIO(CheckpointIO):
     def __init__(
         self, strategy: str = "auto", *, worker: str = "persistent", thread_count: int = 1, timeout_s: float = 1800.0,
         max_pending: int = 2, poll_interval_s: float = 0.02, drain_timeout_s: float = 300.0,
-        faults: FaultPolicy | None = None,
+        format: str = "auto", faults: FaultPolicy | None = None,
     ) -> None:
         super().__init__()
         for name, ok, want in (("thread_count", thread_count >= 1, "at least 1"), ("max_pending", max_pending >= 1, "at least 1"),
                                ("timeout_s", timeout_s > 0, "positive"), ("drain_timeout_s", drain_timeout_s >= 0, "at least 0")):
             if not ok:
                 raise ValueError(f"`AsyncCheckpointIO({name}={locals()[name]})` must be {want}.")
+        if format not in FORMATS:
+            raise ValueError(f"`AsyncCheckpointIO(format={format!r})` is not valid; choose one of {', '.join(map(repr, FORMATS))}.")
+        self.format = format
         self._engine_name = engines.resolve(strategy)
         self._worker_mode = engines.parse_worker(worker)
         self.thread_count, self.max_pending = thread_count, max_pending
@@ -141,6 +148,7 @@ class AsyncCheckpointIO(CheckpointIO):
         collective = layout.all_ranks_write(self._agreement.active)
         request = scheduler.SaveRequest(
             checkpoint, path, layout, collective, seq=run.count.claim(collective), started=time.perf_counter(),
+            writes_file=layout is Layout.SINGLE_WRITER and self.format == "auto",
             step=step if step is not None else global_step(checkpoint), extra_files=extra_files or [],
             faults=self.faults.for_save(rank, self._save_calls, self.engine, self.worker),
         )
@@ -150,14 +158,11 @@ class AsyncCheckpointIO(CheckpointIO):
             self._complete_after_teardown(collective)
 
     def _complete_after_teardown(self, collective: bool) -> None:
-        # nobody finalizes after teardown (`trainer.save_checkpoint` after `fit`): complete it now
-        run = self._ensure_run()
+        # nobody finalizes after teardown (`trainer.save_checkpoint` after `fit`): complete it now, with the
+        # other ranks for a collective save, else alone (rank 0 under DDP: no collectives)
         try:
-            if collective:
-                finalize(run, self._agreement, self, blocking=True, force=True)
-            else:  # this rank alone (rank 0 under DDP): no collectives
-                poller.settle_local(run, self, self._agreement.rank, blocking=True)
-                run.failures.raise_local()
+            agreement = self._agreement if collective else Agreement.alone()
+            finalize(self._ensure_run(), agreement, self, blocking=True, force=True)
         finally:
             self._close(abort=False)
 
@@ -166,12 +171,8 @@ class AsyncCheckpointIO(CheckpointIO):
         """(any rank) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a directory
         of this library or DCP, or a ``torch.save`` file). A failed save at ``path`` is raised here."""
         path = paths.local_path(path)
-        run = self._run
-        if run is not None and run.engine is not None:
-            poller.settle_local(run, self, self._agreement.rank, blocking=True)
-            failed = run.failures.for_path(str(path))
-            if failed is not None:
-                raise CheckpointWriteError(failed.path, [failed.failure])
+        if self._run is not None:
+            poller.settle_for(self._run, self, self._agreement.rank, path)
         return loading.load(path, map_location=map_location, weights_only=weights_only)
 
     @override
@@ -243,10 +244,8 @@ class AsyncCheckpointIO(CheckpointIO):
     def prepare(self, like: dict[str, Any], distributed: bool) -> None:
         """(writing ranks, before the first save) Allocates staging buffers for checkpoints like ``like``
         (this rank's share of it when ``distributed``)."""
-        run = self._ensure_run()
-        if not run.stager.buffers():
-            rank, world = (self._agreement.rank, self._agreement.world_size) if distributed else (0, 1)
-            log.debug("lightning-asyncckpt: prepared %d bytes of staging buffers", run.stager.prepare(like, rank=rank, world_size=world))
+        rank, world = (self._agreement.rank, self._agreement.world_size) if distributed else (0, 1)
+        self._ensure_run().prepare(like, rank, world)
 
     def finalize_step(self, blocking: bool = False) -> None:
         """(all ranks, same order; the callback, after every batch) ``finalize`` that agrees only while a save
@@ -258,10 +257,8 @@ class AsyncCheckpointIO(CheckpointIO):
         """(this rank, no collectives) Waits for this rank's writes in flight: single-writer saves commit;
         this rank's part of a collective save is written (the ranks commit it at the next finalize, or on
         the way out). Failures are raised by the next finalize, on every rank."""
-        run = self._run
-        if run is not None and run.engine is not None and run.pending.unwritten():
-            log.info("lightning-asyncckpt: waiting for %d checkpoint write(s) before going on", len(run.pending.unwritten()))
-            poller.settle_local(run, self, self._agreement.rank, blocking=True)
+        if self._run is not None:
+            poller.wait_for_local_writes(self._run, self, self._agreement.rank)
 
     def abort(self) -> None:
         """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then

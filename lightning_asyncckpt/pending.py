@@ -34,6 +34,8 @@ class PendingSave:
     nbytes: int
     step: int | None = None  # the checkpoint's global_step, for the record
     collective: bool = False  # every rank writes a part; committed by all ranks together
+    writes_file: bool = False  # one torch.save file (stock's format), not a DCP directory
+    file_nbytes: int = 0  # the file's size, as the worker reported it
     faults: SaveFaults = NO_FAULTS
     write_s: float = 0.0
     written: list | None = None  # a collective save's local write results, once this rank's part is on disk

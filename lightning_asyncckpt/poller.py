@@ -6,15 +6,19 @@ Everything here is local to one rank: no collectives.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import time
+from pathlib import Path
 
 from lightning_asyncckpt.committer import commit_save, record_failure
 from lightning_asyncckpt.engines import Status
-from lightning_asyncckpt.errors import RankFailure
+from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.pending import PendingSave
 from lightning_asyncckpt.run import Run, Settings
+
+log = logging.getLogger(__name__)
 
 
 def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until: int | None = None) -> None:
@@ -53,6 +57,22 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
             record_failure(run, save, failure, rank)
 
 
+def wait_for_local_writes(run: Run, settings: Settings, rank: int) -> None:
+    """(this rank) Waits for every write in flight here, saying so (it holds training up)."""
+    if run.engine is not None and run.pending.unwritten():
+        log.info("lightning-asyncckpt: waiting for %d checkpoint write(s) before going on", len(run.pending.unwritten()))
+        settle_local(run, settings, rank, blocking=True)
+
+
+def settle_for(run: Run, settings: Settings, rank: int, path: Path) -> None:
+    """(this rank, before reading ``path``) Waits for this rank's writes; a failed save at ``path`` is raised."""
+    if run.engine is not None:
+        settle_local(run, settings, rank, blocking=True)
+    failed = run.failures.for_path(str(path))
+    if failed is not None:
+        raise CheckpointWriteError(failed.path, [failed.failure])
+
+
 def wait_for_room(run: Run, settings: Settings, rank: int) -> None:
     """Each write in progress holds one copy of the state: wait until fewer than ``max_pending`` are (a
     collective save whose part is written has released its buffers)."""
@@ -77,6 +97,7 @@ def read_outcome(save: PendingSave, rank: int) -> tuple[list, RankFailure | None
     if not outcome["ok"]:
         return [], RankFailure(rank, outcome["error_type"], outcome["message"], outcome["errno"])
     save.write_s = float(outcome.get("write_s", 0.0))
+    save.file_nbytes = int(outcome.get("nbytes", 0))
     return outcome["results"], None
 
 

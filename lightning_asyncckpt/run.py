@@ -33,6 +33,7 @@ class Settings(Protocol):
     max_pending: int
     poll_interval_s: float
     drain_timeout_s: float
+    format: str
 
     @property
     def engine(self) -> str: ...
@@ -108,6 +109,12 @@ class Run:
                 commit.cleanup_leftovers(dirpath, keep_prefix=commit.tmp_for(dirpath, self.token).name)
             self.cleaned_dirs.add(dirpath)
         return self.engine
+
+    def prepare(self, like: dict, rank: int, world_size: int) -> None:
+        """Allocates staging buffers for checkpoints like ``like`` (this rank's share of ``world_size``), once."""
+        if not self.stager.buffers():
+            nbytes = self.stager.prepare(like, rank=rank, world_size=world_size)
+            log.debug("lightning-asyncckpt: prepared %d bytes of staging buffers", nbytes)
 
     def worker_pids(self) -> list[int]:
         """PIDs of this run's live writers: the persistent worker, or the forked ones of pending saves."""

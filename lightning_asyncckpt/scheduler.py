@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_asyncckpt import _worker, commit, dcp_format, paths, poller, staging
+from lightning_asyncckpt import _worker, commit, dcp_format, paths, poller, staging, torch_file
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.failures import Failed, filesystem_failures
@@ -40,6 +40,7 @@ class SaveRequest:
     collective: bool  # every rank writes a part (and is here)
     seq: int | None  # the save's number in the cross-rank count
     started: float  # perf_counter at the call: the stall counts from here
+    writes_file: bool = False  # one torch.save file at ``path`` (stock's format), else a DCP directory
     step: int | None = None
     extra_files: list[tuple[str, bytes]] = field(default_factory=list)  # (name in the checkpoint, bytes)
     faults: SaveFaults = NO_FAULTS
@@ -60,7 +61,7 @@ def submit(
     try:
         snapshot, local_error = None, None
         try:
-            request.path = paths.check_save_path(request.path, storage_options)
+            request.path = paths.check_save_path(request.path, storage_options, request.writes_file)
             run.start(rank, request.path.parent)
             poller.settle_local(run, settings, rank, blocking=False)
             if not agreement.active:
@@ -127,25 +128,11 @@ def schedule(
     try:
         if snapshot is None:
             snapshot = take_snapshot(run, agreement, request)
-        if request.layout is Layout.SHARDED:
-            state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
-        else:
-            state = dict(snapshot.tensors)
-            if rank == 0:
-                state[staging.SKELETON_KEY] = snapshot.skeleton
-        plan = dcp_format.plan_save(
-            state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
-            request.collective, flatten=request.layout is Layout.SHARDED,
-        )
         result_path = run.results_dir / f"{run.order}.result"
-        extra = [(str(tmp / name), data) for name, data in request.extra_files]
-        if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
-            extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
-        request.faults.check(request.faults.at_handover, request.path)
-        ticket = run.engine.schedule(
-            _worker.write_job,
-            (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, write_hook), extra),
-        )
+        if request.writes_file:
+            ticket, plan = _hand_over_file(run, request, snapshot, tmp, result_path, write_hook), None
+        else:
+            ticket, plan = _hand_over_dcp(run, agreement, settings, request, snapshot, tmp, result_path, write_hook, rank)
     except BaseException:
         # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
         if not request.collective:
@@ -156,10 +143,48 @@ def schedule(
         order=run.order, seq=request.seq, path=request.path, tmp=tmp, ticket=ticket, plan=plan,
         result_path=result_path, buffer_set=snapshot.buffer_set, stall_s=time.perf_counter() - request.started,
         nbytes=snapshot.nbytes, step=request.step, collective=request.collective, faults=request.faults,
+        writes_file=request.writes_file,
     )
     run.pending.append(save)
     log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", request.path, snapshot.nbytes, save.stall_s)
     return save
+
+
+def _hand_over_file(run: Run, request: SaveRequest, snapshot: staging.Snapshot, tmp: Path, result_path: Path,
+                    write_hook: Any) -> Any:
+    r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU."""
+    assert run.engine is not None
+    shape = torch_file.layout(request.checkpoint)  # aliases (tied weights) and devices, from metadata only
+    request.faults.check(request.faults.at_handover, request.path)
+    return run.engine.schedule(torch_file.write_file_job, (
+        snapshot.skeleton, snapshot.tensors, str(tmp), str(result_path), with_hook(request.faults, write_hook),
+        shape.aliases, shape.locations, shape.same_object,
+    ))
+
+
+def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, snapshot: staging.Snapshot,
+                   tmp: Path, result_path: Path, write_hook: Any, rank: int) -> tuple[Any, Any]:
+    """Plans this rank's part of a DCP directory (collectively when all ranks write) and hands it over."""
+    assert run.engine is not None
+    if request.layout is Layout.SHARDED:
+        state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
+    else:
+        state = dict(snapshot.tensors)
+        if rank == 0:
+            state[staging.SKELETON_KEY] = snapshot.skeleton
+    plan = dcp_format.plan_save(
+        state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
+        request.collective, flatten=request.layout is Layout.SHARDED,
+    )
+    extra = [(str(tmp / name), data) for name, data in request.extra_files]
+    if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
+        extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
+    request.faults.check(request.faults.at_handover, request.path)
+    ticket = run.engine.schedule(
+        _worker.write_job,
+        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, write_hook), extra),
+    )
+    return ticket, plan
 
 
 def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:

@@ -206,6 +206,7 @@ def publish_file(tmp: Path, path: Path) -> None:
     if not tmp.is_file():
         raise FileNotFoundError(f"refusing to publish {tmp}: it is not a written checkpoint file")
     if path.is_dir() and not path.is_symlink():
-        raise IsADirectoryError(f"refusing to replace the checkpoint directory {path} with a file")
+        commit.replace_dir_with_file(tmp, path)  # a checkpoint directory of 0.1 (format="dcp") at that path
+        return
     os.replace(tmp, path)
-    commit._fsync_dir(path.parent)
+    commit.fsync_dir(path.parent)
