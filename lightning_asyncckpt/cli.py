@@ -1,4 +1,8 @@
-"""The ``lightning-asyncckpt`` command: inspect, verify, convert and clean checkpoint directories.
+"""The ``lightning-asyncckpt`` command: inspect, verify, convert and clean checkpoints.
+
+A checkpoint is one ``torch.save`` file (the single-writer format, as stock Lightning's ``TorchCheckpointIO``
+writes) or a torch.distributed.checkpoint (DCP) directory (sharded and distributed saves); ``inspect``,
+``verify`` and ``convert`` read both.
 
 Exit status: 0 success; 1 the checkpoint failed verification, or a conversion or removal failed; 2 bad
 input (a missing path, a path that is not a checkpoint, an unreadable ``.metadata``, a usage error).
@@ -7,7 +11,7 @@ A user error is one line on stderr, never a traceback.
 torch is imported by the commands that need it, and Lightning only by ``convert FILE DIR`` (which saves
 with :class:`~lightning_asyncckpt.AsyncCheckpointIO`), so that ``--help`` and ``clean`` start fast.
 Unpickling is restricted unless ``--allow-pickle`` is given: ``.metadata`` may only name DCP's metadata
-types, and the non-tensor state is read with ``torch.load(weights_only=True)``.
+types, and the non-tensor state (all of a ``torch.save`` file) is read with ``torch.load(weights_only=True)``.
 
 This module parses arguments and prints; what it reports comes from :mod:`~lightning_asyncckpt.describe`,
 :mod:`~lightning_asyncckpt.verify` and :mod:`~lightning_asyncckpt.metadata`.
@@ -29,11 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from lightning_asyncckpt import commit
-from lightning_asyncckpt.describe import describe, incomplete_reason
+from lightning_asyncckpt.describe import (
+    describe,
+    describe_file,
+    format_description,
+    incomplete_reason,
+    incomplete_reason_file,
+)
 from lightning_asyncckpt.items import ItemError, first_line, torch_load, weights_only_reason
 from lightning_asyncckpt.metadata import MetadataError, read_metadata
 from lightning_asyncckpt.units import human_bytes
-from lightning_asyncckpt.verify import verify_checkpoint
+from lightning_asyncckpt.verify import verify_checkpoint, verify_file
 
 PROG = "lightning-asyncckpt"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -60,7 +70,7 @@ def _reading() -> Iterator[None]:
 
 
 # -------------------------------------------------------------------------------------------------
-# Reading a checkpoint directory
+# Reading a checkpoint: a torch.save file or a checkpoint directory
 
 
 def _existing(path_arg: str) -> Path:
@@ -70,11 +80,20 @@ def _existing(path_arg: str) -> Path:
     return path
 
 
+def _checkpoint(path_arg: str) -> Path:
+    """``path_arg`` as an existing regular file (a ``torch.save`` file, read by the caller), or a directory
+    that looks like a checkpoint (committed or not)."""
+    path = _existing(path_arg)
+    if path.is_file():
+        return path
+    return _checkpoint_dir(path_arg)
+
+
 def _checkpoint_dir(path_arg: str) -> Path:
     """``path_arg`` as an existing directory that looks like a checkpoint (committed or not)."""
     path = _existing(path_arg)
     if not path.is_dir():
-        raise CliError(f"{path}: not a checkpoint directory (a regular file; `convert` reads torch.save files)")
+        raise CliError(f"{path}: not a checkpoint (neither a regular file nor a directory)")
     if not (path / commit.METADATA_FILE).exists() and not commit.is_leftover(path.name) and not _shard_files(path):
         raise CliError(f"{path}: not a checkpoint directory (no {commit.METADATA_FILE} and no shard files)")
     return path
@@ -105,47 +124,18 @@ def _tree_size(path: Path) -> int:
 # inspect
 
 
-def _print_description(info: dict[str, Any]) -> None:
-    def line(label: str, value: Any) -> None:
-        print(f"{label + ':':<18}{value}")
-
-    line("path", info["path"])
-    line("status", info["status"] + (f" ({info['reason']})" if info["reason"] else ""))
-    if info["layout"]:
-        line("layout", info["layout"])
-    line("global step", "unknown" if info["global_step"] is None else info["global_step"])
-    line("epoch", "unknown" if info["epoch"] is None else info["epoch"])
-    if info["engine"] == "unknown":
-        line("engine", "unknown (not written by lightning-asyncckpt)")
-    else:
-        version = f" {info['engine_version']}" if info["engine_version"] else ""
-        line("engine", f"{info['engine']}{version}, {info['worker']} worker ({info['written_by']})")
-    writers = info["writer_ranks"]
-    line("world size", f"{info['world_size']}" + (f"; {writers} rank(s) wrote shard files" if writers else ""))
-    line("files", f"{info['files']} ({human_bytes(info['file_bytes'])})")
-    if info["num_tensors"] is not None:
-        line("tensors", f"{info['num_tensors']} ({human_bytes(info['tensor_bytes'])}, {info['tensor_bytes']} bytes)")
-        if info["largest_tensors"]:
-            print("largest tensors:")
-            width = max(len(t["name"]) for t in info["largest_tensors"])
-            for t in info["largest_tensors"]:
-                shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
-                print(f"  {t['name']:<{width}}  {shape:<14} {t['dtype']:<9} {human_bytes(t['bytes'])}")
-    if info["non_tensor_keys"] is not None:
-        line("non-tensor keys", ", ".join(info["non_tensor_keys"]) or "(none)")
-    for note in info["notes"]:
-        line("note", note)
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """``inspect PATH [--json]``: status, step and epoch, sizes, largest tensors, non-tensor keys."""
-    path = _checkpoint_dir(args.path)
+    """``inspect PATH [--json]``: format, status, step and epoch, sizes, largest tensors, non-tensor keys."""
+    path = _checkpoint(args.path)
     with _reading():
-        info = describe(path, args.allow_pickle, _ALLOW_PICKLE_HINT)
+        if path.is_dir():
+            info = describe(path, args.allow_pickle, _ALLOW_PICKLE_HINT)
+        else:
+            info = describe_file(path, args.allow_pickle, _ALLOW_PICKLE_HINT)
     if args.json:
         print(json.dumps(info))
     else:
-        _print_description(info)
+        print("\n".join(format_description(info)))
     return EXIT_OK
 
 
@@ -154,21 +144,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``verify PATH``: exit 0 with a one-line summary, or 1 naming each bad file and item."""
-    path = _checkpoint_dir(args.path)
-    reason = incomplete_reason(path)
+    """``verify PATH``: exit 0 with a one-line summary, or 1 naming each bad file, item or record."""
+    path = _checkpoint(args.path)
+    is_file = not path.is_dir()
+    reason = incomplete_reason_file(path) if is_file else incomplete_reason(path)
     if reason is not None:
         raise CliError(f"{path}: incomplete checkpoint: {reason}", EXIT_FAILED)
-    report = verify_checkpoint(path, _ALLOW_PICKLE_HINT)
+    if is_file:
+        with _reading():
+            report = verify_file(path)
+    else:
+        report = verify_checkpoint(path, _ALLOW_PICKLE_HINT)
     if report.problems:
         for problem in report.problems:
             print(f"FAIL {problem}", file=sys.stderr)
         raise CliError(f"{path}: verification failed: {len(report.problems)} problem(s)", EXIT_FAILED)
-    crc = (f"{report.crc_checked} of {report.items} items checked against CRC32"
-           if report.crc_checked else "no CRC32 recorded: corrupted tensor data would go unnoticed")
-    files = f"{report.files} shard file{'' if report.files == 1 else 's'}"
-    print(f"OK {path}: {report.items} items in {files}, "
-          f"{report.bytes_read} bytes read; {crc}")
+    print(f"OK {path}: {report.summary(single_file=is_file)}")
+    for note in report.notes:
+        print(f"note: {note}")
     return EXIT_OK
 
 
@@ -189,7 +182,7 @@ def _check_output(out: Path, force: bool, want_dir: bool) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """``convert SRC DST``: a checkpoint directory into one ``torch.save`` file, or the reverse."""
-    src, dst = _existing(args.src), Path(args.dst)
+    src, dst = _checkpoint(args.src), Path(args.dst)
     if src.is_dir():
         src = _checkpoint_dir(args.src)
         reason = incomplete_reason(src)
@@ -200,6 +193,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         _save_file(checkpoint, dst)
         print(f"converted {src} -> {dst} ({human_bytes(dst.stat().st_size)}, torch.save)")
     else:
+        reason = incomplete_reason_file(src)
+        if reason is not None:
+            raise CliError(f"{src}: incomplete checkpoint: {reason}")
         _check_output(dst, args.force, want_dir=True)
         with _reading():
             checkpoint = torch_load(src, args.allow_pickle, str(src), _ALLOW_PICKLE_HINT)
@@ -258,7 +254,7 @@ def _save_dir(checkpoint: dict[str, Any], out: Path) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging_dir.mkdir()
-        ckpt_io = AsyncCheckpointIO(worker="fork")
+        ckpt_io = AsyncCheckpointIO(worker="fork", format="dcp")  # a directory, whatever the default format
         try:
             ckpt_io.save_checkpoint(checkpoint, tmp)
             ckpt_io.finalize(blocking=True)
@@ -330,19 +326,21 @@ def _age(seconds: float) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lightning-asyncckpt`` command."""
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Inspect, verify, convert and clean lightning-asyncckpt checkpoint directories."
+        prog=PROG, description="Inspect, verify, convert and clean lightning-asyncckpt checkpoints: torch.save files"
+                               " (as stock Lightning writes) and torch.distributed.checkpoint directories."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     allow = dict(action="store_true", help="unpickle arbitrary objects (runs code from the checkpoint: only for"
                                            " checkpoints you trust)")
 
-    p = sub.add_parser("inspect", help="show what a checkpoint directory holds")
+    p = sub.add_parser("inspect", help="show what a checkpoint (file or directory) holds")
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--allow-pickle", **allow)
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", help="read every shard file and check it against the metadata")
+    p = sub.add_parser("verify", help="read a checkpoint whole and check it: a file's zip records against their"
+                                         " CRC32, a directory's shard files against its metadata")
     p.add_argument("path", metavar="PATH")
     p.set_defaults(func=cmd_verify)
 

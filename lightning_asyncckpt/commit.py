@@ -96,6 +96,12 @@ def is_committed(path: Path) -> bool:
     return path.is_dir() and (path / METADATA_FILE).is_file()
 
 
+def is_complete(path: Path) -> bool:
+    """A checkpoint of either format is complete: a file (it appears only whole, by one rename), or a
+    directory holding DCP's metadata."""
+    return (path.is_file() and not is_leftover(path.name)) or is_committed(path)
+
+
 def info_bytes(info: dict) -> bytes:
     """The content of ``INFO_FILE`` for ``info``."""
     return (json.dumps(info, indent=1, sort_keys=True) + "\n").encode()

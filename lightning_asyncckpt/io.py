@@ -13,6 +13,7 @@ One save, and the module that owns each step:
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
@@ -91,6 +92,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._run: Run | None = None
         self._closed = False  # torn down: nobody finalizes, so a save completes before it returns
         self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
+        self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
         self._exit_group = ExitGroup()
         self._at_exit = AtExit()
 
@@ -184,7 +186,14 @@ class AsyncCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         """(all ranks) Blocking finalize (errors raised on every rank), then stops the workers. After
-        :meth:`abort` (the callback's ``on_exception``) it has nothing left to do."""
+        :meth:`abort` (the callback's ``on_exception``) it has nothing left to do. Called while an exception
+        raised during this run propagates (Lightning tears down on errors, also without the callback), it
+        is :meth:`abort`, so as not to mask it; one the user was already handling when the run began (a
+        retry loop's ``except`` block) does not count."""
+        propagating = sys.exc_info()[1]
+        if propagating is not None and propagating is not self._handling_at_start:
+            self.abort()
+            return
         try:
             if self._run is not None and not self._closed:
                 finalize(self._run, self._agreement, self, blocking=True, force=True)
@@ -276,6 +285,7 @@ class AsyncCheckpointIO(CheckpointIO):
     def _ensure_run(self) -> Run:
         if self._run is None:
             self._run = Run(self._engine_name, self._worker_mode, self.history)
+            self._handling_at_start = sys.exc_info()[1]
         return self._run
 
     def _close(self, abort: bool) -> None:

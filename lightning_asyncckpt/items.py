@@ -1,5 +1,6 @@
 """Reading single items of a checkpoint directory without DCP's planner: a byte range, DCP's storage
-transforms undone, an object unpickled (``weights_only`` unless allowed), and one-line reasons for failures.
+transforms undone, an object unpickled (``weights_only`` unless allowed), and one-line reasons for failures;
+and reading a whole ``torch.save`` checkpoint file (memory-mapped where torch can).
 
 torch is imported when a function needs it, so that importing this module stays cheap (the CLI's ``--help``).
 """
@@ -16,6 +17,7 @@ from lightning_asyncckpt import commit
 
 META_FILE = "meta.pt"  # dcp_format.META_FILE, without importing torch for it
 PICKLE_HINT = "pass allow_pickle=True if you trust this checkpoint"
+ZIP_MAGIC = b"PK\x03\x04"  # how a torch.save file (and every item DCP's planner writes) begins
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -46,12 +48,33 @@ def torch_load(data: bytes | Path, allow_pickle: bool, what: str, hint: str = PI
     source = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
         return torch.load(source, map_location="cpu", weights_only=not allow_pickle)
-    except pickle.UnpicklingError as e:
-        if allow_pickle:
-            raise ItemError(f"cannot read {what}: {first_line(e)}") from None
-        raise ItemError(f"cannot read {what} with weights_only=True ({weights_only_reason(e)}); {hint}") from None
     except Exception as e:  # noqa: BLE001 - a corrupt file: any error of torch.load
-        raise ItemError(f"cannot read {what}: {first_line(e)}") from None
+        raise _load_error(e, allow_pickle, what, hint) from None
+
+
+def _load_error(e: Exception, allow_pickle: bool, what: str, hint: str) -> ItemError:
+    if isinstance(e, pickle.UnpicklingError) and not allow_pickle:
+        return ItemError(f"cannot read {what} with weights_only=True ({weights_only_reason(e)}); {hint}")
+    return ItemError(f"cannot read {what}: {first_line(e)}")
+
+
+def is_zip_file(path: Path) -> bool:
+    """Whether the file ``path`` begins like a ``torch.save`` file (a zip archive); raises ``OSError``."""
+    with open(path, "rb") as f:
+        return f.read(4) == ZIP_MAGIC
+
+
+def load_file(path: Path, allow_pickle: bool, what: str, hint: str = PICKLE_HINT) -> Any:
+    """:func:`torch_load` of the ``torch.save`` file ``path``, memory-mapped (``mmap=True``: tensor data is
+    not read until used) where torch can, else read whole (a legacy, non-zip file; a filesystem without mmap)."""
+    import torch
+
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=not allow_pickle, mmap=True)
+    except pickle.UnpicklingError as e:  # what the file holds, not how it was read: the same without mmap
+        raise _load_error(e, allow_pickle, what, hint) from None
+    except Exception:  # noqa: BLE001 - retried without mmap; a corrupt file fails there too
+        return torch_load(path, allow_pickle, what, hint)
 
 
 def read_object(path: Path, metadata: Any, fqn: str, allow_pickle: bool, hint: str = PICKLE_HINT) -> Any:

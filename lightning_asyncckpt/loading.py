@@ -13,8 +13,9 @@ from lightning_asyncckpt import commit, dcp_format
 
 def load(path: Path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
     """(any rank) The checkpoint at ``path``; a clear error for a missing or incomplete one."""
-    if path.is_file():
-        return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+    if path.is_file():  # stock's file: read as stock reads it (onto the CPU unless told otherwise)
+        kwargs = {} if map_location is None else {"map_location": map_location}
+        return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint at {str(path)!r} not found.")
     if not commit.is_committed(path):

@@ -154,6 +154,7 @@ def _hand_over_file(run: Run, request: SaveRequest, snapshot: staging.Snapshot, 
                     write_hook: Any) -> Any:
     r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU."""
     assert run.engine is not None
+    torch.save(snapshot.skeleton, io.BytesIO())  # bad input (an object that cannot be pickled) fails here, not later
     shape = torch_file.layout(request.checkpoint)  # aliases (tied weights) and devices, from metadata only
     request.faults.check(request.faults.at_handover, request.path)
     return run.engine.schedule(torch_file.write_file_job, (

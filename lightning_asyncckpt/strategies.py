@@ -147,7 +147,7 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         io = self._async_io()
         io.settle()  # every pending save committed or raised first
         path = Path(self.broadcast(checkpoint_path))
-        if commit.is_committed(path) and weights_only is not False:
+        if path.is_dir() and commit.is_committed(path) and weights_only is not False:
             metadata.read_metadata(path)  # refuses a .metadata that would run code, before stock unpickles it
         if path.is_dir() and commit.is_committed(path) and not (path / META_FILE).is_file():
             return self._load_full(io, path, weights_only)  # a full checkpoint written by AsyncCheckpointIO

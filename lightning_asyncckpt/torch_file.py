@@ -74,8 +74,8 @@ def layout(checkpoint: dict[str, Any]) -> FileLayout:
             return t
         if t.device.type != "cpu":
             out.locations[name] = str(t.device)
-        if t.numel() == 0:
-            return t
+        if t.numel() == 0 or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return t  # a tensor subclass is written as its own plain (dequantized) copy: never an alias
         key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         target, obj = first.setdefault(key, (name, t))
         if target != name:

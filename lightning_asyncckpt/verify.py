@@ -1,5 +1,7 @@
-"""Verifying a committed checkpoint directory (the CLI's ``verify``): every item of every shard file is read
-and checked against ``.metadata`` (byte range, torch.save zip records and their CRC32, tensor shape and dtype).
+"""Verifying a checkpoint (the CLI's ``verify``). A committed checkpoint directory: every item of every shard
+file is read and checked against ``.metadata`` (byte range, torch.save zip records and their CRC32, tensor
+shape and dtype). A ``torch.save`` file: every zip record is read and checked against its CRC32, and the file
+is loaded with ``weights_only=True``.
 
 torch is imported by the functions that need it, not by importing this module.
 """
@@ -12,13 +14,23 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from lightning_asyncckpt import commit
-from lightning_asyncckpt.items import META_FILE, decode, dtype_name, first_line
+from lightning_asyncckpt.items import (
+    META_FILE,
+    ZIP_MAGIC,
+    ItemError,
+    decode,
+    dtype_name,
+    first_line,
+    is_zip_file,
+    weights_only_reason,
+)
 from lightning_asyncckpt.metadata import MetadataError, read_metadata
+from lightning_asyncckpt.units import human_bytes
 
-_ZIP_MAGIC = b"PK\x03\x04"
+_CHUNK = 16 << 20
 
 
 @dataclass
@@ -28,45 +40,108 @@ class VerifyReport:
     items: int = 0
     files: int = 0
     bytes_read: int = 0
-    crc_checked: int = 0  # items whose zip records carry CRC32 and were checked against it
+    crc_checked: int = 0  # items (records of a file) that carry CRC32 and were checked against it
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # not problems: what the check could not cover
+
+    def summary(self, single_file: bool) -> str:
+        """What was checked, in one line (after ``OK <path>: ``) for a sound checkpoint."""
+        unit = "records" if single_file else "items"
+        crc = (f"{self.crc_checked} of {self.items} {unit} checked against CRC32"
+               if self.crc_checked else "no CRC32 recorded: corrupted tensor data would go unnoticed")
+        if not single_file:
+            files = f"{self.files} shard file{'' if self.files == 1 else 's'}"
+            return f"{self.items} items in {files}, {self.bytes_read} bytes read; {crc}"
+        if not self.items:  # a legacy torch.save file: no zip records (its note says so)
+            return f"torch.save file, {self.bytes_read} bytes read; loads with weights_only=True"
+        loads = "" if self.notes else "; loads with weights_only=True"
+        return (f"torch.save file, {self.items} zip records, {self.bytes_read} bytes read "
+                f"({human_bytes(self.bytes_read)}); {crc}{loads}")
 
 
-def check_torch_zip(data: bytes) -> bool:
+class ArchiveError(ValueError):
+    """A ``torch.save`` payload whose zip archive cannot be opened at all (no record was checked)."""
+
+
+@dataclass
+class ZipCheck:
+    """Outcome of :func:`scan_torch_zip`: ``bad`` names each record that is not what the archive says."""
+
+    records: int = 0
+    crc_checked: int = 0  # records that carry a CRC32 (all, unless written with CRC32 turned off)
+    bytes_read: int = 0
+    bad: list[str] = field(default_factory=list)
+
+
+def check_torch_zip(data: bytes | BinaryIO) -> bool:
     """Reads every record of a ``torch.save`` payload with torch's own zip reader (the bytes ``torch.load``
     would use) and checks each against the size and CRC32 in the archive's central directory.
 
     ``torch.load`` checks no CRC. Returns whether any CRC was recorded
     (``torch.serialization.set_crc32_options(False)`` writes zeros); raises ``ValueError`` saying what is wrong.
     """
+    check = scan_torch_zip(data)
+    if check.bad:
+        raise ValueError(check.bad[0])
+    return check.crc_checked > 0
+
+
+def scan_torch_zip(data: bytes | BinaryIO) -> ZipCheck:
+    """:func:`check_torch_zip` of a payload in memory or of an open file (read record by record, in chunks,
+    from where torch's reader finds it: a file of any size), reporting every bad record. Raises
+    :class:`ArchiveError` if the archive cannot be opened; ``OSError`` if the file cannot be read."""
     import torch
 
+    f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        with zipfile.ZipFile(f) as zf:
             directory = {m.filename.split("/", 1)[-1]: m for m in zf.infolist()}
+    except OSError:
+        raise
     except Exception as e:  # noqa: BLE001 - BadZipFile, or any error of a damaged archive's fields
-        raise ValueError(f"damaged zip directory ({first_line(e)})") from None
+        raise ArchiveError(f"damaged zip directory ({first_line(e)})") from None
     try:
-        reader = torch._C.PyTorchFileReader(io.BytesIO(data))
+        f.seek(0)  # torch's reader reads the archive from where the file is
+        reader = torch._C.PyTorchFileReader(f)
         names = reader.get_all_records()
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"torch cannot open it ({first_line(e)})") from None
+        raise ArchiveError(f"torch cannot open it ({first_line(e)})") from None
     if sorted(names) != sorted(directory):
-        raise ValueError(f"torch reads the records {sorted(names)}, the zip directory lists {sorted(directory)}")
-    checked = False
+        raise ArchiveError(f"torch reads the records {sorted(names)}, the zip directory lists {sorted(directory)}")
+    check = ZipCheck(records=len(names))
     for name in names:
         member = directory[name]
         try:
-            record = reader.get_record(name)
+            size, crc = _read_record(reader, f, name, member)
+        except OSError:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"record {name!r} cannot be read ({first_line(e)})") from None
-        if len(record) != member.file_size:
-            raise ValueError(f"record {name!r} has {len(record)} bytes, the zip directory says {member.file_size}")
-        if member.CRC:
-            checked = True
-            if zlib.crc32(record) != member.CRC:
-                raise ValueError(f"record {name!r} does not match its CRC32: its bytes changed after the save")
-    return checked
+            check.bad.append(f"record {name!r} cannot be read ({first_line(e)})")
+            continue
+        check.bytes_read += size
+        if size != member.file_size:
+            check.bad.append(f"record {name!r} has {size} bytes, the zip directory says {member.file_size}")
+        elif member.CRC:
+            check.crc_checked += 1
+            if crc != member.CRC:
+                check.bad.append(f"record {name!r} does not match its CRC32: its bytes changed after the save")
+    return check
+
+
+def _read_record(reader: Any, f: BinaryIO, name: str, member: zipfile.ZipInfo) -> tuple[int, int]:
+    """(size, CRC32) of the record ``name`` as torch reads it: a stored record (as torch writes them) streamed
+    from the offset torch's reader gives (what ``torch.load(mmap=True)`` maps), else the whole record."""
+    if member.compress_type != zipfile.ZIP_STORED or not hasattr(reader, "get_record_offset"):
+        record = reader.get_record(name)
+        return len(record), zlib.crc32(record)
+    f.seek(reader.get_record_offset(name))
+    size, crc, left = 0, 0, member.file_size
+    while left > 0:
+        chunk = f.read(min(left, _CHUNK))
+        if not chunk:
+            break
+        size, crc, left = size + len(chunk), zlib.crc32(chunk, crc), left - len(chunk)
+    return size, crc
 
 
 def _check_item(path: Path, index: Any, storage: Any, md: Any, raw: bytes, report: VerifyReport) -> str | None:
@@ -80,7 +155,7 @@ def _check_item(path: Path, index: Any, storage: Any, md: Any, raw: bytes, repor
         return f"cannot undo the storage transforms {storage.transform_descriptors} ({first_line(e)})"
     if md is None:
         return "is not an entry of the metadata's state_dict_metadata"
-    if data[:4] != _ZIP_MAGIC:  # DCP's planner writes tensors and objects alike with torch.save
+    if data[:4] != ZIP_MAGIC:  # DCP's planner writes tensors and objects alike with torch.save
         return "corrupt (not a torch.save payload: no zip header)"
     try:
         report.crc_checked += check_torch_zip(data)
@@ -134,7 +209,7 @@ def verify_checkpoint(path: Path, hint: str = "") -> VerifyReport:
         try:
             data = meta.read_bytes()
             report.bytes_read += len(data)
-            if data[:4] != _ZIP_MAGIC:  # written with torch.save
+            if data[:4] != ZIP_MAGIC:  # written with torch.save
                 raise ValueError("not a torch.save file (no zip header)")
             check_torch_zip(data)
         except (OSError, ValueError) as e:
@@ -216,3 +291,56 @@ def _verify_file(path: Path, rel: str, entries: list[tuple[Any, Any]], metadata:
                 problem = f"cannot be checked ({type(e).__name__}: {e})"
             if problem is not None:
                 report.problems.append(f"{where}: {problem}")
+
+
+def verify_file(path: Path) -> VerifyReport:
+    """Reads every zip record of the ``torch.save`` file ``path`` and checks it against the size and CRC32 in
+    the archive's central directory (``report.items`` counts records), then loads the file with
+    ``weights_only=True`` (memory-mapped: the records were just read). Objects that ``weights_only`` refuses
+    are a note, not a problem: their records were checked. Raises :class:`ItemError` if ``path`` is no
+    ``torch.save`` file at all (neither a zip archive nor a legacy file that loads), ``OSError`` if unreadable.
+    """
+    report = VerifyReport(files=1)
+    if not is_zip_file(path):
+        if path.stat().st_size == 0:
+            report.problems.append(f"{path}: empty (0 bytes): truncated, or never written")
+            return report
+        _load_check(path, report, ItemError)
+        report.bytes_read = path.stat().st_size
+        report.notes.append("a legacy torch.save file (not a zip archive): it loads, but it records no CRC32")
+        return report
+    with open(path, "rb") as f:
+        try:
+            check = scan_torch_zip(f)
+        except ArchiveError as e:
+            size = path.stat().st_size
+            report.problems.append(f"{path}: corrupt: {e}; the file ({size} bytes) is truncated or damaged")
+            return report
+    report.items, report.crc_checked, report.bytes_read = check.records, check.crc_checked, check.bytes_read
+    report.problems.extend(f"{path}: corrupt: {bad}" for bad in check.bad)
+    _load_check(path, report, None)
+    return report
+
+
+def _load_check(path: Path, report: VerifyReport, raise_as: type[Exception] | None) -> None:
+    """Loads ``path`` with ``weights_only=True`` (memory-mapped for a zip file, retried without mmap if that
+    fails otherwise than unpickling); a failure is a problem of ``report`` (or raised as ``raise_as``)."""
+    import torch
+
+    try:
+        try:
+            torch.load(str(path), map_location="cpu", weights_only=True, mmap=raise_as is None)
+        except pickle.UnpicklingError:
+            raise
+        except Exception:  # noqa: BLE001 - e.g. no mmap on this filesystem: a corrupt file fails below too
+            if raise_as is not None:
+                raise
+            torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any error of torch.load is a corrupt file
+        if isinstance(e, pickle.UnpicklingError) and "Unsupported global" in str(e):
+            report.notes.append(f"it does not load with weights_only=True ({weights_only_reason(e)}): torch.load "
+                                "needs weights_only=False (only for checkpoints you trust)")
+        elif raise_as is not None:
+            raise raise_as(f"{path}: not a checkpoint (not a torch.save file: {first_line(e)})") from None
+        else:
+            report.problems.append(f"{path}: does not load with weights_only=True ({first_line(e)})")

@@ -55,7 +55,7 @@ def _checkpoint(scale: float = 1.0) -> dict:
 
 
 def _save_dir(ckpt: dict, path: Path, thread_count: int = 2) -> None:
-    io = AsyncCheckpointIO(worker="fork", thread_count=thread_count)
+    io = AsyncCheckpointIO(worker="fork", thread_count=thread_count, format="dcp")
     try:
         io.save_checkpoint(ckpt, path)
         io.finalize(blocking=True)
@@ -470,7 +470,7 @@ def test_not_a_checkpoint(command, tmp_path, capsys):
         file = tmp_path / "file.ckpt"
         file.write_bytes(b"data")
         code, _, err = run(capsys, command, file)
-        assert_user_error(code, err, 2, "not a checkpoint directory")
+        assert_user_error(code, err, 2, str(file), "not a checkpoint")
     code, _, err = run(capsys, "clean", tmp_path / "file.ckpt") if command == "inspect" else (2, "", "")
     if command == "inspect":
         assert_user_error(code, err, 2, "not a directory")

@@ -72,7 +72,7 @@ def test_fabric_sharded_save_lands_when_the_script_just_ends(tmp_path):
     assert r0["complete_right_after_save"] is False and r1["complete_right_after_save"] is False
     out = tmp_path / "out"
     path = out / "ckpt" / "step-5"
-    assert commit.is_committed(path), sorted(os.listdir(out / "ckpt"))
+    assert commit.is_complete(path), sorted(os.listdir(out / "ckpt"))
     assert sorted(os.listdir(out / "ckpt")) == ["step-5"]  # nothing partial
     dcp_to_torch_save(path, out / "read.pt")
     got = torch.load(out / "read.pt", weights_only=False)

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import assert_tree_equal, clone_tree, live_children
-from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, dcp_format, testing
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, testing
 
 
 @dataclasses.dataclass
@@ -67,14 +67,34 @@ def test_save_returns_before_the_write_and_is_a_snapshot(io, tmp_path, hold):
         t.mul_(-3.0).add_(7.0)  # the training step changes everything right away
     hold.release()
     assert [r.path for r in io.finalize(blocking=True)] == [str(path)]
-    assert commit.is_committed(path)
+    assert commit.is_complete(path)
     assert_tree_equal(io.load_checkpoint(path, weights_only=False), expected)
 
 
-def test_readable_with_plain_torch_dcp(io, tmp_path):
+def test_the_file_is_stock_lightnings_file(io, tmp_path):
+    """The default format: the very file stock ``TorchCheckpointIO`` writes for the same checkpoint dict,
+    byte for byte (so key by key, tensor by tensor, dtype by dtype), and it loads the stock ways."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    ckpt = _checkpoint()
+    ckpt["state_dict"]["tied"] = ckpt["state_dict"]["layer.weight"]  # tied weights stay one storage
+    ckpt["state_dict"]["half"] = torch.arange(6, dtype=torch.bfloat16)
+    TorchCheckpointIO().save_checkpoint(ckpt, tmp_path / "stock.ckpt")
+    io.save_checkpoint(ckpt, tmp_path / "ours.ckpt")
+    io.finalize(blocking=True)
+    ours, stock = torch.load(tmp_path / "ours.ckpt", weights_only=False), torch.load(tmp_path / "stock.ckpt", weights_only=False)
+    assert_tree_equal(ours, stock, strict=True)
+    assert ours["state_dict"]["tied"].untyped_storage().data_ptr() == ours["state_dict"]["layer.weight"].untyped_storage().data_ptr()
+    assert (tmp_path / "ours.ckpt").read_bytes() == (tmp_path / "stock.ckpt").read_bytes()
+    assert sorted(os.listdir(tmp_path)) == ["ours.ckpt", "stock.ckpt"]
+
+
+def test_dcp_format_is_readable_with_plain_torch_dcp(engine_worker, tmp_path):
+    engine, worker = engine_worker
+    io = AsyncCheckpointIO(engine, worker=worker, format="dcp")
     ckpt = _checkpoint()
     io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
-    io.finalize(blocking=True)
+    io.teardown()
     dcp_to_torch_save(tmp_path / "a.ckpt", tmp_path / "plain.pt")
     plain = torch.load(tmp_path / "plain.pt", weights_only=False)
     assert torch.equal(plain["state_dict.layer.weight"], ckpt["state_dict"]["layer.weight"])
@@ -95,12 +115,12 @@ def test_resave_replaces_only_at_commit_and_removal_waits(io, tmp_path, hold):
     io.save_checkpoint(_checkpoint(3.0), tmp_path / "b.ckpt")
     io.remove_checkpoint(last)  # asked while `last` is still being rewritten: must wait
     # meanwhile `last` is the old checkpoint, complete (read without settling the pending saves)
-    assert commit.is_committed(last)
-    assert_tree_equal(dcp_format.load(last, weights_only=False), old)
+    assert commit.is_complete(last)
+    assert_tree_equal(torch.load(last, weights_only=False), old)
     hold.release()
     io.finalize(blocking=True)
     assert not last.exists()  # removed only after the newer saves committed
-    assert commit.is_committed(tmp_path / "b.ckpt")
+    assert commit.is_complete(tmp_path / "b.ckpt")
     assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]
 
 
@@ -144,7 +164,7 @@ def test_killed_worker_is_detected_and_the_next_save_works(io, tmp_path, hold):
     io.write_hook = None
     io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "b.ckpt")
     io.finalize(blocking=True)
-    assert commit.is_committed(tmp_path / "b.ckpt")
+    assert commit.is_complete(tmp_path / "b.ckpt")
 
 
 def test_hung_write_times_out(engine_worker, tmp_path):
@@ -173,12 +193,12 @@ def test_bad_input_fails_at_save_time(io, tmp_path):
         io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "a.ckpt", storage_options={"compress": True})
     with pytest.raises(ValueError, match="local or mounted"):
         io.save_checkpoint({"w": torch.ones(1)}, "s3://bucket/a.ckpt")
-    (tmp_path / "file.ckpt").write_text("x")
-    with pytest.raises(FileExistsError, match="regular"):
-        io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "file.ckpt")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(IsADirectoryError, match="not a checkpoint"):
+        io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "notes")
     with pytest.raises(TypeError, match="cannot pickle"):
         io.save_checkpoint({"w": torch.ones(1), "lock": threading.Lock()}, tmp_path / "b.ckpt")
-    assert sorted(os.listdir(tmp_path)) == ["file.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["notes"]
     assert io.num_pending == 0
 
 
@@ -208,7 +228,7 @@ def test_context_manager_commits_on_exit_and_does_not_mask_errors(engine_worker,
         io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
         assert not (tmp_path / "a.ckpt").exists()
         hold.release()  # still in flight when the block ends
-    assert commit.is_committed(tmp_path / "a.ckpt") and io.worker_pids() == []
+    assert commit.is_complete(tmp_path / "a.ckpt") and io.worker_pids() == []
 
     with pytest.raises(KeyError, match="user error"):
         with AsyncCheckpointIO(engine, worker=worker) as io:
@@ -231,7 +251,7 @@ def test_warmup_with_a_state_prepares_the_buffers_of_the_first_save(engine_worke
         io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
         used = io.staging_buffers()
         assert len(used) == len(prepared) and all(any(u is p for p in prepared) for u in used)  # reused, not new
-    assert_tree_equal(dcp_format.load(tmp_path / "a.ckpt", weights_only=False), ckpt)
+    assert_tree_equal(torch.load(tmp_path / "a.ckpt", weights_only=False), ckpt)
 
 
 def test_a_forked_writer_never_runs_the_finalizers_of_the_trainers_garbage(tmp_path):
@@ -326,10 +346,11 @@ def test_abort_logs_what_goes_wrong_while_stopping(engine_worker, tmp_path, monk
     assert "the worker could not be stopped cleanly" in caplog.text
 
 
-def test_a_checkpoint_that_cannot_be_removed_is_named_in_a_warning(io, tmp_path, caplog):
-    """A top-k removal that fails (here: the checkpoint is a busy mount point) is not silent."""
+def test_a_checkpoint_that_cannot_be_removed_is_named_in_a_warning(engine_worker, tmp_path, caplog):
+    """A top-k removal that fails (here: a directory checkpoint holds a busy mount point) is not silent."""
     import subprocess
 
+    io = AsyncCheckpointIO(engine_worker[0], worker=engine_worker[1], format="dcp")
     old = tmp_path / "epoch=0.ckpt"
     io.save_checkpoint({"w": torch.ones(3)}, old)
     io.finalize(blocking=True)
@@ -342,4 +363,5 @@ def test_a_checkpoint_that_cannot_be_removed_is_named_in_a_warning(io, tmp_path,
             io.remove_checkpoint(old)
         assert "could not remove" in caplog.text and str(old) in caplog.text
     finally:
+        io.teardown()
         subprocess.run(["umount", "-l", str(inner)], capture_output=True)

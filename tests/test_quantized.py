@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from lightning_asyncckpt import AsyncCheckpointIO, dcp_format, staging
+from lightning_asyncckpt import AsyncCheckpointIO, staging
 
 aten = torch.ops.aten
 
@@ -149,7 +149,6 @@ def test_quantized_tensors_are_written_dequantized(engine_worker, device, tmp_pa
             (v._data if staging.is_quantized(v) else v).zero_()
         hold.release()
         io.finalize(blocking=True)
-        meta = dcp_format.read_metadata(tmp_path / "q")
         loaded = io.load_checkpoint(tmp_path / "q", weights_only=True)
     finally:
         io.teardown()
@@ -158,8 +157,6 @@ def test_quantized_tensors_are_written_dequantized(engine_worker, device, tmp_pa
         assert type(got) is torch.Tensor, k
         assert got.dtype == want.dtype and got.device.type == "cpu", k
         assert torch.equal(got, want), k
-        planned = [m for fqn, m in meta.state_dict_metadata.items() if fqn.endswith(k)]
-        assert planned and planned[0].properties.dtype == want.dtype, k
     assert loaded["state_dict"]["norm.weight"].dtype is torch.bfloat16
     assert loaded["state_dict"]["fc3.weight"].dtype is torch.bfloat16  # MXFP8 reports bf16
 

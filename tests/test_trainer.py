@@ -27,6 +27,7 @@ from lightning_asyncckpt import (
     CheckpointWriteError,
     commit,
     testing,
+    torch_file,
 )
 
 
@@ -41,10 +42,10 @@ class _CommitLog:
 
     def __init__(self, monkeypatch):
         self.events = []
-        publish, remove = commit.publish, commit.remove_path
+        publish, publish_file, remove = commit.publish, torch_file.publish_file, commit.remove_path
 
         def logged_publish(tmp, path):
-            publish(tmp, path)
+            (publish_file if path.suffix and tmp.is_file() else publish)(tmp, path)
             self.events.append(("publish", path.name))
 
         def logged_remove(path):
@@ -53,6 +54,7 @@ class _CommitLog:
             remove(path)
 
         monkeypatch.setattr(commit, "publish", logged_publish)
+        monkeypatch.setattr(torch_file, "publish_file", logged_publish)
         monkeypatch.setattr(commit, "remove_path", logged_remove)
 
 
@@ -77,7 +79,7 @@ def test_model_checkpoint_top_k_last_and_snapshots(engine_worker, tmp_path, monk
     assert names == ["epoch=2-step=35.ckpt", "epoch=2-step=40.ckpt", "last.ckpt"]
     for name in names:
         path = tmp_path / "ckpts" / name
-        assert commit.is_committed(path)
+        assert commit.is_complete(path)
         loaded = io.load_checkpoint(path, weights_only=False)
         step = loaded["global_step"]
         assert step == (40 if name == "last.ckpt" else _step(name))
@@ -146,7 +148,7 @@ def test_fit_twice_then_validate_and_test(engine_worker, tmp_path):
     assert live_children() == []
     # a save after fit completes before it returns (nobody would finalize it later)
     t.save_checkpoint(tmp_path / "final.ckpt")
-    assert commit.is_committed(tmp_path / "final.ckpt") and live_children() == []
+    assert commit.is_complete(tmp_path / "final.ckpt") and live_children() == []
     assert io.load_checkpoint(tmp_path / "final.ckpt")["global_step"] == 16
     # the engines' own helper processes were never started (nvrx keeps a Manager in a module global)
     from megatron.core.dist_checkpointing.strategies import filesystem_async as mcore_fs
@@ -334,8 +336,7 @@ def test_every_committed_save_reaches_the_loggers_and_the_log(tmp_path):
         rows = [r for r in csv.DictReader(f) if r.get("asyncckpt/bytes_written")]
     assert len(rows) == 4
     for row, record in zip(rows, io.history):
-        shards = [p for p in os.listdir(record.path) if p.endswith(".distcp")]
-        on_disk = sum(os.path.getsize(os.path.join(record.path, p)) for p in shards)
+        on_disk = os.path.getsize(record.path)  # stock's one torch.save file
         assert int(float(row["asyncckpt/bytes_written"])) == record.nbytes == on_disk
         assert float(row["asyncckpt/stall_seconds"]) == pytest.approx(record.stall_s)
         assert float(row["asyncckpt/write_seconds"]) == pytest.approx(record.write_s)
@@ -408,7 +409,7 @@ def test_a_save_in_flight_lands_when_training_dies(engine_worker, tmp_path, how,
     assert live_children() == []
     assert dir_entries(tmp_path / "c") == ["epoch=0-step=5.ckpt"]
     path = tmp_path / "c" / "epoch=0-step=5.ckpt"
-    assert commit.is_committed(path)
+    assert commit.is_complete(path)
     loaded = io.load_checkpoint(path, weights_only=False)
     assert_tree_equal({"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]},
                       rec.copies[5])
@@ -440,7 +441,7 @@ class _RequeueSignalAt(L.Callback):
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGUSR1)
-            self.complete_after_handler = commit.is_committed(_hpc_path(trainer))
+            self.complete_after_handler = commit.is_complete(_hpc_path(trainer))
 
 
 def _hpc_path(trainer):

@@ -42,12 +42,12 @@ def case_exact(args, fabric, io, report):
                 io.write_hook = testing.DelayWrite(0.5)
                 state = {"model": model, "optimizer": opt, "step": i, "extra": {"lr": [1e-2], 7: "seven"}}
                 fabric.save(path, state)
-                report["complete_right_after_save"] = commit.is_committed(Path(path))
+                report["complete_right_after_save"] = commit.is_complete(Path(path))
                 expected = clone_tree({
                     "model": model.module.state_dict(), "optimizer": opt.optimizer.state_dict()["state"],
                 })
             io.finalize()  # every rank, every step: commits the save once it is written
-        report["committed_before_exit"] = commit.is_committed(Path(path))
+        report["committed_before_exit"] = commit.is_complete(Path(path))
     report["children_after_exit"] = _children(fabric)
 
     model2, opt2 = _setup(fabric)
@@ -132,7 +132,7 @@ def case_sharded(args, fabric, io, report):
             if i == 5:
                 io.write_hook = testing.DelayWrite(0.3)
                 fabric.save(path, {"model": model, "optimizer": opt, "step": i, "note": "five"})
-                report["complete_right_after_save"] = commit.is_committed(Path(path))
+                report["complete_right_after_save"] = commit.is_complete(Path(path))
                 io.write_hook = None
                 expected = _full(model, opt)
             records += io.finalize()  # what a Fabric loop logs: fabric.log_dict(record.metrics())
@@ -162,7 +162,7 @@ def case_sharded_exit(args, fabric, io, report):
     expected = _full(model, opt)
     if fabric.global_rank == 0:
         torch.save(expected["model"], os.path.join(args.out, "expected_model.pt"))
-    report["complete_right_after_save"] = commit.is_committed(Path(path))
+    report["complete_right_after_save"] = commit.is_complete(Path(path))
 
 
 def case_sharded_abandoned(args, fabric, io, report):

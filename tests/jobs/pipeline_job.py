@@ -38,7 +38,7 @@ def case_earlier_commits(args, fabric, io, report):
         report["raised"] = None
     except CheckpointWriteError as e:
         report["raised"] = {"path": e.path, "ranks": list(e.ranks), "message": str(e)}
-    report["one_committed"] = commit.is_committed(ckpts / "one.ckpt")
+    report["one_committed"] = commit.is_complete(ckpts / "one.ckpt")
     io.teardown()
     report["entries"] = _names(ckpts)
 
@@ -53,7 +53,7 @@ def case_warmup_on_some_ranks(args, fabric, io, report):
         io.warmup()
     io.save_checkpoint_distributed(_state(2.0), ckpts / "two.ckpt")
     io.finalize(blocking=True)
-    report["two_committed"] = commit.is_committed(ckpts / "two.ckpt")
+    report["two_committed"] = commit.is_complete(ckpts / "two.ckpt")
     report["two_w"] = io.load_checkpoint(ckpts / "two.ckpt")["w"].mean().item()
     io.teardown()
     report["entries"] = _names(ckpts)
