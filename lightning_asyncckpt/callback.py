@@ -63,6 +63,7 @@ class AsyncFinalizerCallback(Callback):
         self._writes_everywhere = False
         self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
         self._wrapped: Any = None  # (strategy, our save_checkpoint wrapper)
+        self._renamed: list = []  # checkpoint callbacks whose file_exists counts pending saves
 
     @property
     def state_key(self) -> str:
@@ -90,6 +91,7 @@ class AsyncFinalizerCallback(Callback):
         # every rank is here: the exit group is made now, not inside the first save's stall
         io.begin_run(collective=writes_everywhere and stage == "fit")
         self._watch_saves(trainer.strategy)
+        self._watch_names(trainer)
         # start the worker now on every rank that writes, not inside a training step
         if stage == "fit" and (trainer.is_global_zero or writes_everywhere):
             io.warmup()
@@ -124,9 +126,33 @@ class AsyncFinalizerCallback(Callback):
         strategy.save_checkpoint = save_checkpoint
         self._wrapped = (strategy, save_checkpoint)
 
+    def _watch_names(self, trainer: Trainer) -> None:
+        """``ModelCheckpoint`` picks a free name (``-v1``, ``-v2``) by asking whether a file exists; a save still
+        being written does not yet, so a later save could take its name. Each of the trainer's
+        checkpoint callbacks also counts pending saves as existing (decided on global rank 0, as stock)."""
+        io = self._io
+        for cb in trainer.checkpoint_callbacks:
+            original = getattr(cb, "file_exists", None)
+            if original is None or getattr(original, "_asyncckpt", False):
+                continue
+
+            def file_exists(filepath: Any, trainer: Trainer, _original: Any = original) -> bool:
+                if _original(filepath, trainer):
+                    return True
+                pending = bool(trainer.is_global_zero and io is not None and io.is_pending(filepath))
+                return trainer.strategy.reduce_boolean_decision(pending, all=False)
+
+            file_exists._asyncckpt = True  # type: ignore[attr-defined]
+            cb.file_exists = file_exists
+            self._renamed.append(cb)
+
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """(all ranks) Gives the strategy its own ``save_checkpoint`` back."""
+        """(all ranks) Gives the strategy its own ``save_checkpoint`` back, and the checkpoint callbacks their
+        own ``file_exists``."""
+        for cb in self._renamed:
+            vars(cb).pop("file_exists", None)
+        self._renamed = []
         if self._wrapped is not None:
             strategy, wrapper = self._wrapped
             if vars(strategy).get("save_checkpoint") is wrapper:

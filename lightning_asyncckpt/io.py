@@ -96,6 +96,14 @@ class AsyncCheckpointIO(CheckpointIO):
         self._exit_group = ExitGroup()
         self._at_exit = AtExit()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled (or deep-copied) plugin is its settings and history, as stock's ``TorchCheckpointIO`` is:
+        ``torch.save(trainer)`` works. The copy starts no worker until it saves; the saves in flight stay
+        with the original."""
+        state = dict(self.__dict__)
+        state.update(_run=None, _closed=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None)
+        return state
+
     @property
     def engine(self) -> str:
         """``"nvrx"`` or ``"mcore"``: the engine ``strategy`` resolved to (in ``__init__``, on every rank)."""
@@ -118,6 +126,11 @@ class AsyncCheckpointIO(CheckpointIO):
     def worker_pids(self) -> list[int]:
         """(any rank, any time) PIDs of this rank's live background writers (the persistent worker, or forked ones)."""
         return self._run.worker_pids() if self._run is not None else []
+
+    def is_pending(self, path: Any) -> bool:
+        """(the saving ranks) Whether a save to ``path`` is scheduled and not yet committed: it exists for
+        whoever picks free names (``ModelCheckpoint``'s ``-v1`` suffixes), as stock's synchronous file would."""
+        return self._run is not None and any(s.path == paths.local_path(path) for s in self._run.pending)
 
     def staging_buffers(self) -> list[torch.Tensor]:
         """(any rank) The host buffers held for snapshots, reused from save to save (empty after ``teardown``)."""

@@ -475,3 +475,30 @@ def test_slurm_requeue_save_is_on_disk_before_the_requeue(tmp_path, monkeypatch,
                       rec.copies[3])
     assert "waiting for 1 checkpoint write(s) before going on" in caplog.text
     assert live_children() == []
+
+
+def test_drop_in_names_pickling_and_threads_as_stock(tmp_path):
+    """With the plugin, ModelCheckpoint picks the same names as stock (``-v1`` suffixes while the earlier
+    save is still being written), ``torch.save(trainer)`` works, no thread of ours outlives ``fit``, and
+    ``load_from_checkpoint`` reads the best checkpoint."""
+    import io as _io
+    import threading
+
+    def run(plugins, name):
+        ck = ModelCheckpoint(dirpath=tmp_path / name, filename="same", save_top_k=-1, every_n_train_steps=2,
+                             monitor="step", mode="max")
+        t = trainer(tmp_path / f"root-{name}", plugins, [ck], max_steps=8)
+        t.fit(TinyModel(), loader())
+        return t, ck, sorted(os.listdir(tmp_path / name))
+
+    _, _, stock_names = run([], "stock")
+    threads_before = set(threading.enumerate())
+    io = AsyncCheckpointIO("nvrx")
+    io.write_hook = testing.DelayWrite(0.3)  # each save is still pending when the next name is picked
+    t, ck, names = run([io], "ours")
+    assert names == stock_names == ["same-v1.ckpt", "same-v2.ckpt", "same-v3.ckpt", "same.ckpt"], (names, stock_names)
+    assert set(threading.enumerate()) <= threads_before
+    torch.save(t, _io.BytesIO())
+    model = TinyModel.load_from_checkpoint(ck.best_model_path or ck.last_model_path)
+    assert isinstance(model, TinyModel)
+    assert torch.load(tmp_path / "ours" / "same.ckpt", weights_only=True)["global_step"] == 2

@@ -163,7 +163,20 @@ class PersistentMixin:
                     feeder.join(5.0)
                     self._queues_closed &= not feeder.is_alive()
         self.queue = self.preload_q = self.comp_q = self._ready = None
+        _stop_fd_sharer()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close(abort=True)
+
+
+def _stop_fd_sharer() -> None:
+    """Sending shared-memory tensors to the worker passes their file descriptors through multiprocessing's
+    resource sharer, whose server thread then lives until the process exits. With the worker gone nobody
+    asks for them any more: stop it, so that no thread of ours outlives ``fit`` (a later send starts it
+    again)."""
+    from multiprocessing import resource_sharer
+
+    if getattr(resource_sharer._resource_sharer, "_thread", None) is not None:
+        with contextlib.suppress(Exception):
+            resource_sharer.stop(timeout=5.0)
