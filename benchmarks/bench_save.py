@@ -47,6 +47,8 @@ VARIANTS = [
     "nvrx_fork",
     "mcore_persistent",
     "mcore_fork",
+    "nvrx_persistent_dcp",  # format="dcp": 0.1's single-writer DCP directory, beside the default file
+    "mcore_persistent_dcp",
 ]
 GiB = 1 << 30
 
@@ -163,8 +165,8 @@ class Variant:
         if self.name.split("_")[0] in ("nvrx", "mcore"):
             from lightning_asyncckpt import AsyncCheckpointIO
 
-            engine, worker = self.name.split("_")
-            self.io = AsyncCheckpointIO(engine, worker=worker, max_pending=1)
+            engine, worker, *fmt = self.name.split("_")
+            self.io = AsyncCheckpointIO(engine, worker=worker, max_pending=1, format=fmt[0] if fmt else "auto")
             self.io.warmup(like=state)  # starts the worker and allocates the staging buffers
         elif self.name == "lightning_async":
             from lightning.fabric.plugins import TorchCheckpointIO
@@ -235,7 +237,7 @@ class Variant:
 def torn_tensors(name: str, path: Path, expected: float) -> int:
     import torch
 
-    if name in ("torch_save", "lightning_async"):
+    if path.is_file():  # stock's format (torch_save, lightning_async, and ours by default)
         loaded = torch.load(path, mmap=True, weights_only=True)
     else:
         from lightning_asyncckpt import dcp_format

@@ -91,6 +91,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._agreement = Agreement()
         self._run: Run | None = None
         self._closed = False  # torn down: nobody finalizes, so a save completes before it returns
+        self._began = False  # a Trainer stage (the callback) or the user (warmup, with) will finalize
         self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
         self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
         self._exit_group = ExitGroup()
@@ -101,7 +102,7 @@ class AsyncCheckpointIO(CheckpointIO):
         ``torch.save(trainer)`` works. The copy starts no worker until it saves; the saves in flight stay
         with the original."""
         state = dict(self.__dict__)
-        state.update(_run=None, _closed=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None)
+        state.update(_run=None, _closed=False, _began=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None)
         return state
 
     @property
@@ -141,23 +142,23 @@ class AsyncCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """(the ranks Lightning calls it on) Snapshots ``checkpoint`` and schedules its write to ``path``.
         Returns once the snapshot is taken; errors of the write are raised later, by :meth:`finalize`."""
-        self._save(checkpoint, path, storage_options, Layout.SINGLE_WRITER)
+        self._save(checkpoint, path, storage_options, Layout.SINGLE_WRITER, trainer_save=_from_trainer(checkpoint))
 
     def save_checkpoint_distributed(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """(all ranks, same order) Saves a state replicated on every rank; each rank snapshots and writes a
         disjoint share, so every byte is written once. One checkpoint that loads on any number of ranks.
         Used by :class:`~lightning_asyncckpt.AsyncDDPStrategy`."""
-        self._save(checkpoint, path, storage_options, Layout.DISTRIBUTED)
+        self._save(checkpoint, path, storage_options, Layout.DISTRIBUTED, trainer_save=_from_trainer(checkpoint))
 
     def save_checkpoint_sharded(self, state: dict[str, Any], path: Any, meta: dict[str, Any] | None = None) -> None:
         """(all ranks, same order) Saves a sharded state in Lightning's ``ModelParallelStrategy`` layout: each
         rank writes its own shards (``DTensor`` local shards and its share of replicated tensors), global
         rank 0 also writes ``meta`` to ``meta.pt``. Stock Lightning and plain DCP read the result."""
         extra = [scheduler.meta_file(meta)] if meta is not None and self._agreement.rank == 0 else []
-        self._save(state, path, None, Layout.SHARDED, extra, global_step(meta))
+        self._save(state, path, None, Layout.SHARDED, extra, global_step(meta), trainer_save=_from_trainer(meta))
 
     def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, layout: Layout,
-              extra_files: list | None = None, step: int | None = None) -> None:
+              extra_files: list | None = None, step: int | None = None, trainer_save: bool = False) -> None:
         self._save_calls += 1
         run, rank = self._ensure_run(), self._agreement.rank
         collective = layout.all_ranks_write(self._agreement.active)
@@ -169,12 +170,12 @@ class AsyncCheckpointIO(CheckpointIO):
         )
         self._at_exit.arm(self, AsyncCheckpointIO.abort)
         scheduler.submit(run, self._agreement, self, request, storage_options, self.write_hook, self.begin_collective_saves)
-        if self._closed:
-            self._complete_after_teardown(collective)
+        if self._closed or (trainer_save and not self._began):
+            self._complete_now(collective)
 
-    def _complete_after_teardown(self, collective: bool) -> None:
-        # nobody finalizes after teardown (`trainer.save_checkpoint` after `fit`): complete it now, with the
-        # other ranks for a collective save, else alone (rank 0 under DDP: no collectives)
+    def _complete_now(self, collective: bool) -> None:
+        # no loop will finalize this save (torn down, e.g. `trainer.save_checkpoint` after `fit`; or a Trainer
+        # save outside any stage): complete it now, with the other ranks for a collective save, else alone
         try:
             agreement = self._agreement if collective else Agreement.alone()
             finalize(self._ensure_run(), agreement, self, blocking=True, force=True)
@@ -241,7 +242,7 @@ class AsyncCheckpointIO(CheckpointIO):
         """(writing ranks) Starts the background worker now, so that the first save does not pay for it;
         ``like`` (a checkpoint like the ones to come) also allocates the staging buffers. Local: it changes
         nothing the ranks must agree on, so it may be called on some ranks only."""
-        self._closed = False
+        self._closed, self._began = False, True
         self._ensure_run().start(self._agreement.rank, None).start()
         if like is not None:
             self.prepare(like, distributed=False)
@@ -250,7 +251,7 @@ class AsyncCheckpointIO(CheckpointIO):
     def begin_run(self, collective: bool) -> None:
         """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
         ``collective``: all ranks will write parts, so the exit group is made now, outside any save."""
-        self._closed = False
+        self._closed, self._began = False, True
         self._ensure_run()
         if collective:
             self.begin_collective_saves()
@@ -302,8 +303,13 @@ class AsyncCheckpointIO(CheckpointIO):
         return self._run
 
     def _close(self, abort: bool) -> None:
-        self._closed = True
+        self._closed, self._began = True, False
         self._at_exit.disarm()
         run, self._run = self._run, None
         if run is not None:
             run.close(self._agreement.rank, abort)
+
+
+def _from_trainer(checkpoint: Any) -> bool:
+    """A checkpoint the Lightning Trainer built (its dict carries Lightning's version)."""
+    return isinstance(checkpoint, dict) and "pytorch-lightning_version" in checkpoint
