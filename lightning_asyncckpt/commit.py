@@ -35,6 +35,9 @@ METADATA_FILE = ".metadata"
 # Who wrote a checkpoint (library, engine, worker, world size, step): written with rank 0's shards by its
 # worker, so it is on disk before ``.metadata``. DCP and Lightning readers ignore it; ``inspect`` shows it.
 INFO_FILE = ".asyncckpt.json"
+# The replicated DCP layouts' skeleton (the checkpoint dict with tensor placeholders: exact container types,
+# int keys, hyper-parameter objects), beside the DCP items, outside what plain DCP reads
+SKELETON_FILE = ".asyncckpt-skeleton.pt"
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

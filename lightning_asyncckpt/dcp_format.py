@@ -23,10 +23,45 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from lightning_asyncckpt import staging
+from lightning_asyncckpt import commit, staging
 from lightning_asyncckpt.metadata import read_metadata
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a sharded checkpoint
+SKELETON_FILE = commit.SKELETON_FILE
+
+
+def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything: bool) -> tuple[dict, dict]:
+    """The flat DCP items of a replicated save and where each sits in the checkpoint dict (``planner_data``,
+    which plain DCP readers such as ``dcp_to_torch_save`` use to rebuild the nesting).
+
+    Tensors keep the names ``staging.split`` gives them. With ``everything`` (the coordinator), the other
+    leaves are items too, nested as DCP itself would (a list or tuple without tensors is one item), so that
+    the plain DCP view is the checkpoint dict and nothing else; the paths cover every rank's tensors."""
+    items: dict[str, Any] = dict(tensors)
+    paths: dict[str, tuple] = {}
+    names = staging._FqnNamer()
+
+    def has_tensor(obj: Any) -> bool:
+        if isinstance(obj, torch.Tensor):
+            return True
+        values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+        return any(has_tensor(v) for v in values)
+
+    def visit(obj: Any, path: tuple) -> None:
+        if isinstance(obj, torch.Tensor):
+            paths[names(path)] = path
+        elif isinstance(obj, dict) or (isinstance(obj, (list, tuple)) and has_tensor(obj)):
+            for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+                visit(v, (*path, k))
+        elif everything:
+            leaves.append((path, obj))
+
+    leaves: list[tuple[tuple, Any]] = []
+    visit(skeleton, ())
+    for path, obj in leaves:  # named after every tensor, so that tensor names stay those of staging.split
+        name = names(path)
+        items[name], paths[name] = obj, path
+    return items, paths
 _PICKLE_HINT = "load it with weights_only=False if you trust this checkpoint"
 
 # (shard path, shard file name, (bytes items, tensor items)): the engines' unit of work for one file.
@@ -56,6 +91,7 @@ def plan_save(
     split_by_size: Callable[[int, list], list],
     distributed: bool,
     flatten: bool = False,
+    planner_data: dict[str, tuple] | None = None,
 ) -> WritePlan:
     """Plans this rank's part of a save with DCP's planner and the engine's storage writer.
 
@@ -84,6 +120,8 @@ def plan_save(
     def global_step(all_plans):
         nonlocal metadata
         all_plans, metadata = planner.create_global_plan(all_plans)
+        if planner_data is not None:  # where each flat item sits in the nested dict (DCP's own unflattening)
+            metadata.planner_data = planner_data
         return writer.prepare_global_plan(all_plans)
 
     central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", local_step, global_step))
@@ -173,7 +211,10 @@ def load(path: Path, map_location: Any = None, weights_only: bool | None = None)
         else torch.load(io.BytesIO(v))
         for k, v in planner.raw.items()
     }
-    skeleton = objects.pop(staging.SKELETON_KEY, None)
+    skeleton = objects.pop(staging.SKELETON_KEY, None)  # 0.1's layout kept it as an item
+    if (path / SKELETON_FILE).is_file():
+        skeleton = torch.load(path / SKELETON_FILE, weights_only=weights_only) if weights_only is not None \
+            else torch.load(path / SKELETON_FILE)
     if skeleton is not None:
         return staging.join(skeleton, tensors)
     # a sharded checkpoint (ModelParallelStrategy's layout) or another DCP checkpoint: its nested contents,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_asyncckpt import commit
+from lightning_asyncckpt.commit import SKELETON_FILE, read_info
 from lightning_asyncckpt.items import (
     META_FILE,
     PICKLE_HINT,
@@ -106,7 +107,11 @@ def describe(path: Path, allow_pickle: bool = False, hint: str = PICKLE_HINT) ->
 
     state, layout = None, "dcp"
     try:
-        if SKELETON_KEY in metadata.state_dict_metadata:
+        if (path / SKELETON_FILE).is_file():  # replicated layouts: the skeleton beside the items
+            info_file = read_info(path) or {}
+            layout = info_file.get("layout") or "single-writer"
+            state = torch_load(path / SKELETON_FILE, allow_pickle, str(path / SKELETON_FILE), hint)
+        elif SKELETON_KEY in metadata.state_dict_metadata:  # 0.1's layout: the skeleton as an item
             layout = "single-writer"
             state = read_object(path, metadata, SKELETON_KEY, allow_pickle, hint)
         elif (path / META_FILE).is_file():
@@ -119,7 +124,8 @@ def describe(path: Path, allow_pickle: bool = False, hint: str = PICKLE_HINT) ->
         info["non_tensor_keys"] = [str(k) for k in state]
         info["global_step"] = _plain(state.get("global_step"))
         info["epoch"] = _plain(state.get("epoch"))
-    elif layout == "dcp":  # a stock DCP checkpoint: its non-tensor items are stored one by one
+    elif layout != "sharded" and SKELETON_KEY not in metadata.state_dict_metadata:
+        # a stock DCP checkpoint, or ours whose skeleton could not be read: non-tensor items one by one
         keys = [k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata)]
         info["non_tensor_keys"] = keys
         for key in ("global_step", "epoch"):

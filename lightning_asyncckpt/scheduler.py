@@ -167,17 +167,20 @@ def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, request: 
                    tmp: Path, result_path: Path, write_hook: Any, rank: int) -> tuple[Any, Any]:
     """Plans this rank's part of a DCP directory (collectively when all ranks write) and hands it over."""
     assert run.engine is not None
+    extra = [(str(tmp / name), data) for name, data in request.extra_files]
+    planner_data = None
     if request.layout is Layout.SHARDED:
         state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
-    else:
-        state = dict(snapshot.tensors)
+    else:  # flat items; where they sit in the dict for plain DCP readers; the exact skeleton beside them
+        state, planner_data = dcp_format.replicated_items(snapshot.skeleton, snapshot.tensors, everything=rank == 0)
         if rank == 0:
-            state[staging.SKELETON_KEY] = snapshot.skeleton
+            buf = io.BytesIO()
+            torch.save(snapshot.skeleton, buf)  # bad input (an object that cannot be pickled) fails here
+            extra.append((str(tmp / dcp_format.SKELETON_FILE), buf.getvalue()))
     plan = dcp_format.plan_save(
         state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
-        request.collective, flatten=request.layout is Layout.SHARDED,
+        request.collective, flatten=request.layout is Layout.SHARDED, planner_data=planner_data if rank == 0 else None,
     )
-    extra = [(str(tmp / name), data) for name, data in request.extra_files]
     if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
         extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
     request.faults.check(request.faults.at_handover, request.path)

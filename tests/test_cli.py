@@ -146,7 +146,7 @@ def test_inspect_json_reports_the_checkpoint(ckpts, capsys):
     assert info["largest_tensors"][0] == {"name": "state_dict.layer.weight", "shape": [64, 32], "dtype": "float32",
                                           "bytes": 8192}
     assert info["non_tensor_keys"] == list(ckpts.ckpt)
-    assert info["files"] == 4 and info["file_bytes"] == sum(p.stat().st_size for p in ckpts.single.iterdir())
+    assert info["files"] == 5 and info["file_bytes"] == sum(p.stat().st_size for p in ckpts.single.iterdir())
 
 
 def test_inspect_text(ckpts, capsys):
@@ -185,7 +185,7 @@ def test_inspect_incomplete(ckpts, tmp_path, capsys):
     code, out, _ = run(capsys, "inspect", no_meta, "--json")
     info = json.loads(out)
     assert code == 0 and info["status"] == "incomplete" and "no .metadata" in info["reason"]
-    assert info["num_tensors"] is None and info["writer_ranks"] == 1 and info["files"] == 3  # two shard files and .asyncckpt.json
+    assert info["num_tensors"] is None and info["writer_ranks"] == 1 and info["files"] == 4  # 2 shard files, .asyncckpt.json, skeleton
 
     leftover = _copy(ckpts.single, tmp_path / f"{commit.INCOMPLETE_PREFIX}123-1")  # complete, never renamed
     code, out, _ = run(capsys, "inspect", leftover, "--json")
@@ -204,8 +204,9 @@ def test_inspect_incomplete(ckpts, tmp_path, capsys):
 def test_verify_ok_is_one_line(ckpts, capsys):
     code, out, err = run(capsys, "verify", ckpts.single)
     assert code == 0 and err == ""
-    assert out.count("\n") == 1 and out.startswith(f"OK {ckpts.single}: 7 items in 2 shard files")
-    assert "7 of 7 items checked against CRC32" in out
+    items = len(dcp_format.read_metadata(ckpts.single).state_dict_metadata)  # tensors and the other leaves
+    assert out.count("\n") == 1 and out.startswith(f"OK {ckpts.single}: {items} items in 2 shard files")
+    assert f"{items} of {items} items checked against CRC32" in out
     code, out, _ = run(capsys, "verify", ckpts.sharded)
     assert code == 0 and out.startswith("OK ")
 
@@ -393,7 +394,7 @@ def test_convert_refuses_pickled_objects_unless_allowed(tmp_path, capsys):
 
     code, stdout, _ = run(capsys, "inspect", out, "--json")  # tensors listed; the state needs --allow-pickle
     info = json.loads(stdout)
-    assert code == 0 and info["num_tensors"] == 1 and info["global_step"] is None
+    assert code == 0 and info["num_tensors"] == 1 and info["global_step"] == 4  # a plain item of its own
     assert any("--allow-pickle" in note for note in info["notes"])
     code, stdout, _ = run(capsys, "inspect", out, "--json", "--allow-pickle")
     assert code == 0 and json.loads(stdout)["global_step"] == 4

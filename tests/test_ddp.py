@@ -88,7 +88,7 @@ def test_async_ddp_strategy_writes_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "parallel", engine, worker)
     assert r0["files"] == r1["files"] == ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
     for name, shards in r0["shards"].items():
-        assert sorted(shards) == [".asyncckpt.json", ".metadata", "__0_0.distcp", "__1_0.distcp"], name  # both ranks wrote
+        assert sorted(shards) == [".asyncckpt-skeleton.pt", ".asyncckpt.json", ".metadata", "__0_0.distcp", "__1_0.distcp"], name  # both ranks wrote
         a, b = shards["__0_0.distcp"], shards["__1_0.distcp"]
         assert 0.7 < a / b < 1.4, (name, shards)  # comparable shares
         # one copy of the state, plus torch.save's per-tensor framing and the skeleton

@@ -89,20 +89,34 @@ def test_the_file_is_stock_lightnings_file(io, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ours.ckpt", "stock.ckpt"]
 
 
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return [t for v in values for t in _tensors(v)]
+
+
 def test_dcp_format_is_readable_with_plain_torch_dcp(engine_worker, tmp_path):
     engine, worker = engine_worker
     io = AsyncCheckpointIO(engine, worker=worker, format="dcp")
     ckpt = _checkpoint()
     io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
-    io.teardown()
+    io.finalize(blocking=True)
     dcp_to_torch_save(tmp_path / "a.ckpt", tmp_path / "plain.pt")
     plain = torch.load(tmp_path / "plain.pt", weights_only=False)
-    assert torch.equal(plain["state_dict.layer.weight"], ckpt["state_dict"]["layer.weight"])
-    assert torch.equal(plain["optimizer_states.0.state.0.exp_avg"], ckpt["optimizer_states"][0]["state"][0]["exp_avg"])
-    assert sorted(os.listdir(tmp_path / "a.ckpt")) == [".asyncckpt.json", ".metadata", "__0_0.distcp"]
+    # the plain DCP view is the checkpoint dict and nothing else (no placeholders, no extra items); DCP
+    # itself turns the optimizer state's int keys into list positions
+    assert sorted(plain) == sorted(ckpt)
+    assert torch.equal(plain["state_dict"]["layer.weight"], ckpt["state_dict"]["layer.weight"])
+    assert torch.equal(plain["optimizer_states"][0]["state"][0]["exp_avg"], ckpt["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert plain["global_step"] == 120 and plain["epoch"] == 3
+    assert not any(t.device.type == "meta" for t in _tensors(plain))
+    assert sorted(os.listdir(tmp_path / "a.ckpt")) == [".asyncckpt-skeleton.pt", ".asyncckpt.json", ".metadata", "__0_0.distcp"]
+    assert_tree_equal(io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False), ckpt)  # ours: exact
     info = commit.read_info(tmp_path / "a.ckpt")
     assert (info["engine"], info["worker"], info["layout"]) == (io.engine, io.worker, "single-writer")
     assert (info["world_size"], info["writing_ranks"], info["global_step"]) == (1, 1, 120)
+    io.teardown()
 
 
 def test_resave_replaces_only_at_commit_and_removal_waits(io, tmp_path, hold):
