@@ -499,6 +499,7 @@ def test_drop_in_names_pickling_and_threads_as_stock(tmp_path):
     assert names == stock_names == ["same-v1.ckpt", "same-v2.ckpt", "same-v3.ckpt", "same.ckpt"], (names, stock_names)
     assert set(threading.enumerate()) <= threads_before
     torch.save(t, _io.BytesIO())
-    model = TinyModel.load_from_checkpoint(ck.best_model_path or ck.last_model_path)
-    assert isinstance(model, TinyModel)
+    model = TinyModel.load_from_checkpoint(ck.best_model_path)
+    assert isinstance(model, TinyModel) and ck.best_model_path.endswith("same-v3.ckpt")
+    t.test(model, loader(), ckpt_path="best")  # Lightning's own path resolution and loading
     assert torch.load(tmp_path / "ours" / "same.ckpt", weights_only=True)["global_step"] == 2
