@@ -34,9 +34,11 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
     """The flat DCP items of a replicated save and where each sits in the checkpoint dict (``planner_data``,
     which plain DCP readers such as ``dcp_to_torch_save`` use to rebuild the nesting).
 
-    Tensors keep the names ``staging.split`` gives them. With ``everything`` (the coordinator), the other
-    leaves are items too, nested as DCP itself would (a list or tuple without tensors is one item), so that
-    the plain DCP view is the checkpoint dict and nothing else; the paths cover every rank's tensors."""
+    Tensors keep the names ``staging.split`` gives them. With ``everything`` (the coordinator), the rest of
+    the dict is items too, so that the plain DCP view is the checkpoint dict and nothing else; each part
+    without tensors (``loops``, ``callbacks``, hyper-parameters, ``param_groups``) is one item, not one per
+    leaf, since every item costs a ``torch.save`` frame and a ``.metadata`` entry. The paths cover every
+    rank's tensors."""
     items: dict[str, Any] = dict(tensors)
     paths: dict[str, tuple] = {}
     names = staging._FqnNamer()
@@ -50,7 +52,7 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
     def visit(obj: Any, path: tuple) -> None:
         if isinstance(obj, torch.Tensor):
             paths[names(path)] = path
-        elif isinstance(obj, dict) or (isinstance(obj, (list, tuple)) and has_tensor(obj)):
+        elif isinstance(obj, (dict, list, tuple)) and has_tensor(obj):
             for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
                 visit(v, (*path, k))
         elif everything:
