@@ -272,9 +272,10 @@ def test_user_exception_is_not_masked_and_workers_stop(engine_worker, tmp_path):
                 raise ValueError("boom in training_step")
             return super().training_step(batch, batch_idx)
 
+    # the step-5 save is scheduled after the finalizer's batch-end hook (checkpoint callbacks run last), and
+    # the next training_step raises: the failing write is still pending
     ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=5, save_top_k=-1)
     t = trainer(tmp_path, [io], [ck], max_steps=20)
-    t.callbacks[:] = [cb for cb in t.callbacks if not isinstance(cb, AsyncFinalizerCallback)]
     with pytest.raises(ValueError, match="boom in training_step"):
         t.fit(Boom(), loader())
     assert live_children() == []
