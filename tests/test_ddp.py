@@ -13,7 +13,7 @@ def run_job(tmp_path, case, engine, worker, **extra):
     return run_ranks(JOB, tmp_path, case, engine, worker, **extra)
 
 
-@pytest.mark.parametrize(("engine", "worker"), combo_params())
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "persistent")}))
 def test_ddp_top_k_snapshots_and_exact_resume(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "fit", engine, worker)
     expected = ["epoch=0-step=8.ckpt", "epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
@@ -83,7 +83,7 @@ def test_ddp_bad_input_on_rank0_raises_on_every_rank(tmp_path):
     assert "pickle" in r0["raised"]["message"]
 
 
-@pytest.mark.parametrize(("engine", "worker"), combo_params())
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("mcore", "fork")}))
 def test_async_ddp_strategy_writes_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "parallel", engine, worker)
     assert r0["files"] == r1["files"] == ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]

@@ -21,7 +21,8 @@ def test_fabric_save_finalize_load_is_exact(tmp_path, engine, worker):
         assert r["children_after_exit"] == []  # leaving the `with io:` block stopped the worker
 
 
-@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), ("mcore", "persistent")], ids=["nvrx-fork", "mcore-persistent"])
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), pytest.param("mcore", "persistent", marks=pytest.mark.slow)],
+                         ids=["nvrx-fork", "mcore-persistent"])
 def test_fabric_failed_write_raises_on_both_ranks(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "fail", engine, worker)
     for r in (r0, r1):

@@ -11,7 +11,7 @@ JOB = job_script("mp_job.py")
 
 
 
-@pytest.mark.parametrize(("engine", "worker"), combo_params())
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "persistent")}))
 def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "fit", engine, worker)
     expected = ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]

@@ -121,6 +121,7 @@ def test_read_only_remount(tmp_path, small_tmpfs, engine, worker):
     assert sorted(os.listdir(small_tmpfs / "ckpts")) == ["epoch=0-step=4.ckpt"]  # the committed one is intact
 
 
+@pytest.mark.slow
 def test_soak_hundred_saves_nothing_grows(tmp_path):
     """100 saves (and 100 of `last`) on 2 ranks with save_top_k=2 (AsyncDDPStrategy, persistent worker)."""
     r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "soak", "nvrx", "persistent", timeout=200)

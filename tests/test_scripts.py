@@ -17,7 +17,7 @@ def _run(cmd, cwd, timeout=180):
     return code, job.log_text()
 
 
-@pytest.mark.parametrize("engine", ["nvrx", "mcore"])
+@pytest.mark.parametrize("engine", ["nvrx", pytest.param("mcore", marks=pytest.mark.slow)])
 def test_script_without_main_guard(tmp_path, engine):
     """Many training scripts have no `if __name__ == "__main__"`; the spawned worker must not re-run them."""
     script = tmp_path / "train_no_guard.py"
