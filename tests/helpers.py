@@ -391,3 +391,23 @@ def run_ranks(
         assert "crash" not in r, f"rank {r['rank']} crashed:\n{r['crash']}"
         assert r["world_size"] == ranks
     return reports
+
+
+def run_cli(capsys: Any, *args: object) -> tuple[int, str, str]:
+    """Runs the command line in this process: (exit status, stdout, stderr)."""
+    from lightning_asyncckpt import cli
+
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(code: int, err: str, expected_code: int, *fragments: str) -> None:
+    """A user error of the command line: the expected exit status, one line on stderr naming the problem,
+    no traceback."""
+    assert code == expected_code, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lightning-asyncckpt: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

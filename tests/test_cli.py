@@ -19,8 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from helpers import assert_tree_equal, clone_tree
-from lightning_asyncckpt import AsyncCheckpointIO, cli, commit, dcp_format, staging
+from helpers import assert_tree_equal, assert_user_error, clone_tree
+from helpers import run_cli as run
+from lightning_asyncckpt import AsyncCheckpointIO, commit, dcp_format, staging
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,23 +93,6 @@ def ckpts(tmp_path_factory):
         root=root, ckpt=ckpt, single=root / "single.ckpt", nocrc=root / "nocrc.ckpt",
         sharded=root / "sharded.ckpt", sharded_state=sharded_state, meta=meta, plain=root / "plain.ckpt",
     )
-
-
-def run(capsys, *args: object) -> tuple[int, str, str]:
-    """Runs the command line in this process: (exit status, stdout, stderr)."""
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_user_error(code: int, err: str, expected_code: int, *fragments: str) -> None:
-    """A user error: the expected exit status, one line on stderr naming the problem, no traceback."""
-    assert code == expected_code, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lightning-asyncckpt: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def _item(path: Path, fqn: str):

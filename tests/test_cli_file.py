@@ -14,7 +14,8 @@ import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from helpers import assert_tree_equal
+from helpers import assert_tree_equal, assert_user_error
+from helpers import run_cli as run
 from lightning_asyncckpt import cli, commit, dcp_format
 
 
@@ -58,21 +59,6 @@ def ckpt_file(tmp_path) -> Path:
     path = tmp_path / "epoch=0-step=3.ckpt"
     TorchCheckpointIO().save_checkpoint(_lightning_like(), path)  # exactly what stock Lightning writes
     return path
-
-
-def run(capsys, *args: object) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_user_error(code: int, err: str, expected_code: int, *fragments: str) -> None:
-    assert code == expected_code, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lightning-asyncckpt: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def _record_at(path: Path, pos: int) -> str:
