@@ -1,0 +1,116 @@
+"""pytest plugin: run Lightning's own test suite with lightning_asyncckpt's AsyncCheckpointIO as a drop-in.
+
+Load with ``-p asyncckpt_inject`` (this folder on PYTHONPATH). The mode comes from the environment variable
+``ASYNCCKPT_SUITE_MODE``:
+
+- ``plugin`` (default): every ``lightning.pytorch.Trainer(...)`` whose ``plugins`` hold no ``CheckpointIO`` and
+  whose ``strategy`` is not a ``Strategy`` object that already has its own ``checkpoint_io`` gets
+  ``lightning_asyncckpt.AsyncCheckpointIO()`` appended to ``plugins``. The package's ``callbacks_factory``
+  entry point (``AsyncFinalizerCallback``) stays active, as it is for any user who installed the package.
+- ``callback``: nothing is injected; only the entry point's inert ``AsyncFinalizerCallback`` is present
+  (what every Trainer gets just from having the package installed).
+- ``stock``: nothing is injected and the package's ``callbacks_factory`` entry point is hidden from Lightning,
+  so Trainers are exactly stock Lightning (the package stays installed in the venv, editable).
+
+Each Trainer construction is logged (test id, mode, injected or why not, and the checkpoint IO the strategy
+ended up with) to ``$ASYNCCKPT_SUITE_LOG`` if set.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+MODE = os.environ.get("ASYNCCKPT_SUITE_MODE", "plugin")
+if MODE not in ("plugin", "callback", "stock"):
+    raise ValueError(f"ASYNCCKPT_SUITE_MODE={MODE!r}: use plugin, callback or stock")
+
+_current_test = "<no test>"
+_log: list[str] = []
+
+
+def _hide_entry_point() -> None:
+    """Hide lightning_asyncckpt's ``lightning.pytorch.callbacks_factory`` entry point from Lightning."""
+    import lightning.fabric.utilities.registry as registry
+
+    orig = registry.entry_points
+
+    @functools.wraps(orig)
+    def entry_points(*args, **kwargs):
+        eps = orig(*args, **kwargs)
+        if kwargs.get("group") == "lightning.pytorch.callbacks_factory":
+            return [ep for ep in eps if not ep.value.startswith("lightning_asyncckpt")]
+        return eps
+
+    registry.entry_points = entry_points
+
+
+def _wrap_trainer_init() -> None:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import Strategy
+
+    orig_init = Trainer.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        ours = None
+        reason = ""
+        if MODE == "plugin":
+            plugins = kwargs.get("plugins")
+            if plugins is None:
+                plugin_list = []
+            elif isinstance(plugins, (list, tuple)):
+                plugin_list = list(plugins)
+            else:
+                plugin_list = [plugins]
+            strategy = kwargs.get("strategy", "auto")
+            if any(isinstance(p, CheckpointIO) for p in plugin_list):
+                reason = "user CheckpointIO in plugins"
+            elif isinstance(strategy, Strategy) and getattr(strategy, "_checkpoint_io", None) is not None:
+                reason = f"strategy {type(strategy).__name__} has its own checkpoint_io"
+            else:
+                from lightning_asyncckpt import AsyncCheckpointIO
+
+                ours = AsyncCheckpointIO()
+                kwargs["plugins"] = plugin_list + [ours]
+                reason = "injected"
+        else:
+            reason = f"mode={MODE}"
+        try:
+            orig_init(self, *args, **kwargs)
+        finally:
+            try:
+                io = getattr(self.strategy, "_checkpoint_io", None)
+                io_name = type(io).__name__ if io is not None else "None(default TorchCheckpointIO)"
+                effective = "effective" if ours is not None and io is ours else ""
+            except Exception as ex:  # Trainer.__init__ failed early
+                io_name, effective = f"<{type(ex).__name__}>", ""
+            _log.append(f"{_current_test}\t{reason}\t{io_name}\t{effective}")
+
+    Trainer.__init__ = __init__
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if MODE == "stock":
+        _hide_entry_point()
+    _wrap_trainer_init()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _current_test
+    _current_test = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _current_test = "<between tests>"
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    path = os.environ.get("ASYNCCKPT_SUITE_LOG")
+    if path:
+        with open(path, "w") as f:
+            f.write("\n".join(_log) + ("\n" if _log else ""))
