@@ -154,11 +154,15 @@ def _hand_over_file(run: Run, request: SaveRequest, snapshot: staging.Snapshot, 
                     write_hook: Any) -> Any:
     r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU."""
     assert run.engine is not None
-    torch.save(snapshot.skeleton, io.BytesIO())  # bad input (an object that cannot be pickled) fails here, not later
+    # The non-tensor state is serialized now, once: it is then a snapshot of this step (the worker's queue
+    # would pickle it later, in a feeder thread, while training may change a leaf object), and bad input
+    # (an object that cannot be pickled) fails here, in the trainer.
+    buf = io.BytesIO()
+    torch.save(snapshot.skeleton, buf)
     shape = torch_file.layout(request.checkpoint)  # aliases (tied weights) and devices, from metadata only
     request.faults.check(request.faults.at_handover, request.path)
     return run.engine.schedule(torch_file.write_file_job, (
-        snapshot.skeleton, snapshot.tensors, str(tmp), str(result_path), with_hook(request.faults, write_hook),
+        buf.getvalue(), snapshot.tensors, str(tmp), str(result_path), with_hook(request.faults, write_hook),
         shape.aliases, shape.locations, shape.same_object,
     ))
 

@@ -30,6 +30,7 @@ Runs in the writer process: imports torch and this package's Lightning-free modu
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import threading
 import time
@@ -185,10 +186,13 @@ def write_file_job(
     """The async function handed to the engine's queue (like ``_worker.write_job``): runs ``hook``, writes
     the file, then reports in the same result file: ``ok``, ``results`` (empty: no DCP write results),
     ``nbytes`` (the file's size), ``write_s``, ``pid``; or ``ok=False`` with ``error_type``, ``message``
-    and ``errno``."""
+    and ``errno``. ``skeleton`` may come serialized (``torch.save`` bytes, made by the trainer at save
+    time so that it holds that step's non-tensor state)."""
     t0 = time.monotonic()
     buckets = hook_buckets(tmp_path)
     try:
+        if isinstance(skeleton, (bytes, bytearray)):  # the trainer's own bytes: trusted
+            skeleton = torch.load(io.BytesIO(skeleton), weights_only=False)
         if hook is not None:
             hook(buckets)
         nbytes = write_file(skeleton, tensors, tmp_path, aliases, locations, same_object)

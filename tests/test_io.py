@@ -379,3 +379,15 @@ def test_a_checkpoint_that_cannot_be_removed_is_named_in_a_warning(engine_worker
     finally:
         io.teardown()
         subprocess.run(["umount", "-l", str(inner)], capture_output=True)
+
+
+def test_the_non_tensor_state_is_a_snapshot_too(io, tmp_path, hold):
+    """An object in the checkpoint that training changes right after the save (a callback's state, a config)
+    is saved as it was at save time, as the tensors are."""
+    io.write_hook = hold
+    ckpt = {"w": torch.ones(4), "cfg": Config("run", 1)}
+    io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    ckpt["cfg"].depth = 99  # the next step changes it in place
+    hold.release()
+    io.finalize(blocking=True)
+    assert io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False)["cfg"] == Config("run", 1)
