@@ -12,9 +12,6 @@ One save, and the module that owns each step:
 
 from __future__ import annotations
 
-import logging
-import sys
-import time
 from typing import Any
 
 import torch
@@ -22,25 +19,22 @@ from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
 from lightning_asyncckpt import engines, loading, logsetup, paths, poller, scheduler
-from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.committer import request_removal
 from lightning_asyncckpt.dcp_format import META_FILE
-from lightning_asyncckpt.drain import AtExit, ExitGroup, drain
 from lightning_asyncckpt.faults import EnvironmentFaults, FaultPolicy
 from lightning_asyncckpt.finalizer import finalize
 from lightning_asyncckpt.layout import Layout
+from lightning_asyncckpt.pipeline import SavePipeline
 from lightning_asyncckpt.records import SaveRecord, global_step
-from lightning_asyncckpt.run import Run
 
 __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 
 FORMATS = ("auto", "dcp")
 
-log = logging.getLogger(__name__)
 logsetup.configure()
 
 
-class AsyncCheckpointIO(CheckpointIO):
+class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     """Writes checkpoints in the background: the same file or DCP directory stock Lightning writes.
 
     Args:
@@ -72,38 +66,20 @@ class AsyncCheckpointIO(CheckpointIO):
         max_pending: int = 2, poll_interval_s: float = 0.02, drain_timeout_s: float = 300.0,
         format: str = "auto", faults: FaultPolicy | None = None,
     ) -> None:
-        super().__init__()
+        CheckpointIO.__init__(self)
         for name, ok, want in (("thread_count", thread_count >= 1, "at least 1"), ("max_pending", max_pending >= 1, "at least 1"),
                                ("timeout_s", timeout_s > 0, "positive"), ("drain_timeout_s", drain_timeout_s >= 0, "at least 0")):
             if not ok:
                 raise ValueError(f"`AsyncCheckpointIO({name}={locals()[name]})` must be {want}.")
         if format not in FORMATS:
             raise ValueError(f"`AsyncCheckpointIO(format={format!r})` is not valid; choose one of {', '.join(map(repr, FORMATS))}.")
+        SavePipeline.__init__(self, engines.resolve(strategy), engines.parse_worker(worker))
         self.format = format
-        self._engine_name = engines.resolve(strategy)
-        self._worker_mode = engines.parse_worker(worker)
         self.thread_count, self.max_pending = thread_count, max_pending
         self.timeout_s, self.poll_interval_s, self.drain_timeout_s = float(timeout_s), poll_interval_s, float(drain_timeout_s)
         self.faults: FaultPolicy = faults if faults is not None else EnvironmentFaults()
         self.write_hook: Any = None  # picklable; the worker calls it with the buckets before writing
-        self.history: list[SaveRecord] = []  # every committed save, oldest first
         self._returned = 0  # history[:_returned] was returned by finalize()
-        self._agreement = Agreement()
-        self._run: Run | None = None
-        self._closed = False  # torn down: nobody finalizes, so a save completes before it returns
-        self._began = False  # a Trainer stage (the callback) or the user (warmup, with) will finalize
-        self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
-        self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
-        self._exit_group = ExitGroup()
-        self._at_exit = AtExit()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A pickled (or deep-copied) plugin is its settings and history, as stock's ``TorchCheckpointIO`` is:
-        ``torch.save(trainer)`` works. The copy starts no worker until it saves; the saves in flight stay
-        with the original."""
-        state = dict(self.__dict__)
-        state.update(_run=None, _closed=False, _began=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None)
-        return state
 
     @property
     def engine(self) -> str:
@@ -157,31 +133,6 @@ class AsyncCheckpointIO(CheckpointIO):
         extra = [scheduler.meta_file(meta)] if meta is not None and self._agreement.rank == 0 else []
         self._save(state, path, None, Layout.SHARDED, extra, global_step(meta), trainer_save=_from_trainer(meta))
 
-    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, layout: Layout,
-              extra_files: list | None = None, step: int | None = None, trainer_save: bool = False) -> None:
-        self._save_calls += 1
-        run, rank = self._ensure_run(), self._agreement.rank
-        collective = layout.all_ranks_write(self._agreement.active)
-        request = scheduler.SaveRequest(
-            checkpoint, path, layout, collective, seq=run.count.claim(collective), started=time.perf_counter(),
-            writes_file=layout is Layout.SINGLE_WRITER and self.format == "auto",
-            step=step if step is not None else global_step(checkpoint), extra_files=extra_files or [],
-            faults=self.faults.for_save(rank, self._save_calls, self.engine, self.worker),
-        )
-        self._at_exit.arm(self, AsyncCheckpointIO.abort)
-        scheduler.submit(run, self._agreement, self, request, storage_options, self.write_hook, self.begin_collective_saves)
-        if self._closed or (trainer_save and not self._began):
-            self._complete_now(collective)
-
-    def _complete_now(self, collective: bool) -> None:
-        # no loop will finalize this save (torn down, e.g. `trainer.save_checkpoint` after `fit`; or a Trainer
-        # save outside any stage): complete it now, with the other ranks for a collective save, else alone
-        try:
-            agreement = self._agreement if collective else Agreement.alone()
-            finalize(self._ensure_run(), agreement, self, blocking=True, force=True)
-        finally:
-            self._close(abort=False)
-
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """(any rank) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a directory
@@ -204,15 +155,10 @@ class AsyncCheckpointIO(CheckpointIO):
         raised during this run propagates (Lightning tears down on errors, also without the callback), it
         is :meth:`abort`, so as not to mask it; one the user was already handling when the run began (a
         retry loop's ``except`` block) does not count."""
-        propagating = sys.exc_info()[1]
-        if propagating is not None and propagating is not self._handling_at_start:
+        if self._propagating():
             self.abort()
-            return
-        try:
-            if self._run is not None and not self._closed:
-                finalize(self._run, self._agreement, self, blocking=True, force=True)
-        finally:
-            self._close(abort=False)
+        else:
+            self._finalize_all()
 
     def finalize(self, blocking: bool = False) -> list[SaveRecord]:
         """(all ranks, same order) Commits the saves whose writes finished (``blocking``: all of them) and
@@ -246,68 +192,6 @@ class AsyncCheckpointIO(CheckpointIO):
         self._ensure_run().start(self._agreement.rank, None).start()
         if like is not None:
             self.prepare(like, distributed=False)
-
-    # The package's interface for the callback and the strategies ---------------------------------------
-    def begin_run(self, collective: bool) -> None:
-        """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
-        ``collective``: all ranks will write parts, so the exit group is made now, outside any save."""
-        self._closed, self._began = False, True
-        self._ensure_run()
-        if collective:
-            self.begin_collective_saves()
-
-    def begin_collective_saves(self) -> None:
-        self._exit_group.make(self._agreement, self.drain_timeout_s)  # (all ranks, together)
-
-    def announce(self) -> None:
-        """(all ranks, as Lightning builds a checkpoint) Counts a save that the plugin will be called for
-        on some rank, so that every rank knows a save is pending."""
-        self._ensure_run().count.announced += 1
-
-    def prepare(self, like: dict[str, Any], distributed: bool) -> None:
-        """(writing ranks, before the first save) Allocates staging buffers for checkpoints like ``like``
-        (this rank's share of it when ``distributed``)."""
-        rank, world = (self._agreement.rank, self._agreement.world_size) if distributed else (0, 1)
-        self._ensure_run().prepare(like, rank, world)
-
-    def finalize_step(self, blocking: bool = False) -> None:
-        """(all ranks, same order; the callback, after every batch) ``finalize`` that agrees only while a save
-        is announced and unsettled, so that steps without pending saves pay no collective."""
-        if self._run is not None:
-            finalize(self._run, self._agreement, self, blocking, force=False)
-
-    def wait_for_local_writes(self) -> None:
-        """(this rank, no collectives) Waits for this rank's writes in flight: single-writer saves commit;
-        this rank's part of a collective save is written (the ranks commit it at the next finalize, or on
-        the way out). Failures are raised by the next finalize, on every rank."""
-        if self._run is not None:
-            poller.wait_for_local_writes(self._run, self, self._agreement.rank)
-
-    def abort(self) -> None:
-        """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then
-        stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
-        if self._run is not None and not self._closed:
-            try:
-                drain(self._run, self, self._agreement.rank, self._exit_group, self.drain_timeout_s)
-            except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
-                log.exception("lightning-asyncckpt: error while draining the saves in flight")
-        try:
-            self._close(abort=True)
-        except Exception:  # noqa: BLE001
-            log.exception("lightning-asyncckpt: error while stopping the checkpoint workers")
-
-    def _ensure_run(self) -> Run:
-        if self._run is None:
-            self._run = Run(self._engine_name, self._worker_mode, self.history)
-            self._handling_at_start = sys.exc_info()[1]
-        return self._run
-
-    def _close(self, abort: bool) -> None:
-        self._closed, self._began = True, False
-        self._at_exit.disarm()
-        run, self._run = self._run, None
-        if run is not None:
-            run.close(self._agreement.rank, abort)
 
 
 def _from_trainer(checkpoint: Any) -> bool:

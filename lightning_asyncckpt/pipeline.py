@@ -1,0 +1,156 @@
+"""``SavePipeline``: the run of saves behind ``AsyncCheckpointIO``, and the package's interface to it.
+
+``AsyncCheckpointIO`` (``io.py``) is the face Lightning and Fabric call. This base class holds what the
+face stands on: the current :class:`~lightning_asyncckpt.run.Run`, the cross-rank ``Agreement``, the exit
+group and the interpreter-exit hook. Its public methods are the small interface that the callback and
+the strategies call (``begin_run``, ``announce``, ``prepare``, ``finalize_step``,
+``wait_for_local_writes``, ``abort``); nothing outside calls its ``_``-methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from lightning_asyncckpt import poller, scheduler
+from lightning_asyncckpt.agreement import Agreement
+from lightning_asyncckpt.drain import AtExit, ExitGroup, drain
+from lightning_asyncckpt.faults import FaultPolicy
+from lightning_asyncckpt.finalizer import finalize
+from lightning_asyncckpt.layout import Layout
+from lightning_asyncckpt.records import SaveRecord, global_step
+from lightning_asyncckpt.run import Run
+
+log = logging.getLogger(__name__)
+
+
+class SavePipeline:
+    """A run of saves: made at the first save (or ``begin_run``/``warmup``), dropped at close."""
+
+    engine: str
+    worker: str
+    format: str
+    drain_timeout_s: float
+    faults: FaultPolicy
+    write_hook: Any
+
+    def __init__(self, engine_name: Any, worker_mode: Any) -> None:
+        self._engine_name, self._worker_mode = engine_name, worker_mode
+        self.history: list[SaveRecord] = []  # every committed save, oldest first
+        self._agreement = Agreement()
+        self._run: Run | None = None
+        self._closed = False  # torn down: nobody finalizes, so a save completes before it returns
+        self._began = False  # a Trainer stage (the callback) or the user (warmup, with) will finalize
+        self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
+        self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
+        self._exit_group = ExitGroup()
+        self._at_exit = AtExit()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled (or deep-copied) plugin is its settings and history, as stock's ``TorchCheckpointIO`` is:
+        ``torch.save(trainer)`` works. The copy starts no worker until it saves; the saves in flight stay
+        with the original."""
+        state = dict(self.__dict__)
+        state.update(_run=None, _closed=False, _began=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None)
+        return state
+
+    def begin_run(self, collective: bool) -> None:
+        """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
+        ``collective``: all ranks will write parts, so the exit group is made now, outside any save."""
+        self._closed, self._began = False, True
+        self._ensure_run()
+        if collective:
+            self.begin_collective_saves()
+
+    def begin_collective_saves(self) -> None:
+        self._exit_group.make(self._agreement, self.drain_timeout_s)  # (all ranks, together)
+
+    def announce(self) -> None:
+        """(all ranks, as Lightning builds a checkpoint) Counts a save that the plugin will be called for
+        on some rank, so that every rank knows a save is pending."""
+        self._ensure_run().count.announced += 1
+
+    def prepare(self, like: dict[str, Any], distributed: bool) -> None:
+        """(writing ranks, before the first save) Allocates staging buffers for checkpoints like ``like``
+        (this rank's share of it when ``distributed``)."""
+        rank, world = (self._agreement.rank, self._agreement.world_size) if distributed else (0, 1)
+        self._ensure_run().prepare(like, rank, world)
+
+    def finalize_step(self, blocking: bool = False) -> None:
+        """(all ranks, same order; the callback, after every batch) ``finalize`` that agrees only while a save
+        is announced and unsettled, so that steps without pending saves pay no collective."""
+        if self._run is not None:
+            finalize(self._run, self._agreement, self, blocking, force=False)
+
+    def wait_for_local_writes(self) -> None:
+        """(this rank, no collectives) Waits for this rank's writes in flight: single-writer saves commit;
+        this rank's part of a collective save is written (the ranks commit it at the next finalize, or on
+        the way out). Failures are raised by the next finalize, on every rank."""
+        if self._run is not None:
+            poller.wait_for_local_writes(self._run, self, self._agreement.rank)
+
+    def abort(self) -> None:
+        """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then
+        stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
+        if self._run is not None and not self._closed:
+            try:
+                drain(self._run, self, self._agreement.rank, self._exit_group, self.drain_timeout_s)
+            except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
+                log.exception("lightning-asyncckpt: error while draining the saves in flight")
+        try:
+            self._close(abort=True)
+        except Exception:  # noqa: BLE001
+            log.exception("lightning-asyncckpt: error while stopping the checkpoint workers")
+
+    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, layout: Layout,
+              extra_files: list | None = None, step: int | None = None, trainer_save: bool = False) -> None:
+        self._save_calls += 1
+        run, rank = self._ensure_run(), self._agreement.rank
+        collective = layout.all_ranks_write(self._agreement.active)
+        request = scheduler.SaveRequest(
+            checkpoint, path, layout, collective, seq=run.count.claim(collective), started=time.perf_counter(),
+            writes_file=layout is Layout.SINGLE_WRITER and self.format == "auto",
+            step=step if step is not None else global_step(checkpoint), extra_files=extra_files or [],
+            faults=self.faults.for_save(rank, self._save_calls, self.engine, self.worker),
+        )
+        self._at_exit.arm(self, SavePipeline.abort)
+        scheduler.submit(run, self._agreement, self, request, storage_options, self.write_hook, self.begin_collective_saves)
+        if self._closed or (trainer_save and not self._began):
+            self._complete_now(collective)
+
+    def _complete_now(self, collective: bool) -> None:
+        # no loop will finalize this save (torn down, e.g. `trainer.save_checkpoint` after `fit`; or a Trainer
+        # save outside any stage): complete it now, with the other ranks for a collective save, else alone
+        try:
+            agreement = self._agreement if collective else Agreement.alone()
+            finalize(self._ensure_run(), agreement, self, blocking=True, force=True)
+        finally:
+            self._close(abort=False)
+
+    def _finalize_all(self) -> None:
+        # (all ranks) the blocking finalize of teardown: every save settled, errors raised on every rank
+        try:
+            if self._run is not None and not self._closed:
+                finalize(self._run, self._agreement, self, blocking=True, force=True)
+        finally:
+            self._close(abort=False)
+
+    def _propagating(self) -> bool:
+        # an exception raised during this run propagates (not one the user was handling as it began)
+        propagating = sys.exc_info()[1]
+        return propagating is not None and propagating is not self._handling_at_start
+
+    def _ensure_run(self) -> Run:
+        if self._run is None:
+            self._run = Run(self._engine_name, self._worker_mode, self.history)
+            self._handling_at_start = sys.exc_info()[1]
+        return self._run
+
+    def _close(self, abort: bool) -> None:
+        self._closed, self._began = True, False
+        self._at_exit.disarm()
+        run, self._run = self._run, None
+        if run is not None:
+            run.close(self._agreement.rank, abort)
