@@ -15,6 +15,7 @@ __all__ = [
     "AsyncModelParallelStrategy",
     "CheckpointWriteError",
     "SaveRecord",
+    "last_checkpoint",
 ]
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from lightning_asyncckpt.errors import CheckpointWriteError
     from lightning_asyncckpt.fabric import AsyncFabricModelParallelStrategy
     from lightning_asyncckpt.io import AsyncCheckpointIO, SaveRecord
+    from lightning_asyncckpt.remote import last_checkpoint
     from lightning_asyncckpt.strategies import AsyncDDPStrategy, AsyncModelParallelStrategy
 
 _LOCATIONS = {
@@ -32,6 +34,7 @@ _LOCATIONS = {
     "AsyncModelParallelStrategy": "lightning_asyncckpt.strategies",
     "CheckpointWriteError": "lightning_asyncckpt.errors",
     "SaveRecord": "lightning_asyncckpt.io",
+    "last_checkpoint": "lightning_asyncckpt.remote",
 }
 
 

@@ -32,7 +32,8 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
             if not save.writes_file:  # a file is complete when written; a DCP directory once .metadata is
                 save.plan.writer.finish(save.plan.metadata, all_results)
             save.faults.check(save.faults.before_publish, save.path)
-            (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
+            if not save.remote:  # a remote object became visible when its upload completed
+                (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
         except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
             return RankFailure.from_exception(rank, e)
     record = SaveRecord(
@@ -91,6 +92,8 @@ def drop_collective_pending(run: Run, rank: int) -> None:
 def discard_tmp(run: Run, save: PendingSave, rank: int) -> None:
     """Removes a failed save's partial directory. Other ranks may still be writing into a collective
     save's directory: the coordinator removes it once every rank has stopped (``remove_doomed``)."""
+    if save.remote:
+        return  # never visible: the worker discarded the upload (a killed one leaves an incomplete upload)
     if save.collective:
         if rank == 0:
             run.doomed.append(save.tmp)
@@ -114,7 +117,7 @@ def record_failure(run: Run, save: PendingSave, failure: RankFailure, rank: int)
     log.error("lightning-asyncckpt: save to %s failed: %s", save.path, failure.describe())
 
 
-def request_removal(run: Run, path: Path) -> None:
+def request_removal(run: Run, path: Path | str) -> None:
     """(the ranks Lightning calls ``remove_checkpoint`` on) ``path`` goes once every save scheduled so far
     has committed: a checkpoint still being written is never deleted, and the newest committed one is
     kept until a newer one commits."""
@@ -126,7 +129,8 @@ def run_removals(run: Run) -> None:
     keep = []
     for path, after in run.removals:
         if after <= run.last_ok_order:
-            commit.try_remove(path, "the checkpoint that ModelCheckpoint removed")
+            run.remove(path, "the checkpoint that ModelCheckpoint removed")
         else:
             keep.append((path, after))
     run.removals = keep
+

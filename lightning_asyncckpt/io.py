@@ -107,7 +107,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def is_pending(self, path: Any) -> bool:
         """(the saving ranks) Whether a save to ``path`` is scheduled and not yet committed: it exists for
         whoever picks free names (``ModelCheckpoint``'s ``-v1`` suffixes), as stock's synchronous file would."""
-        return self._run is not None and any(s.path == paths.local_path(path) for s in self._run.pending)
+        return self._run is not None and any(s.path == paths.checkpoint_path(path) for s in self._run.pending)
 
     def staging_buffers(self) -> list[torch.Tensor]:
         """(any rank) The host buffers held for snapshots, reused from save to save (empty after ``teardown``)."""
@@ -136,8 +136,9 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """(any rank) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a directory
-        of this library or DCP, or a ``torch.save`` file). A failed save at ``path`` is raised here."""
-        path = paths.local_path(path)
+        of this library or DCP, or a ``torch.save`` file, local or at an fsspec URL). A failed save at
+        ``path`` is raised here."""
+        path = paths.checkpoint_path(path)
         if self._run is not None:
             poller.settle_for(self._run, self, self._agreement.rank, path)
         return loading.load(path, map_location=map_location, weights_only=weights_only)
@@ -146,7 +147,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """(the ranks Lightning calls it on) Removes ``path`` once every save scheduled so far has committed:
         a checkpoint being written is never deleted, the newest committed one stays until a newer commits."""
-        request_removal(self._ensure_run(), paths.local_path(path))
+        request_removal(self._ensure_run(), paths.checkpoint_path(path))
 
     @override
     def teardown(self) -> None:

@@ -8,12 +8,15 @@ from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lightning_asyncckpt import commit, dcp_format
+from lightning_asyncckpt import commit, dcp_format, remote
 
 
-def load(path: Path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-    """(any rank) The checkpoint at ``path``; a clear error for a missing or incomplete one."""
-    if path.is_file():  # stock's file: read as stock reads it (onto the CPU unless told otherwise)
+def load(path: Path | str, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    """(any rank) The checkpoint at ``path`` (a remote one: a file, read as stock reads it, through
+    fsspec); a clear error for a missing or incomplete one."""
+    if isinstance(path, str):
+        remote.forget(path)
+    if isinstance(path, str) or path.is_file():  # stock's file: read as stock reads it (onto the CPU unless told otherwise)
         kwargs = {} if map_location is None else {"map_location": map_location}
         return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
     if not path.exists():

@@ -24,8 +24,8 @@ from lightning_asyncckpt.faults import NO_FAULTS, SaveFaults
 class PendingSave:
     order: int  # local FIFO position
     seq: int | None  # the save's number in the cross-rank count, None if no rank counted it
-    path: Path
-    tmp: Path
+    path: Path | str  # a remote URL as a str (see ``remote``)
+    tmp: Path | str  # where the worker writes; for a remote save the URL itself (visible only complete)
     ticket: engines.Ticket
     plan: Any  # dcp_format.WritePlan
     result_path: Path
@@ -40,6 +40,12 @@ class PendingSave:
     write_s: float = 0.0
     written: list | None = None  # a collective save's local write results, once this rank's part is on disk
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def remote(self) -> bool:
+        """Written to an object store: nothing to publish or clean up locally (an unfinished upload is
+        never visible; the worker discards a failed one)."""
+        return isinstance(self.path, str)
 
 
 class PendingQueue:

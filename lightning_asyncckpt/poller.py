@@ -73,6 +73,15 @@ def settle_for(run: Run, settings: Settings, rank: int, path: Path) -> None:
         raise CheckpointWriteError(failed.path, [failed.failure])
 
 
+def wait_for_path(run: Run, settings: Settings, rank: int, url: str) -> None:
+    """Before a remote save with forked writers: waits for this rank's earlier saves to the same URL. An
+    object appears when its upload completes, not in commit order, so two uploads to one URL
+    (``last.ckpt``) by separate processes must not overlap. (The persistent worker writes in order.)"""
+    for save in run.pending:
+        if save.path == url:
+            settle_local(run, settings, rank, blocking=True, until=save.order)
+
+
 def wait_for_room(run: Run, settings: Settings, rank: int) -> None:
     """Each write in progress holds one copy of the state: wait until fewer than ``max_pending`` are (a
     collective save whose part is written has released its buffers)."""

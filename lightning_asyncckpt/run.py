@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from lightning_asyncckpt import commit, engines
+from lightning_asyncckpt import commit, engines, remote
 from lightning_asyncckpt.failures import FailureLog
 from lightning_asyncckpt.pending import PendingQueue
 from lightning_asyncckpt.records import SaveRecord
@@ -84,26 +85,31 @@ class Run:
     count: SaveCount = field(default_factory=SaveCount)
     pending: PendingQueue = field(default_factory=PendingQueue)
     failures: FailureLog = field(default_factory=FailureLog)
-    removals: list[tuple[Path, int]] = field(default_factory=list)  # (path, after order): retention
+    removals: list[tuple[Path | str, int]] = field(default_factory=list)  # (path, after order): retention
     doomed: list[Path] = field(default_factory=list)  # partial dirs of failed collective saves (coordinator)
     engine: engines.Engine | None = None
     results_dir: Path | None = None
-    cleaned_dirs: set[Path] = field(default_factory=set)
+    cleaned_dirs: set[Path | str] = field(default_factory=set)
     stager: Stager = field(init=False)
+    _remote_ops: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
         persistent = self.worker_mode is engines.WorkerMode.PERSISTENT
         self.stager = Stager(shared=persistent, copy_cpu=persistent)
 
-    def start(self, rank: int, dirpath: Path | None) -> engines.Engine:
+    def start(self, rank: int, dirpath: Path | str | None) -> engines.Engine:
         """(writing ranks) The engine (its worker starts at the first write or ``warmup``), the results
-        directory, and for rank 0 the leftovers of dead saves in ``dirpath`` removed, once per directory."""
+        directory, and for rank 0 the leftovers of dead saves in ``dirpath`` removed, once per directory.
+        A remote ``dirpath`` is checked instead (a missing bucket is an error here, at save time)."""
         if self.engine is None:
             self.engine = engines.create(self.engine_name, self.worker_mode, rank)
         if self.results_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             self.results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))
-        if dirpath is not None and dirpath not in self.cleaned_dirs:
+        if isinstance(dirpath, str) and dirpath not in self.cleaned_dirs:
+            remote.check_directory(dirpath)
+            self.cleaned_dirs.add(dirpath)
+        elif dirpath is not None and dirpath not in self.cleaned_dirs:
             dirpath.mkdir(parents=True, exist_ok=True)
             if rank == 0:
                 commit.cleanup_leftovers(dirpath, keep_prefix=commit.tmp_for(dirpath, self.token).name)
@@ -115,6 +121,16 @@ class Run:
         if not self.stager.buffers():
             nbytes = self.stager.prepare(like, rank=rank, world_size=world_size)
             log.debug("lightning-asyncckpt: prepared %d bytes of staging buffers", nbytes)
+
+    def remove(self, path: Path | str, what: str) -> None:
+        """(this rank, retention) Removes a checkpoint: a local one now; a remote one in one background
+        thread, so that object-store calls stay off the training thread (``close`` waits for them)."""
+        if isinstance(path, Path):
+            commit.try_remove(path, what)
+            return
+        if self._remote_ops is None:
+            self._remote_ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncckpt-remote")
+        self._remote_ops.submit(remote.remove, path, what)
 
     def worker_pids(self) -> list[int]:
         """PIDs of this run's live writers: the persistent worker, or the forked ones of pending saves."""
@@ -132,6 +148,8 @@ class Run:
         for save in dropped:
             if self.engine is not None:
                 self.engine.kill(save.ticket)
+            if save.remote:
+                continue  # an unfinished upload is never visible
             if not save.collective or rank == 0:  # every rank writes into a collective save's directory
                 commit.try_remove(save.tmp, "the unfinished save")
         if dropped:
@@ -143,8 +161,11 @@ class Run:
         self.doomed = []
         for path, after in self.removals:
             if after <= self.last_ok_order:
-                commit.try_remove(path, "the checkpoint")
+                self.remove(path, "the checkpoint")
         self.removals = []
+        if self._remote_ops is not None:
+            self._remote_ops.shutdown(wait=True)  # the removals asked for are done when the run closes
+            self._remote_ops = None
         self.count.settle_all()
         self.stager.clear()
         if self.results_dir is not None:

@@ -62,11 +62,13 @@ def submit(
         snapshot, local_error = None, None
         try:
             request.path = paths.check_save_path(request.path, storage_options, request.writes_file)
-            run.start(rank, request.path.parent)
+            run.start(rank, paths.parent(request.path))
             poller.settle_local(run, settings, rank, blocking=False)
             if not agreement.active:
                 run.failures.raise_local()
             poller.wait_for_room(run, settings, rank)
+            if isinstance(request.path, str) and not run.engine.persistent:
+                poller.wait_for_path(run, settings, rank, request.path)
             if collective:
                 snapshot = take_snapshot(run, agreement, request)
         except Exception as e:
@@ -103,9 +105,12 @@ def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest) -> stagi
     return run.stager.snapshot(request.checkpoint)
 
 
-def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_collective: Callable[[], None]) -> Path:
+def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_collective: Callable[[], None]) -> Path | str:
     """The hidden directory the save is written into: per save for one writer; for a collective save the
-    same on every rank (rank 0's token, agreed at the first one, and a count every rank keeps)."""
+    same on every rank (rank 0's token, agreed at the first one, and a count every rank keeps). A remote
+    object is written at its URL: it is invisible until complete, as an object store has no rename."""
+    if isinstance(request.path, str):
+        return request.path
     if not request.collective:
         return commit.tmp_for(request.path, f"{run.token}-{run.order}")
     if not run.token_agreed:
@@ -135,7 +140,7 @@ def schedule(
             ticket, plan = _hand_over_dcp(run, agreement, settings, request, snapshot, tmp, result_path, write_hook, rank)
     except BaseException:
         # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
-        if not request.collective:
+        if not request.collective and not isinstance(tmp, str):
             commit.try_remove(tmp, "the unfinished save")
         run.stager.release(snapshot.buffer_set if snapshot is not None else None)
         raise
@@ -150,7 +155,7 @@ def schedule(
     return save
 
 
-def _hand_over_file(run: Run, request: SaveRequest, snapshot: staging.Snapshot, tmp: Path, result_path: Path,
+def _hand_over_file(run: Run, request: SaveRequest, snapshot: staging.Snapshot, tmp: Path | str, result_path: Path,
                     write_hook: Any) -> Any:
     r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU."""
     assert run.engine is not None

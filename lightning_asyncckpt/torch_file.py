@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from lightning_asyncckpt import _worker, commit, staging
+from lightning_asyncckpt import _worker, commit, remote, staging
 
 # Stock ``torch.save``'s defaults: pickle protocol 2 and the zip format.
 _PICKLE_PROTOCOL = 2
@@ -152,16 +152,19 @@ def write_file(
     same_object: set[str] | frozenset[str] = frozenset(),
 ) -> int:
     """(writer) Writes the checkpoint as stock's ``torch.save`` file at ``tmp_path`` (the hidden sibling
-    of the final path), flushed and fsync'd. Returns the file's size in bytes."""
+    of the final path), flushed and fsync'd; or streams it to a remote URL, where it appears only once
+    complete (:func:`remote.write_object`). Returns the file's size in bytes."""
     checkpoint, used = rebuild(skeleton, tensors, aliases, same_object)
     by_ptr = {}
     if locations:
         _register_tagger()
         by_ptr = {used[n].untyped_storage().data_ptr(): loc for n, loc in locations.items()
                   if n in used and used[n].numel() > 0}
-    os.makedirs(os.path.dirname(os.path.abspath(tmp_path)), exist_ok=True)
     _tags.by_ptr = by_ptr
     try:
+        if remote.is_remote(tmp_path):
+            return remote.write_object(str(tmp_path), lambda f: torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL))
+        os.makedirs(os.path.dirname(os.path.abspath(tmp_path)), exist_ok=True)
         with open(tmp_path, "wb", buffering=_WRITE_BUFFER) as f:
             torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL)
             f.flush()

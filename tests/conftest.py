@@ -49,3 +49,23 @@ def small_tmpfs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def s3(tmp_path_factory, monkeypatch):
+    """A real S3-protocol server (moto) on loopback for this test, with a bucket ``ckpt``; the environment
+    points fsspec (and every process started from here) at it. Stopped after the test."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    import fsspec
+    from s3server import S3Server
+
+    with S3Server(tmp_path_factory.mktemp("s3")) as server:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        fsspec.get_filesystem_class("s3").clear_instance_cache()  # an earlier test's endpoint must not be reused
+        fs = fsspec.filesystem("s3")
+        fs.mkdir("ckpt")
+        server.fs = fs
+        yield server
+        fs.clear_instance_cache()

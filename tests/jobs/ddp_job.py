@@ -389,6 +389,23 @@ def case_soak(args, report):
     report["files"] = sorted(os.listdir(ck.dirpath))
 
 
+def case_remote(args, report):
+    """Two DDP ranks save to an S3 URL (``--dir``; the endpoint comes from the environment): rank 0 writes."""
+    import fsspec
+
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    ck = ModelCheckpoint(dirpath=args.dir, monitor="step", mode="max", save_top_k=2, every_n_train_steps=4, save_last=True)
+    t = _trainer(args, [io], [AsyncFinalizerCallback(), ck], max_steps=8)
+    t.fit(TinyModel(width=32), loader(width=32, n=64, batch_size=4))
+    torch.distributed.barrier()
+    fs, root = fsspec.core.url_to_fs(args.dir)
+    fs.invalidate_cache()
+    report["objects"] = sorted(os.path.basename(p) for p in fs.ls(root))
+    with fs.open(f"{root}/last.ckpt", "rb") as f:
+        report["last_step"] = torch.load(f, weights_only=False)["global_step"]
+    report["children_after_fit"] = _own_children(t)
+
+
 def main():
     run_job(lambda args, report: globals()[f"case_{args.case}"](args, report))
 
