@@ -11,6 +11,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_asyncckpt.io import AsyncCheckpointIO
+from lightning_asyncckpt.logger_relay import LoggerRelay
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,12 @@ class AsyncFinalizerCallback(Callback):
     loggers (``asyncckpt/stall_seconds``, ``write_seconds``, ``bytes_written``, ``write_gb_per_second``,
     ``pending_saves``; see :meth:`SaveRecord.metrics`), unless ``log_metrics=False``.
 
+    Loggers hear of a checkpoint only once it is committed: ``ModelCheckpoint`` calls each logger's
+    ``after_save_checkpoint`` right after it schedules a save; from ``setup`` to ``teardown`` (or
+    ``on_exception``) those calls are deferred (:class:`~lightning_asyncckpt.logger_relay.LoggerRelay`)
+    and made, in order, after the finalize that committed every save scheduled before them. A call for
+    which a save failed is dropped (the failure is raised as ``CheckpointWriteError``).
+
     Installing the package registers this callback with every ``Trainer`` through Lightning's
     ``callbacks_factory`` entry point; it stays inert unless the trainer uses ``AsyncCheckpointIO``
     and no other ``AsyncFinalizerCallback`` was given.
@@ -64,6 +71,7 @@ class AsyncFinalizerCallback(Callback):
         self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
         self._wrapped: Any = None  # (strategy, our save_checkpoint wrapper)
         self._renamed: list = []  # checkpoint callbacks whose file_exists counts pending saves
+        self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
 
     @property
     def state_key(self) -> str:
@@ -92,6 +100,7 @@ class AsyncFinalizerCallback(Callback):
         io.begin_run(collective=writes_everywhere and stage == "fit")
         self._watch_saves(trainer.strategy)
         self._watch_names(trainer)
+        self._relay.attach(trainer.loggers, io)
         # start the worker now on every rank that writes, not inside a training step
         if stage == "fit" and (trainer.is_global_zero or writes_everywhere):
             io.warmup()
@@ -149,7 +158,8 @@ class AsyncFinalizerCallback(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """(all ranks) Gives the strategy its own ``save_checkpoint`` back, and the checkpoint callbacks their
-        own ``file_exists``."""
+        own ``file_exists``, and the loggers their own ``after_save_checkpoint``."""
+        self._relay.detach()
         for cb in self._renamed:
             vars(cb).pop("file_exists", None)
         self._renamed = []
@@ -172,15 +182,26 @@ class AsyncFinalizerCallback(Callback):
             like = {"state_dict": pl_module.state_dict(),
                     "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
             self._io.prepare(like, distributed=self._writes_everywhere)
-        self._io.finalize_step(blocking=False)
+        self._finalize(blocking=False)
         self._log_committed(trainer)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """(all ranks, once at the end of fit) Blocking finalize: every save is committed or raised."""
         if self._io is not None:
-            self._io.finalize_step(blocking=True)
+            self._finalize(blocking=True)
             self._log_committed(trainer)
+
+    def _finalize(self, blocking: bool) -> None:
+        """``finalize_step``, then the loggers' deferred ``after_save_checkpoint`` calls whose saves committed
+        (also when it raises: the saves before a failed one committed)."""
+        assert self._io is not None
+        try:
+            self._io.finalize_step(blocking=blocking)
+        except BaseException:
+            self._relay.replay(quiet=True)
+            raise
+        self._relay.replay()
 
     def _log_committed(self, trainer: Trainer) -> None:
         """(global rank 0) The figures of the saves committed since the last call, to every logger."""
@@ -196,9 +217,12 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """(the ranks that raised) Stops the workers without collectives, leaving ``exception`` to propagate."""
+        """(the ranks that raised) Stops the workers without collectives, leaving ``exception`` to propagate;
+        then tells the loggers of the saves that committed on the way out, and gives them their own
+        ``after_save_checkpoint`` back (Lightning runs no ``teardown`` hook after an exception)."""
         if self._io is not None:
             self._io.abort()
+        self._relay.detach()
 
 
 def _external_callbacks() -> list[Callback]:

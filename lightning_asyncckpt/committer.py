@@ -42,6 +42,7 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
         worker_s=save.write_s,
     )
     run.history.append(record)
+    run.committed_calls.add(save.call)
     run.last_ok_order = save.order
     if rank == 0:
         log.info("lightning-asyncckpt: %s", record.summary())

@@ -40,6 +40,7 @@ class PendingSave:
     write_s: float = 0.0
     written: list | None = None  # a collective save's local write results, once this rank's part is on disk
     started: float = field(default_factory=time.monotonic)
+    call: int = 0  # the save call of this rank it came from (``SavePipeline.saves_scheduled``)
 
     @property
     def remote(self) -> bool:

@@ -4,7 +4,8 @@
 face stands on: the current :class:`~lightning_asyncckpt.run.Run`, the cross-rank ``Agreement``, the exit
 group and the interpreter-exit hook. Its public methods are the small interface that the callback and
 the strategies call (``begin_run``, ``announce``, ``prepare``, ``finalize_step``,
-``wait_for_local_writes``, ``abort``); nothing outside calls its ``_``-methods.
+``wait_for_local_writes``, ``abort``, and ``saves_scheduled``/``saves_settled`` for the logger relay);
+nothing outside calls its ``_``-methods.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class SavePipeline:
         self._closed = False  # torn down: nobody finalizes, so a save completes before it returns
         self._began = False  # a Trainer stage (the callback) or the user (warmup, with) will finalize
         self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
+        self._committed_calls: set[int] = set()  # the numbers of the save calls that committed
         self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
         self._exit_group = ExitGroup()
         self._at_exit = AtExit()
@@ -55,6 +57,25 @@ class SavePipeline:
         state = dict(self.__dict__)
         state.update(_run=None, _closed=False, _began=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None)
         return state
+
+    @property
+    def saves_scheduled(self) -> int:
+        """(any rank, any time; local) How many saves this rank's plugin was asked to make since it was
+        made, counted as each call begins (one that fails or raises counts too). Lightning's Trainer calls
+        the plugin on global rank 0 only (every rank for ``AsyncDDPStrategy`` and sharded saves): on the
+        other ranks it stays 0. A mark for :meth:`saves_settled`."""
+        return self._save_calls
+
+    def saves_settled(self, mark: int, since: int = 0) -> bool | None:
+        """(any rank, any time; local, no collectives) Whether this rank's saves numbered ``since + 1`` to
+        ``mark`` (values of :attr:`saves_scheduled`) have settled: ``None`` while one of them is still
+        pending; then ``True`` if every one committed, ``False`` if one did not (its write failed, it was
+        dropped on the way out, or it raised to its caller). Saves commit in ``finalize`` (the callback's,
+        after every batch); a failure is raised there, on every rank. With nothing in the range (``mark <=
+        since``, e.g. a rank that saves nothing), ``True``."""
+        if self._run is not None and any(since < s.call <= mark for s in self._run.pending):
+            return None
+        return all(call in self._committed_calls for call in range(since + 1, mark + 1))
 
     def begin_run(self, collective: bool) -> None:
         """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
@@ -113,7 +134,7 @@ class SavePipeline:
             checkpoint, path, layout, collective, seq=run.count.claim(collective), started=time.perf_counter(),
             writes_file=layout is Layout.SINGLE_WRITER and self.format == "auto",
             step=step if step is not None else global_step(checkpoint), extra_files=extra_files or [],
-            faults=self.faults.for_save(rank, self._save_calls, self.engine, self.worker),
+            faults=self.faults.for_save(rank, self._save_calls, self.engine, self.worker), call=self._save_calls,
         )
         self._at_exit.arm(self, SavePipeline.abort)
         scheduler.submit(run, self._agreement, self, request, storage_options, self.write_hook, self.begin_collective_saves)
@@ -144,7 +165,7 @@ class SavePipeline:
 
     def _ensure_run(self) -> Run:
         if self._run is None:
-            self._run = Run(self._engine_name, self._worker_mode, self.history)
+            self._run = Run(self._engine_name, self._worker_mode, self.history, self._committed_calls)
             self._handling_at_start = sys.exc_info()[1]
         return self._run
 

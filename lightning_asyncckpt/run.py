@@ -77,6 +77,7 @@ class Run:
     engine_name: engines.EngineName
     worker_mode: engines.WorkerMode
     history: list[SaveRecord]  # the IO's, shared: records outlive the run
+    committed_calls: set[int] = field(default_factory=set)  # the IO's, shared: save calls that committed
     token: str = field(default_factory=commit.new_token)
     token_agreed: bool = False  # collective saves write into rank 0's token's directories
     collective_count: int = 0

@@ -44,6 +44,7 @@ class SaveRequest:
     step: int | None = None
     extra_files: list[tuple[str, bytes]] = field(default_factory=list)  # (name in the checkpoint, bytes)
     faults: SaveFaults = NO_FAULTS
+    call: int = 0  # this rank's save call it came from, counted from 1 (``SavePipeline.saves_scheduled``)
 
 
 def submit(
@@ -148,7 +149,7 @@ def schedule(
         order=run.order, seq=request.seq, path=request.path, tmp=tmp, ticket=ticket, plan=plan,
         result_path=result_path, buffer_set=snapshot.buffer_set, stall_s=time.perf_counter() - request.started,
         nbytes=snapshot.nbytes, step=request.step, collective=request.collective, faults=request.faults,
-        writes_file=request.writes_file,
+        writes_file=request.writes_file, call=request.call,
     )
     run.pending.append(save)
     log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", request.path, snapshot.nbytes, save.stall_s)

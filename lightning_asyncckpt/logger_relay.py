@@ -1,0 +1,111 @@
+"""``LoggerRelay``: a logger hears of a checkpoint (``after_save_checkpoint``) only once it is committed.
+
+Stock ``ModelCheckpoint`` calls ``logger.after_save_checkpoint(proxy(checkpoint_callback))`` right after
+``trainer.save_checkpoint`` returns. Under ``AsyncCheckpointIO`` the save is only scheduled then, so a
+logger that uploads checkpoints (``MLFlowLogger(log_model=...)``, ``WandbLogger(log_model="all")``) would
+look for files that do not exist yet. The relay, set up by ``AsyncFinalizerCallback``:
+
+- replaces each of the trainer's loggers' ``after_save_checkpoint`` with a wrapper (an instance attribute,
+  given back at ``detach``) that records the call with how many saves this rank had scheduled so far
+  (``AsyncCheckpointIO.saves_scheduled``);
+- after every finalize (``replay``), makes the recorded calls, in the order Lightning made them, whose
+  saves have all committed; a call for which one of those saves did not commit (the failure is raised
+  as ``CheckpointWriteError`` by the finalize) is dropped, never made.
+
+A call for which nothing is pending (a rank that saves nothing; a save completed synchronously) is made
+at once, after the calls recorded before it. A logger reads the checkpoint callback's state when the
+call is made: a file that is not committed yet is not at its final path (the publish is an atomic
+rename), so a later call picks it up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_HOOK = "after_save_checkpoint"
+
+
+@dataclass
+class _Call:
+    original: Any  # the logger's own bound after_save_checkpoint
+    checkpoint_callback: Any  # what Lightning passed (a weakref proxy of the ModelCheckpoint)
+    mark: int  # io.saves_scheduled when the call was made
+
+
+class LoggerRelay:
+    """Defers the loggers' ``after_save_checkpoint`` until the saves scheduled before each call commit."""
+
+    def __init__(self) -> None:
+        self._io: Any = None
+        self._since = 0  # io.saves_scheduled at attach, then through which save every call was settled
+        self._deferred: deque[_Call] = deque()
+        self._wrapped: list[tuple[Any, Any, Any]] = []  # (logger, our wrapper, its instance attribute before)
+
+    @property
+    def num_deferred(self) -> int:
+        """Calls recorded and not yet made or dropped."""
+        return len(self._deferred)
+
+    def attach(self, loggers: Any, io: Any) -> None:
+        """(all ranks, at the callback's ``setup``) Wraps each logger's ``after_save_checkpoint``; ``io`` is
+        the trainer's ``AsyncCheckpointIO``."""
+        self.detach()
+        self._io, self._since = io, io.saves_scheduled
+        for logger in loggers:
+            before = vars(logger).get(_HOOK) if hasattr(logger, "__dict__") else None
+            if getattr(before, "_asyncckpt", False):
+                continue
+            original = getattr(logger, _HOOK)
+
+            def after_save_checkpoint(checkpoint_callback: Any, _original: Any = original) -> None:
+                self._deferred.append(_Call(_original, checkpoint_callback, self._io.saves_scheduled))
+                self.replay()
+
+            after_save_checkpoint._asyncckpt = True  # type: ignore[attr-defined]
+            setattr(logger, _HOOK, after_save_checkpoint)
+            self._wrapped.append((logger, after_save_checkpoint, before))
+
+    def replay(self, quiet: bool = False) -> None:
+        """(all ranks, after each finalize) Makes, in order, the recorded calls whose saves all committed;
+        drops those for which one did not. ``quiet`` (while an exception propagates): a logger's error is
+        logged, not raised, so as not to mask it."""
+        while self._deferred and self._io is not None:
+            call = self._deferred[0]
+            settled = self._io.saves_settled(call.mark, since=self._since)
+            if settled is None:
+                return
+            self._deferred.popleft()
+            if not settled:
+                log.warning("lightning-asyncckpt: a checkpoint save failed; the loggers are not told of it"
+                            " (after_save_checkpoint dropped)")
+                continue
+            self._since = max(self._since, call.mark)
+            if not quiet:
+                call.original(call.checkpoint_callback)
+                continue
+            try:
+                call.original(call.checkpoint_callback)
+            except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
+                log.exception("lightning-asyncckpt: a logger's after_save_checkpoint failed")
+
+    def detach(self) -> None:
+        """(all ranks, at the callback's ``teardown``) Makes the calls that can be made (quietly), drops the
+        others, and gives each logger its own ``after_save_checkpoint`` back."""
+        self.replay(quiet=True)
+        if self._deferred:
+            log.warning("lightning-asyncckpt: %d logger after_save_checkpoint call(s) dropped: their saves did"
+                        " not commit", len(self._deferred))
+            self._deferred.clear()
+        for logger, wrapper, before in self._wrapped:
+            if vars(logger).get(_HOOK) is wrapper:
+                if before is None:
+                    delattr(logger, _HOOK)
+                else:
+                    setattr(logger, _HOOK, before)
+        self._wrapped = []
+        self._io = None
