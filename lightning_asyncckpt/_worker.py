@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from lightning_asyncckpt import remote
 from lightning_asyncckpt.errors import RankFailure
 
 
@@ -120,10 +121,11 @@ def _write_file(path: str, data: bytes) -> None:
 
 def write_job(
     writer_cls: type, transforms: list, buckets: list, result_path: str, hook: Any | None = None,
-    extra_files: list | tuple = (),
+    extra_files: list | tuple = (), upload: tuple[str, str] | None = None,
 ) -> None:
     """The async function handed to the engine's queue: writes the shards (and small extra files,
-    such as a sharded checkpoint's ``meta.pt``), then reports."""
+    such as a sharded checkpoint's ``meta.pt``), then reports. ``upload``: ``(local dir, url)``, the
+    written files go to the object store (``remote.upload_dir``) before the report."""
     t0 = time.monotonic()
     try:
         if hook is not None:
@@ -131,6 +133,8 @@ def write_job(
         outcome: dict[str, Any] = {"ok": True, "results": _write_all(writer_cls, transforms, buckets)}
         for path, data in extra_files:
             _write_file(path, data)
+        if upload is not None:
+            remote.upload_dir(*upload)
     except BaseException as e:  # noqa: BLE001
         outcome = {"ok": False, **_describe(e, buckets)}
     report(result_path, outcome, t0)

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from lightning_asyncckpt import commit, torch_file
+from lightning_asyncckpt import commit, remote, torch_file
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.failures import Failed
@@ -32,7 +32,10 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
             if not save.writes_file:  # a file is complete when written; a DCP directory once .metadata is
                 save.plan.writer.finish(save.plan.metadata, all_results)
             save.faults.check(save.faults.before_publish, save.path)
-            if not save.remote:  # a remote object became visible when its upload completed
+            if isinstance(save.path, str):  # a remote file was visible once uploaded; a directory now
+                if not save.writes_file:
+                    remote.publish_metadata(save.tmp, save.path)
+            else:
                 (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
         except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
             return RankFailure.from_exception(rank, e)
@@ -42,6 +45,8 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
         worker_s=save.write_s,
     )
     run.history.append(record)
+    if save.remote and isinstance(save.tmp, Path):
+        commit.try_remove(save.tmp, "the uploaded spool directory")  # this rank's local copy
     run.committed_calls.add(save.call)
     run.last_ok_order = save.order
     if rank == 0:
@@ -67,8 +72,8 @@ def commit_collective(run: Run, agreement: Agreement, save: PendingSave) -> None
     failure = agreement.all_gather(failure)[0]
     run.pending.remove(save)
     if failure is not None:
-        if coordinator:
-            commit.try_remove(save.tmp, "the failed save")  # every rank's part of it was written
+        if coordinator or save.remote:  # every rank's part of it was written (a remote one: in its own spool)
+            commit.try_remove(save.tmp, "the failed save")
         drop_collective_pending(run, agreement.rank)
         agreement.all_max([0])  # every rank has stopped its writers
         remove_doomed(run)
@@ -93,9 +98,9 @@ def drop_collective_pending(run: Run, rank: int) -> None:
 def discard_tmp(run: Run, save: PendingSave, rank: int) -> None:
     """Removes a failed save's partial directory. Other ranks may still be writing into a collective
     save's directory: the coordinator removes it once every rank has stopped (``remove_doomed``)."""
-    if save.remote:
-        return  # never visible: the worker discarded the upload (a killed one leaves an incomplete upload)
-    if save.collective:
+    if not isinstance(save.tmp, Path):
+        return  # a remote file, never visible: the worker discarded the upload (a killed one leaves an incomplete upload)
+    if save.collective and not save.remote:  # a remote one's parts are in each rank's own spool
         if rank == 0:
             run.doomed.append(save.tmp)
     else:

@@ -8,7 +8,6 @@ stock layout. (For Fabric's DDP strategy, pass ``AsyncCheckpointIO`` in ``plugin
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
@@ -17,6 +16,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_asyncckpt import paths
 from lightning_asyncckpt.io import AsyncCheckpointIO
 
 
@@ -75,7 +75,7 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
             raise NotImplementedError(
                 f"{type(self).__name__} doesn't support distributed filtered checkpoints (neither does Fabric's)."
             )
-        path = Path(self.broadcast(path))
+        path = paths.checkpoint_path(self.broadcast(path))  # a local Path, or an object-store URL
         converted, meta = sharded_state(state)
         self.checkpoint_io.save_checkpoint_sharded(converted, path, meta)
 

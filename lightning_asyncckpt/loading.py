@@ -16,6 +16,10 @@ def load(path: Path | str, map_location: Any | None = None, weights_only: bool |
     fsspec); a clear error for a missing or incomplete one."""
     if isinstance(path, str):
         remote.forget(path)
+        fs, inner = remote.filesystem(path, writing=False)
+        if fs.isdir(inner):  # a DCP directory: read from a local copy
+            with remote.localize(path) as local:
+                return load(local, map_location=map_location, weights_only=weights_only)
     if isinstance(path, str) or path.is_file():  # stock's file: read as stock reads it (onto the CPU unless told otherwise)
         kwargs = {} if map_location is None else {"map_location": map_location}
         return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)

@@ -47,12 +47,6 @@ def check_save_path(path: Any, storage_options: Any, writes_file: bool) -> Path 
         )
     path = checkpoint_path(path)
     if isinstance(path, str):
-        if not writes_file:
-            raise NotImplementedError(
-                f"Cannot save a checkpoint directory (sharded, `AsyncDDPStrategy` or `format='dcp'`) to {path!r}:"
-                " remote URLs take single-file checkpoints for now. Save to a local or mounted path, or use"
-                " `AsyncCheckpointIO(format='auto')` with a single-writer strategy."
-            )
         remote.filesystem(path)  # an unknown scheme or a missing backend: a clear error now
         return path
     if writes_file and path.is_dir() and not path.is_symlink() and not _is_checkpoint_dir(path):

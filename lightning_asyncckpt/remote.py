@@ -7,7 +7,12 @@ Where a remote checkpoint is written, and by whom:
   upload completes (one ``PUT``, or a completed multipart upload), and a failed write is discarded.
   An existing object at that URL (``last.ckpt``) stays as it was until the new one completes.
 - The trainer's commit then only records the save; top-k removals run in a background thread
-  (``Run.remote_ops``), never on the training thread.
+  (``Run.remove``), never on the training thread.
+- A DCP directory (``AsyncDDPStrategy``, sharded saves, ``format="dcp"``) is written by each rank's
+  worker into a local spool directory, then uploaded by that worker, object by object, after it has
+  deleted the ``.metadata`` of a checkpoint it replaces (so a reader never sees old metadata over new
+  shards). At the commit, the coordinator uploads ``.metadata`` last: one small ``PUT``, the commit point,
+  on its training thread. Loads download the directory into a temporary local one first.
 - Credentials and endpoints come from fsspec's own configuration, as for stock Lightning: the backend's
   environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...), its config files, or
   fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>`` variables. The worker inherits the environment.
@@ -17,9 +22,13 @@ Runs in the trainer and in the writer process; fsspec is imported lazily.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO, Any
 
 log = logging.getLogger(__name__)
@@ -32,6 +41,9 @@ BLOCK_SIZE = 64 << 20
 PROCESS_LOCAL = frozenset({"memory"})
 # What to install for the common schemes, for the error of a missing backend
 _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
+
+
+METADATA = ".metadata"
 
 
 def is_remote(path: Any) -> bool:
@@ -144,9 +156,62 @@ def last_checkpoint(dirpath: str) -> str | None:
     fs.invalidate_cache(path)
     if not fs.exists(path):
         return None
+    def complete(e: dict) -> bool:  # a file, or a DCP directory (a prefix) with its metadata
+        return e.get("type") == "file" or fs.exists(f"{e['name']}/{METADATA}")
+
+    def modified(e: dict) -> Any:
+        return fs.modified(e["name"] if e.get("type") == "file" else f"{e['name']}/{METADATA}")
+
     found = [e for e in fs.ls(path, detail=True)
-             if e.get("type") == "file" and re.fullmatch(r"last(-v?\d+)?\.ckpt", e["name"].rsplit("/", 1)[-1])]
+             if re.fullmatch(r"last(-v?\d+)?\.ckpt", e["name"].rsplit("/", 1)[-1]) and complete(e)]
     if not found:
         return None
-    newest = max(found, key=lambda e: fs.modified(e["name"]))
+    newest = max(found, key=modified)
     return fs.unstrip_protocol(newest["name"])
+
+
+def spool_root() -> Path:
+    """(any rank) The local directory where this node's workers write DCP parts before uploading them."""
+    return Path(tempfile.gettempdir()) / "asyncckpt-spool"
+
+
+def upload_dir(local: str | os.PathLike, url: str) -> None:
+    """(writer) Uploads every file under ``local`` to ``url`` (same relative names), then deletes the local
+    copies. The ``.metadata`` of a checkpoint already at ``url`` goes first: its shards are about to be
+    overwritten, and a checkpoint without metadata is incomplete rather than torn."""
+    fs, root = filesystem(url)
+    meta = f"{root}/{METADATA}"
+    if fs.exists(meta):
+        fs.rm(meta)
+    local = Path(local)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        fs.put_file(str(path), f"{root}/{path.relative_to(local).as_posix()}")
+        path.unlink()
+
+
+def publish_metadata(local: Path, url: str) -> None:
+    """(coordinator, at the commit) Uploads ``.metadata`` last: from now on the checkpoint is complete."""
+    fs, root = filesystem(url)
+    fs.put_file(str(local / METADATA), f"{root}/{METADATA}")
+
+
+@contextlib.contextmanager
+def localize(url: str) -> Iterator[Path]:
+    """(any rank, to load) The checkpoint at ``url`` in a temporary local copy (a file, or a directory),
+    removed afterwards. A directory without ``.metadata`` is an incomplete checkpoint: a clear error."""
+    fs, path = filesystem(url, writing=False)
+    fs.invalidate_cache(path)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"Checkpoint at {url!r} not found.")
+    tmp = Path(tempfile.mkdtemp(prefix="asyncckpt-load-"))
+    try:
+        local = tmp / (path.rstrip("/").rsplit("/", 1)[-1] or "checkpoint")
+        if fs.isdir(path):
+            if not fs.exists(f"{path}/{METADATA}"):
+                raise FileNotFoundError(f"{url!r} is not a complete checkpoint (no {METADATA}).")
+            fs.get(f"{path}/", str(local) + "/", recursive=True)
+        else:
+            fs.get_file(path, str(local))
+        yield local
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -109,6 +109,10 @@ class Run:
             self.results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))
         if isinstance(dirpath, str) and dirpath not in self.cleaned_dirs:
             remote.check_directory(dirpath)
+            spool = remote.spool_root()
+            if spool not in self.cleaned_dirs:  # parts of dead runs' directory saves on this node
+                commit.cleanup_leftovers(spool, keep_prefix=commit.tmp_for(spool / "x", self.token).name)
+                self.cleaned_dirs.add(spool)
             self.cleaned_dirs.add(dirpath)
         elif dirpath is not None and dirpath not in self.cleaned_dirs:
             dirpath.mkdir(parents=True, exist_ok=True)
@@ -149,9 +153,9 @@ class Run:
         for save in dropped:
             if self.engine is not None:
                 self.engine.kill(save.ticket)
-            if save.remote:
-                continue  # an unfinished upload is never visible
-            if not save.collective or rank == 0:  # every rank writes into a collective save's directory
+            if not isinstance(save.tmp, Path):
+                continue  # a remote file: an unfinished upload is never visible
+            if not save.collective or rank == 0 or save.remote:  # a remote save's parts: this rank's spool  # every rank writes into a collective save's directory
                 commit.try_remove(save.tmp, "the unfinished save")
         if dropped:
             log.warning("lightning-asyncckpt: %d unfinished save(s) dropped", len(dropped))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_asyncckpt import _worker, commit, dcp_format, paths, poller, staging, torch_file
+from lightning_asyncckpt import _worker, commit, dcp_format, paths, poller, remote, staging, torch_file
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.failures import Failed, filesystem_failures
@@ -109,17 +109,20 @@ def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest) -> stagi
 def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_collective: Callable[[], None]) -> Path | str:
     """The hidden directory the save is written into: per save for one writer; for a collective save the
     same on every rank (rank 0's token, agreed at the first one, and a count every rank keeps). A remote
-    object is written at its URL: it is invisible until complete, as an object store has no rename."""
-    if isinstance(request.path, str):
+    file is written at its URL (invisible until complete: an object store has no rename); a remote
+    directory into a local spool directory first, which its worker uploads."""
+    if isinstance(request.path, str) and request.writes_file:
         return request.path
+    # a spool directory is per rank: the ranks of one node share the spool root
+    base, spool = (remote.spool_root() / "x", f"-r{agreement.rank}") if isinstance(request.path, str) else (request.path, "")
     if not request.collective:
-        return commit.tmp_for(request.path, f"{run.token}-{run.order}")
+        return commit.tmp_for(base, f"{run.token}-{run.order}")
     if not run.token_agreed:
         run.token = agreement.all_gather(run.token)[0]
         run.token_agreed = True
         on_first_collective()  # every rank is here (Fabric; the Trainer made its exit group at setup)
     run.collective_count += 1
-    return commit.tmp_for(request.path, f"{run.token}-c{run.collective_count}")
+    return commit.tmp_for(base, f"{run.token}-c{run.collective_count}{spool}")
 
 
 def schedule(
@@ -141,7 +144,7 @@ def schedule(
             ticket, plan = _hand_over_dcp(run, agreement, settings, request, snapshot, tmp, result_path, write_hook, rank)
     except BaseException:
         # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
-        if not request.collective and not isinstance(tmp, str):
+        if (not request.collective or isinstance(request.path, str)) and isinstance(tmp, Path):
             commit.try_remove(tmp, "the unfinished save")
         run.stager.release(snapshot.buffer_set if snapshot is not None else None)
         raise
@@ -174,9 +177,9 @@ def _hand_over_file(run: Run, request: SaveRequest, snapshot: staging.Snapshot, 
 
 
 def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, snapshot: staging.Snapshot,
-                   tmp: Path, result_path: Path, write_hook: Any, rank: int) -> tuple[Any, Any]:
+                   tmp: Path | str, result_path: Path, write_hook: Any, rank: int) -> tuple[Any, Any]:
     """Plans this rank's part of a DCP directory (collectively when all ranks write) and hands it over."""
-    assert run.engine is not None
+    assert run.engine is not None and isinstance(tmp, Path)
     extra = [(str(tmp / name), data) for name, data in request.extra_files]
     planner_data = None
     if request.layout is Layout.SHARDED:
@@ -196,7 +199,8 @@ def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, request: 
     request.faults.check(request.faults.at_handover, request.path)
     ticket = run.engine.schedule(
         _worker.write_job,
-        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, write_hook), extra),
+        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, write_hook), extra,
+         (str(tmp), request.path) if isinstance(request.path, str) else None),
     )
     return ticket, plan
 

@@ -14,7 +14,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_asyncckpt import commit, dcp_format, metadata
+from lightning_asyncckpt import commit, dcp_format, metadata, paths, remote
 from lightning_asyncckpt.callback import AsyncFinalizerCallback, find_async_io
 from lightning_asyncckpt.io import META_FILE, AsyncCheckpointIO
 
@@ -134,7 +134,7 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
             # full state on rank 0 (gathered by the stock strategy); rank 0 writes it through the plugin
             super().save_checkpoint(checkpoint, filepath)
             return
-        path = Path(self.broadcast(filepath))  # every rank writes into the same directory
+        path = paths.checkpoint_path(self.broadcast(filepath))  # every rank writes into the same directory
         state = {"state_dict": checkpoint["state_dict"]}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))})
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -146,7 +146,13 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         Lightning's, written on any number of ranks) or a full one."""
         io = self._async_io()
         io.settle()  # every pending save committed or raised first
-        path = Path(self.broadcast(checkpoint_path))
+        path = paths.checkpoint_path(self.broadcast(checkpoint_path))
+        if isinstance(path, str):  # an object store: every rank reads from its own local copy
+            with remote.localize(path) as local:
+                return self._load_local(io, local, weights_only)
+        return self._load_local(io, path, weights_only)
+
+    def _load_local(self, io: AsyncCheckpointIO, path: Path, weights_only: bool | None) -> dict[str, Any]:
         if path.is_dir() and commit.is_committed(path) and weights_only is not False:
             metadata.read_metadata(path)  # refuses a .metadata that would run code, before stock unpickles it
         if path.is_dir() and commit.is_committed(path) and not (path / META_FILE).is_file():

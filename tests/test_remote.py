@@ -15,6 +15,7 @@ from lightning_asyncckpt import (
     AsyncFinalizerCallback,
     CheckpointWriteError,
     last_checkpoint,
+    remote,
 )
 
 URL = "s3://ckpt/run1"
@@ -116,10 +117,32 @@ def test_bad_remote_paths_fail_at_save_time_and_lose_nothing(s3):
             io.save_checkpoint({"step": 2}, "gs://b/a.ckpt")
         with pytest.raises(ValueError, match=r"'memory://b/a.ckpt'.*cannot reach"):
             io.save_checkpoint({"step": 2}, "memory://b/a.ckpt")
-    with AsyncCheckpointIO(format="dcp") as dcp, pytest.raises(NotImplementedError, match="s3://ckpt/run1/d.*single-file"):
-        dcp.save_checkpoint({"step": 2}, f"{URL}/d")
     assert _objects(s3) == ["a.ckpt"]
     assert _load(s3, f"{URL}/a.ckpt")["step"] == 1
+
+
+def test_a_dcp_directory_on_s3_is_complete_only_with_its_metadata_and_loads(s3, hold):
+    state = {"step": 1, "w": torch.arange(1000.0), "nested": {"b": torch.ones(3, dtype=torch.bfloat16)}}
+    io = AsyncCheckpointIO(format="dcp")
+    with io:
+        io.write_hook = hold
+        io.save_checkpoint(state, f"{URL}/d.ckpt")
+        assert _objects(s3) == []  # held in the worker: nothing uploaded yet
+        hold.release()
+        io.finalize(blocking=True)
+        names = _objects(s3, "ckpt/run1/d.ckpt")
+        assert ".metadata" in names and any(n.endswith(".distcp") for n in names), names
+        got = io.load_checkpoint(f"{URL}/d.ckpt")
+        assert got["step"] == 1 and torch.equal(got["w"], state["w"]) and torch.equal(got["nested"]["b"], state["nested"]["b"])
+        io.write_hook = None
+        io.save_checkpoint({**state, "step": 2, "w": state["w"] + 1}, f"{URL}/d.ckpt")  # replaced in place
+        io.finalize(blocking=True)
+        got = io.load_checkpoint(f"{URL}/d.ckpt")
+        assert got["step"] == 2 and torch.equal(got["w"], state["w"] + 1)
+    assert not any(remote.spool_root().glob("*")) if remote.spool_root().exists() else True  # spool emptied
+    s3.fs.rm(f"ckpt/run1/d.ckpt/{remote.METADATA}")
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        AsyncCheckpointIO().load_checkpoint(f"{URL}/d.ckpt")
 
 
 def test_load_checkpoint_reads_a_url_after_its_save_commits(s3):
@@ -135,3 +158,18 @@ def test_ddp_save_to_s3(tmp_path, s3):
     r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "remote", "nvrx", "persistent", dir=URL)
     assert r0["objects"] == r1["objects"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     assert r0["last_step"] == 8
+
+
+def test_async_ddp_strategy_every_rank_writes_to_s3(tmp_path, s3):
+    r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "remote_dcp", "nvrx", "persistent", dir=URL)
+    assert r0["objects"] == r1["objects"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+    assert r0["verified"] == r1["verified"] == r0["objects"]  # bit-exact against the state at each save
+    assert r0["resumed_at"] == r1["resumed_at"] == [8]
+
+
+def test_sharded_saves_to_s3_read_with_plain_dcp_and_resume(tmp_path, s3):
+    r0, r1 = run_ranks(job_script("mp_job.py"), tmp_path, "remote", "nvrx", "persistent", dir=URL, timeout=300)
+    assert r0["objects"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+    assert r0["verified"] == r0["objects"]
+    assert r0["last"] == f"{URL}/last.ckpt"
+    assert r0["resume_exact"] and r1["resume_exact"]

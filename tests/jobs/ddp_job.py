@@ -406,6 +406,40 @@ def case_remote(args, report):
     report["children_after_fit"] = _own_children(t)
 
 
+def case_remote_dcp(args, report):
+    """``AsyncDDPStrategy`` (every rank writes a share of one DCP directory) to an S3 URL; then resume."""
+    from lightning_asyncckpt import AsyncDDPStrategy, last_checkpoint
+
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    rec = SnapshotRecorder()
+    ck = ModelCheckpoint(dirpath=args.dir, monitor="step", mode="max", save_top_k=2, every_n_train_steps=4, save_last=True)
+    L.seed_everything(1)
+    t = _trainer(args, [io], [rec, ck], max_steps=8, strategy=AsyncDDPStrategy())
+    t.fit(TinyModel(width=32), loader(width=32, n=64, batch_size=4))
+    torch.distributed.barrier()
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(args.dir)
+    fs.invalidate_cache()
+    report["objects"] = sorted(os.path.basename(p) for p in fs.ls(root))
+    for name in report["objects"]:
+        got = io.load_checkpoint(f"{args.dir}/{name}", weights_only=False)
+        assert_tree_equal({"state_dict": got["state_dict"], "optimizer_states": got["optimizer_states"]},
+                          rec.copies[got["global_step"]], name)
+    report["verified"] = report["objects"]
+    started = []
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    t2 = _trainer(args, [AsyncCheckpointIO(args.engine, worker=args.worker)], [AtStart()], max_steps=10,
+                  strategy=AsyncDDPStrategy(), enable_checkpointing=False)
+    t2.fit(TinyModel(width=32), loader(width=32, n=64, batch_size=4), ckpt_path=last_checkpoint(args.dir))
+    report["resumed_at"] = started
+    report["children_after_fit"] = _own_children(t)
+
+
 def main():
     run_job(lambda args, report: globals()[f"case_{args.case}"](args, report))
 

@@ -176,6 +176,38 @@ def _resume_both_ways(args, report, ck, rec):
     report["children_after_resume"] = _own_children()
 
 
+def case_remote(args, report):
+    """Sharded saves to an S3 URL (``--dir``; the endpoint comes from the environment): every committed
+    checkpoint read with plain DCP from a local copy matches its state; resume from the newest ``last``."""
+    from lightning_asyncckpt import last_checkpoint, remote
+
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    rec = FullStateRecorder()
+    ck = ModelCheckpoint(dirpath=args.dir, monitor="step", mode="max", save_top_k=2, every_n_train_steps=4, save_last=True)
+    L.seed_everything(1)
+    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), [rec, ck],
+                 plugins=[io], max_steps=8)
+    t.fit(ShardedModel(width=WIDTH), loader(**DATA))
+    torch.distributed.barrier()
+    fs, root = remote.filesystem(args.dir)
+    fs.invalidate_cache()
+    report["objects"] = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root))
+    if t.global_rank == 0:
+        for name in report["objects"]:
+            with remote.localize(f"{args.dir}/{name}") as local:
+                meta = torch.load(local / "meta.pt", weights_only=False)
+                assert_tree_equal(read_with_dcp(str(local), args.out), rec.copies[meta["global_step"]], name)
+        report["verified"] = report["objects"]
+    torch.distributed.barrier()
+    last = last_checkpoint(args.dir)
+    report["last"] = last
+    check = _resume(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), last, 10)
+    assert check.step == 8, check.step
+    assert_tree_equal(check.state, rec.copies[8], "resume from S3")
+    report["resume_exact"] = True
+    report["children_after_fit"] = _own_children()
+
+
 def case_after_fit(args, report):
     """``trainer.save_checkpoint`` after ``fit`` (the plugin is torn down): the sharded save is complete
     when it returns, on every rank, and holds the final state."""
