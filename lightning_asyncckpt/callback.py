@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_asyncckpt import resume
 from lightning_asyncckpt.io import AsyncCheckpointIO
 from lightning_asyncckpt.logger_relay import LoggerRelay
 
@@ -62,6 +63,7 @@ class AsyncFinalizerCallback(Callback):
     """
 
     def __init__(self, log_metrics: bool = True) -> None:
+        resume.install()  # before any fit: ckpt_path="last" on object stores
         self.log_metrics = log_metrics
         self._logged = 0  # io.history[:_logged] went to the loggers
         self._io: AsyncCheckpointIO | None = None
@@ -226,7 +228,10 @@ class AsyncFinalizerCallback(Callback):
 
 
 def _external_callbacks() -> list[Callback]:
-    """Lightning ``callbacks_factory`` entry point: an inert-by-default finalizer for every Trainer."""
+    """Lightning ``callbacks_factory`` entry point: an inert-by-default finalizer for every Trainer. Also
+    lets ``ckpt_path="last"`` find checkpoints on object stores for trainers that use the plugin
+    (:mod:`lightning_asyncckpt.resume`)."""
+    resume.install()
     cb = AsyncFinalizerCallback()
     cb._auto = True
     return [cb]

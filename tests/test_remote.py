@@ -69,7 +69,7 @@ def test_trainer_top_k_last_resume_and_load_from_s3(tmp_path, s3, worker):
 
     t2 = trainer(tmp_path, [io2], [AsyncFinalizerCallback(), AtStart(), ck2], max_steps=12)
     assert last_checkpoint(URL) == f"{URL}/last.ckpt"
-    t2.fit(TinyModel(width=32), loader(width=32, n=64), ckpt_path=last_checkpoint(URL))
+    t2.fit(TinyModel(width=32), loader(width=32, n=64), ckpt_path="last")  # stock finds nothing on S3 here
     assert started == [8]
     assert _objects(s3) == ["epoch=1-step=10.ckpt", "epoch=1-step=12.ckpt", "last.ckpt"]
     assert _load(s3, f"{URL}/last.ckpt")["global_step"] == 12
