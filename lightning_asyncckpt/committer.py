@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 
 def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coordinator: bool) -> RankFailure | None:
     """write complete -> (coordinator) .metadata -> publish -> record -> removals that waited for it.
-    A failure is returned as a value: the caller raises it on every rank."""
+    A failure is returned as a value: the caller raises it on every rank.
+
+    A remote DCP directory is published by uploading its ``.metadata`` in the run's background thread
+    (the training thread does no remote I/O): the coordinator records it once that upload is done
+    (:func:`settle_publishing`); a failed upload is raised on every rank by the next finalize."""
     if coordinator:
         try:
             save.faults.check(save.faults.before_metadata, save.path)
@@ -34,11 +38,31 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
             save.faults.check(save.faults.before_publish, save.path)
             if isinstance(save.path, str):  # a remote file was visible once uploaded; a directory now
                 if not save.writes_file:
-                    remote.publish_metadata(save.tmp, save.path)
+                    run.publishing.append((save, run.background(remote.publish_metadata, save.tmp, save.path), all_results))
+                    return None
             else:
                 (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
         except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
             return RankFailure.from_exception(rank, e)
+    record_commit(run, save, all_results, rank)
+    return None
+
+
+def settle_publishing(run: Run, rank: int, blocking: bool) -> None:
+    """(the coordinator, while polling) Records the remote directories whose ``.metadata`` upload ended
+    (``blocking``: waits for each); a failed one is recorded for the next finalize to raise everywhere."""
+    while run.publishing and (blocking or run.publishing[0][1].done()):
+        save, done, all_results = run.publishing.pop(0)
+        try:
+            done.result()
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the next finalize
+            record_failure(run, save, RankFailure.from_exception(rank, e), rank)
+            continue
+        record_commit(run, save, all_results, rank)
+
+
+def record_commit(run: Run, save: PendingSave, all_results: list, rank: int) -> None:
+    """The save is a checkpoint now: its record, and the removals that waited for it."""
     record = SaveRecord(
         path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.started,
         nbytes=save.file_nbytes if save.writes_file else written_bytes(all_results), local_nbytes=save.nbytes, pending=len(run.pending) - (save in run.pending),
@@ -57,7 +81,6 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
         record.local_nbytes, record.pending,
     )
     run_removals(run)
-    return None
 
 
 def commit_collective(run: Run, agreement: Agreement, save: PendingSave) -> None:

@@ -37,7 +37,7 @@ def finalize(
         settle_local(run, settings, rank, blocking=False)
         ready_through = run.pending.ready_through(count.announced)
         first_failed = run.failures.first_failed_seq(after_all=count.announced + 1)
-        progress = [-ready_through, int(bool(run.failures)), int(len(run.pending) > 0), -first_failed]
+        progress = [-ready_through, int(bool(run.failures)), int(bool(run.unfinished())), -first_failed]
         if deadline is not None:
             progress.append(int(time.monotonic() > deadline))
         neg_ready, any_failed, any_pending, neg_first_failed, *out_of_time = agreement.all_max(progress)

@@ -93,7 +93,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     @property
     def num_pending(self) -> int:
         """(any rank, any time) Saves of this rank not yet committed or failed."""
-        return len(self._run.pending) if self._run is not None else 0
+        return len(self._run.unfinished()) if self._run is not None else 0
 
     @property
     def exit_group_ready(self) -> bool:
@@ -107,7 +107,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def is_pending(self, path: Any) -> bool:
         """(the saving ranks) Whether a save to ``path`` is scheduled and not yet committed: it exists for
         whoever picks free names (``ModelCheckpoint``'s ``-v1`` suffixes), as stock's synchronous file would."""
-        return self._run is not None and any(s.path == paths.checkpoint_path(path) for s in self._run.pending)
+        return self._run is not None and any(s.path == paths.checkpoint_path(path) for s in self._run.unfinished())
 
     def staging_buffers(self) -> list[torch.Tensor]:
         """(any rank) The host buffers held for snapshots, reused from save to save (empty after ``teardown``)."""

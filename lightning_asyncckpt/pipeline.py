@@ -73,7 +73,7 @@ class SavePipeline:
         dropped on the way out, or it raised to its caller). Saves commit in ``finalize`` (the callback's,
         after every batch); a failure is raised there, on every rank. With nothing in the range (``mark <=
         since``, e.g. a rank that saves nothing), ``True``."""
-        if self._run is not None and any(since < s.call <= mark for s in self._run.pending):
+        if self._run is not None and any(since < s.call <= mark for s in self._run.unfinished()):
             return None
         return all(call in self._committed_calls for call in range(since + 1, mark + 1))
 

@@ -12,7 +12,7 @@ import pickle
 import time
 from pathlib import Path
 
-from lightning_asyncckpt.committer import commit_save, record_failure
+from lightning_asyncckpt.committer import commit_save, record_failure, settle_publishing
 from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.pending import PendingSave
@@ -25,6 +25,7 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
     """(this rank) Polls own writes in order; commits finished single-writer saves, marks finished parts of
     collective saves as written (the ranks commit them together), records failures. ``blocking`` waits
     for every write (up to the save of order ``until``)."""
+    settle_publishing(run, rank, blocking=blocking and until is None)
     while True:
         save = run.pending.next_to_poll(until)
         if save is None:

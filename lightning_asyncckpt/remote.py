@@ -11,8 +11,9 @@ Where a remote checkpoint is written, and by whom:
 - A DCP directory (``AsyncDDPStrategy``, sharded saves, ``format="dcp"``) is written by each rank's
   worker into a local spool directory, then uploaded by that worker, object by object, after it has
   deleted the ``.metadata`` of a checkpoint it replaces (so a reader never sees old metadata over new
-  shards). At the commit, the coordinator uploads ``.metadata`` last: one small ``PUT``, the commit point,
-  on its training thread. Loads download the directory into a temporary local one first.
+  shards). At the commit, the coordinator uploads ``.metadata`` last, in the run's background thread
+  (``committer.settle_publishing`` records it once done). Loads download the directory into a
+  temporary local one first.
 - Credentials and endpoints come from fsspec's own configuration, as for stock Lightning: the backend's
   environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...), its config files, or
   fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>`` variables. The worker inherits the environment.

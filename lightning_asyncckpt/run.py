@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from lightning_asyncckpt import commit, engines, remote
 from lightning_asyncckpt.failures import FailureLog
@@ -92,6 +93,8 @@ class Run:
     results_dir: Path | None = None
     cleaned_dirs: set[Path | str] = field(default_factory=set)
     stager: Stager = field(init=False)
+    # remote directories whose .metadata is being uploaded (coordinator): (save, its upload, write results)
+    publishing: list[tuple[Any, Future, list]] = field(default_factory=list)
     _remote_ops: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
@@ -132,10 +135,19 @@ class Run:
         thread, so that object-store calls stay off the training thread (``close`` waits for them)."""
         if isinstance(path, Path):
             commit.try_remove(path, what)
-            return
+        else:
+            self.background(remote.remove, path, what)
+
+    def background(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Runs ``fn`` in the run's one thread for object-store calls, in the order they were asked for
+        (a publish before the removals that wait for it); ``close`` waits for all of them."""
         if self._remote_ops is None:
             self._remote_ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncckpt-remote")
-        self._remote_ops.submit(remote.remove, path, what)
+        return self._remote_ops.submit(fn, *args)
+
+    def unfinished(self) -> list[Any]:
+        """This rank's saves not yet committed or failed: pending ones, and those being published."""
+        return list(self.pending) + [p[0] for p in self.publishing]
 
     def worker_pids(self) -> list[int]:
         """PIDs of this run's live writers: the persistent worker, or the forked ones of pending saves."""
@@ -169,8 +181,11 @@ class Run:
                 self.remove(path, "the checkpoint")
         self.removals = []
         if self._remote_ops is not None:
-            self._remote_ops.shutdown(wait=True)  # the removals asked for are done when the run closes
+            self._remote_ops.shutdown(wait=True)  # the publishes and removals asked for are done when the run closes
             self._remote_ops = None
+        for save, _, _ in self.publishing:  # published (or not) on the way out, unrecorded: its spool goes
+            commit.try_remove(save.tmp, "the uploaded spool directory")
+        self.publishing = []
         self.count.settle_all()
         self.stager.clear()
         if self.results_dir is not None:

@@ -34,6 +34,9 @@ class _Proxy(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         srv = self.server
         srv.record(self.command, self.path, self.client_address[1])
+        if srv.hold_suffix and self.command == "PUT" and self.path.split("?")[0].endswith(srv.hold_suffix):
+            srv.held.set()
+            srv.release.wait(120)  # bounded: a test that forgets to release fails, it does not hang
         if srv.fail_writes.is_set() and self.command in _WRITES:
             self.send_response(500)
             self.send_header("Content-Type", "application/xml")
@@ -68,6 +71,8 @@ class _ProxyServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", port), _Proxy)
         self.upstream_port = upstream_port
         self.fail_writes = threading.Event()
+        self.hold_suffix: str | None = None  # a PUT to a key ending so waits for ``release``
+        self.held, self.release = threading.Event(), threading.Event()
         self.requests: list[tuple[str, str, int | None]] = []  # (method, path, pid of the sender)
         self._lock = threading.Lock()
 
@@ -125,12 +130,20 @@ class S3Server:
         assert self._proxy is not None
         return self._proxy.fail_writes
 
+    def hold_puts(self, suffix: str) -> tuple[threading.Event, threading.Event]:
+        """PUTs of keys ending with ``suffix`` wait until the returned ``release`` is set; ``held`` is set
+        when one arrives."""
+        assert self._proxy is not None
+        self._proxy.hold_suffix = suffix
+        return self._proxy.held, self._proxy.release
+
     def requests(self) -> list[tuple[str, str, int | None]]:
         assert self._proxy is not None
         return list(self._proxy.requests)
 
     def __exit__(self, *exc: object) -> None:
         if self._proxy is not None:
+            self._proxy.release.set()
             self._proxy.shutdown()
             self._proxy.server_close()
             self._proxy = None

@@ -173,3 +173,22 @@ def test_sharded_saves_to_s3_read_with_plain_dcp_and_resume(tmp_path, s3):
     assert r0["verified"] == r0["objects"]
     assert r0["last"] == f"{URL}/last.ckpt"
     assert r0["resume_exact"] and r1["resume_exact"]
+
+
+@pytest.mark.timeout(180)
+def test_a_dcp_directory_is_published_off_the_training_thread(s3):
+    """The commit's ``.metadata`` upload is held at the server: finalize keeps returning, the checkpoint
+    is pending (and incomplete) meanwhile, and is recorded once the upload ends."""
+    held, release = s3.hold_puts("/.metadata")
+    io = AsyncCheckpointIO(format="dcp")
+    with io:
+        io.save_checkpoint({"step": 1, "w": torch.ones(100)}, f"{URL}/d.ckpt")
+        while not held.is_set():  # each call returns: a finalize that uploaded itself would wait here
+            io.finalize(blocking=False)
+            held.wait(0.05)
+        assert io.num_pending == 1 and io.history == []
+        assert ".metadata" not in _objects(s3, "ckpt/run1/d.ckpt")
+        release.set()
+        io.finalize(blocking=True)
+        assert [r.path for r in io.history] == [f"{URL}/d.ckpt"] and io.num_pending == 0
+    assert ".metadata" in _objects(s3, "ckpt/run1/d.ckpt")
