@@ -154,6 +154,7 @@ def test_load_checkpoint_reads_a_url_after_its_save_commits(s3):
         assert io.history[-1].path == f"{URL}/x.ckpt"
 
 
+@pytest.mark.slow  # the single-writer path of the tests above, under DDP (make test-all)
 def test_ddp_save_to_s3(tmp_path, s3):
     r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "remote", "nvrx", "persistent", dir=URL)
     assert r0["objects"] == r1["objects"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
