@@ -155,6 +155,8 @@ def request_removal(run: Run, path: Path | str) -> None:
 
 
 def run_removals(run: Run) -> None:
+    if run.removals_held:
+        return  # the logger relay has calls to make first (``SavePipeline.hold_removals``)
     keep = []
     for path, after in run.removals:
         if after <= run.last_ok_order:

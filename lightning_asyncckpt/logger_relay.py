@@ -13,13 +13,18 @@ look for files that do not exist yet. The relay, set up by ``AsyncFinalizerCallb
   as ``CheckpointWriteError`` by the finalize) is dropped, never made.
 
 A call for which nothing is pending (a rank that saves nothing; a save completed synchronously) is made
-at once, after the calls recorded before it. A logger reads the checkpoint callback's state when the
-call is made: a file that is not committed yet is not at its final path (the publish is an atomic
-rename), so a later call picks it up.
+at once, after the calls recorded before it.
+
+A deferred call sees what stock's call would have seen: the logger gets a copy of the checkpoint
+callback's state as it was when Lightning made the call (its ``best_k_models``, ``last_model_path``,
+scores), and the removals Lightning asked for meanwhile (top-k) wait until the deferred calls are made
+(``AsyncCheckpointIO.hold_removals``), so a checkpoint that fell out of the top k is still there for
+the call that announces it.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -63,7 +68,8 @@ class LoggerRelay:
             original = getattr(logger, _HOOK)
 
             def after_save_checkpoint(checkpoint_callback: Any, _original: Any = original) -> None:
-                self._deferred.append(_Call(_original, checkpoint_callback, self._io.saves_scheduled))
+                self._deferred.append(_Call(_original, _as_of_now(checkpoint_callback), self._io.saves_scheduled))
+                self._io.hold_removals(True)
                 self.replay()
 
             after_save_checkpoint._asyncckpt = True  # type: ignore[attr-defined]
@@ -73,7 +79,14 @@ class LoggerRelay:
     def replay(self, quiet: bool = False) -> None:
         """(all ranks, after each finalize) Makes, in order, the recorded calls whose saves all committed;
         drops those for which one did not. ``quiet`` (while an exception propagates): a logger's error is
-        logged, not raised, so as not to mask it."""
+        logged, not raised, so as not to mask it. Once none is left, the held removals run."""
+        try:
+            self._replay(quiet)
+        finally:
+            if not self._deferred and self._io is not None:
+                self._io.hold_removals(False)
+
+    def _replay(self, quiet: bool) -> None:
         while self._deferred and self._io is not None:
             call = self._deferred[0]
             settled = self._io.saves_settled(call.mark, since=self._since)
@@ -101,6 +114,8 @@ class LoggerRelay:
             log.warning("lightning-asyncckpt: %d logger after_save_checkpoint call(s) dropped: their saves did"
                         " not commit", len(self._deferred))
             self._deferred.clear()
+            if self._io is not None:
+                self._io.hold_removals(False)
         for logger, wrapper, before in self._wrapped:
             if vars(logger).get(_HOOK) is wrapper:
                 if before is None:
@@ -109,3 +124,17 @@ class LoggerRelay:
                     setattr(logger, _HOOK, before)
         self._wrapped = []
         self._io = None
+
+
+def _as_of_now(checkpoint_callback: Any) -> Any:
+    """A copy of the checkpoint callback's state now, for a call made later: what a logger reads of it
+    (``best_k_models``, ``last_model_path``, ``best_model_path``, scores) as stock's call would see it.
+    Lightning passes a weak proxy; its attributes are the callback's own."""
+    try:
+        frozen = object.__new__(checkpoint_callback.__class__)
+        frozen.__dict__.update(copy.copy(checkpoint_callback.__dict__))
+        if isinstance(getattr(frozen, "best_k_models", None), dict):
+            frozen.best_k_models = dict(frozen.best_k_models)
+        return frozen
+    except Exception:  # noqa: BLE001 - an unusual callback: the live one, as before
+        return checkpoint_callback

@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_asyncckpt import poller, scheduler
 from lightning_asyncckpt.agreement import Agreement
+from lightning_asyncckpt.committer import run_removals
 from lightning_asyncckpt.drain import AtExit, ExitGroup, drain
 from lightning_asyncckpt.faults import FaultPolicy
 from lightning_asyncckpt.finalizer import finalize
@@ -76,6 +77,17 @@ class SavePipeline:
         if self._run is not None and any(since < s.call <= mark for s in self._run.unfinished()):
             return None
         return all(call in self._committed_calls for call in range(since + 1, mark + 1))
+
+    def hold_removals(self, held: bool) -> None:
+        """(this rank; the callback's logger relay) While held, the removals Lightning asks for (top-k) wait,
+        so that a checkpoint is still there for the deferred logger call that announces it; releasing
+        runs those whose saves have committed."""
+        run = self._run
+        if run is None:
+            return  # no run: nothing to remove (a closed run ran its removals)
+        run.removals_held = held
+        if not held:
+            run_removals(run)
 
     def begin_run(self, collective: bool) -> None:
         """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.

@@ -88,6 +88,7 @@ class Run:
     pending: PendingQueue = field(default_factory=PendingQueue)
     failures: FailureLog = field(default_factory=FailureLog)
     removals: list[tuple[Path | str, int]] = field(default_factory=list)  # (path, after order): retention
+    removals_held: bool = False  # deferred logger calls come first (see logger_relay)
     doomed: list[Path] = field(default_factory=list)  # partial dirs of failed collective saves (coordinator)
     engine: engines.Engine | None = None
     results_dir: Path | None = None

@@ -159,3 +159,28 @@ def test_saves_settled_tells_pending_committed_and_failed(tmp_path, hold):
         assert io.saves_settled(2) is True  # the saves before it still committed
     finally:
         io.teardown()
+
+
+class ReleaseAtEnd(L.Callback):
+    """Releases the held writes at the end of training, before the finalizer's blocking finalize: the
+    saves then commit together, in one finalize."""
+
+    def __init__(self, hold):
+        self.hold = hold
+
+    def on_train_end(self, trainer, pl_module):
+        self.hold.release()
+
+
+def test_a_checkpoint_that_left_the_top_k_is_announced_as_stock_would(tmp_path, hold):
+    """Stock tells the logger of step 2's checkpoint while it is the best; here its call is made after the
+    save of step 4 (which pushes it out of the top 1) committed too. The logger still sees what stock's
+    saw: the callback's state as it was, and the file still there."""
+    io = AsyncCheckpointIO()
+    io.write_hook = hold
+    logger = RecordingLogger()
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", monitor="step", mode="max", save_top_k=1, every_n_train_steps=2)
+    t = trainer(tmp_path, [io], [ReleaseAtEnd(hold), AsyncFinalizerCallback(), ck], max_steps=4, logger=logger)
+    t.fit(TinyModel(width=32), loader(width=32))
+    assert logger.calls == [{"epoch=0-step=2.ckpt": 2}, {"epoch=0-step=4.ckpt": 4}]
+    assert dir_entries(tmp_path / "c") == ["epoch=0-step=4.ckpt"]  # and the removal ran afterwards
