@@ -15,15 +15,18 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from lightning_asyncckpt import commit, engines, remote
 from lightning_asyncckpt.failures import FailureLog
+from lightning_asyncckpt.lazy import TrackedState
 from lightning_asyncckpt.pending import PendingQueue
 from lightning_asyncckpt.records import SaveRecord
 from lightning_asyncckpt.staging import Stager
 
 log = logging.getLogger(__name__)
+
+COPY_AT_CLOSE_S = 300.0  # a memcpy of the state: far longer than it ever takes
 
 
 class Settings(Protocol):
@@ -35,6 +38,8 @@ class Settings(Protocol):
     poll_interval_s: float
     drain_timeout_s: float
     format: str
+    snapshot: str  # "eager" or "lazy"
+    copy_hook: Any  # called in a lazy snapshot's copy thread before it copies (tests)
 
     @property
     def engine(self) -> str: ...
@@ -92,6 +97,8 @@ class Run:
     results_dir: Path | None = None
     cleaned_dirs: set[Path | str] = field(default_factory=set)
     stager: Stager = field(init=False)
+    tracked: TrackedState = field(default_factory=TrackedState)  # what a lazy snapshot may copy later
+    copying: Any = None  # scheduler.HandOver: the lazy snapshot being copied (one at most: a save waits for it)
     _remote_ops: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
@@ -127,6 +134,14 @@ class Run:
             nbytes = self.stager.prepare(like, rank=rank, world_size=world_size)
             log.debug("lightning-asyncckpt: prepared %d bytes of staging buffers", nbytes)
 
+    def unsettled(self) -> list[tuple[Path | str, int]]:
+        """``(path, save call)`` of every save not yet committed or failed: the pending ones, and the lazy
+        snapshot being copied (not yet handed to the worker)."""
+        out = [(s.path, s.call) for s in self.pending]
+        if self.copying is not None:
+            out.append((self.copying.request.path, self.copying.request.call))
+        return out
+
     def remove(self, path: Path | str, what: str) -> None:
         """(this rank, retention) Removes a checkpoint: a local one now; a remote one in one background
         thread, so that object-store calls stay off the training thread (``close`` waits for them)."""
@@ -147,6 +162,9 @@ class Run:
     def close(self, rank: int, abort: bool) -> None:
         """(this rank) Stops the worker, drops what is still pending (only left when aborting), runs the
         removals that were waiting for committed saves, and frees every buffer."""
+        if self.copying is not None:  # every way out waits for it first: a last resort, the save is dropped
+            self.copying.copy.wait(COPY_AT_CLOSE_S)  # its thread writes into buffers that go now
+            self.copying = None
         if self.engine is not None:
             self.engine.close(abort=abort)
         dropped = self.pending.take_where(lambda s: True)
