@@ -190,7 +190,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         """(all ranks, same order) ``finalize`` without taking its records: for loads, which must see every
         save settled first (the strategies' ``load_checkpoint``, ``fabric.load``)."""
         run = self._ensure_run()
-        self.wait_for_snapshot()
+        self.settle_snapshot(blocking)
         finalize(run, self._agreement, self, blocking, force=True)
 
     def __enter__(self) -> AsyncCheckpointIO:

@@ -131,11 +131,19 @@ class SavePipeline:
         if self._run is not None and self._run.copying is not None:
             scheduler.finish_copy(self._run, self._agreement, self)
 
+    def settle_snapshot(self, blocking: bool) -> None:
+        """(the saving ranks, in finalize) ``blocking``: :meth:`wait_for_snapshot`. Else only a lazy copy that
+        already finished is handed over: one still running is waited for before the optimizer step, not
+        inside a finalize that the training loop calls right after the save (Fabric's loops do)."""
+        copying = self._run.copying if self._run is not None else None
+        if copying is not None and (blocking or copying.copy.done()):
+            self.wait_for_snapshot()
+
     def finalize_step(self, blocking: bool = False) -> None:
         """(all ranks, same order; the callback, after every batch) ``finalize`` that agrees only while a save
         is announced and unsettled, so that steps without pending saves pay no collective."""
         if self._run is not None:
-            self.wait_for_snapshot()
+            self.settle_snapshot(blocking)
             finalize(self._run, self._agreement, self, blocking, force=False)
 
     def wait_for_local_writes(self) -> None:
