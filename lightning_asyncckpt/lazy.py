@@ -82,8 +82,9 @@ class BackgroundCopy:
         self.items = items
         self.nbytes = sum(t.numel() * t.element_size() for _, t, _ in items)
         self._versions = [t._version for _, t, _ in items]
-        self._events = {t.device: torch.cuda.current_stream(t.device).record_event()
-                        for _, t, _ in items if t.device.type == "cuda"}
+        devices = {t.device for _, t, _ in items if t.device.type == "cuda"}
+        # the kernels that produced the sources are queued on the training thread's current stream
+        self._events = {d: torch.cuda.current_stream(d).record_event() for d in devices}
         self._hook = hook
         self._problem: str | None = None
         self._thread = threading.Thread(target=self._run, name="asyncckpt-lazy-copy", daemon=True)
@@ -106,11 +107,12 @@ class BackgroundCopy:
             if self._hook is not None:
                 self._hook()
             streams = {d: torch.cuda.Stream(device=d) for d in self._events}
+            for d, side in streams.items():
+                side.wait_event(self._events[d])
             on_device = []
             for i, (_, src, buf) in enumerate(self.items):
                 if src.device.type == "cuda":
                     side = streams[src.device]
-                    side.wait_event(self._events[src.device])
                     with torch.cuda.stream(side):
                         buf.copy_(src, non_blocking=True)
                     on_device.append(i)
