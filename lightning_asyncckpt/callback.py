@@ -37,6 +37,12 @@ class AsyncFinalizerCallback(Callback):
       even though Lightning calls the plugin on global rank 0 only. Lightning skips this hook for
       weights-only saves; those are counted as they reach the strategy's ``save_checkpoint``, which
       every rank calls.
+    - ``on_train_start`` and ``on_save_checkpoint`` (all ranks): tells the plugin the trainer's optimizers,
+      whose parameters and state a lazy snapshot (``AsyncCheckpointIO(snapshot="lazy")``) copies in the
+      background.
+    - ``on_before_optimizer_step`` (all ranks, right before the real optimizer step: on the accumulation
+      boundary, in automatic and manual optimization): waits for a lazy snapshot's copy, which the step
+      would otherwise change, and hands its write over.
     - ``on_train_batch_end`` (all ranks): a non-blocking ``finalize``; a failed write raises
       :class:`~lightning_asyncckpt.CheckpointWriteError` here, within a step or two.
     - ``on_train_end`` (all ranks): a blocking ``finalize``, after every checkpoint callback's last save
@@ -114,7 +120,20 @@ class AsyncFinalizerCallback(Callback):
         """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
         if self._io is not None:
             self._io.announce()
+            self._io.track_optimizers(trainer.optimizers)  # the ones this save holds (configure may replace them)
             self._counted = checkpoint
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """(all ranks) Tracks the optimizers, for weights-only saves too (they run no ``on_save_checkpoint``)."""
+        if self._io is not None:
+            self._io.track_optimizers(trainer.optimizers)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        """(all ranks, right before the optimizer changes the state) Waits for a lazy snapshot's copy."""
+        if self._io is not None:
+            self._io.wait_for_snapshot()
 
     def _watch_saves(self, strategy: Any) -> None:
         """Every rank calls ``strategy.save_checkpoint`` for every save, weights-only ones included (for

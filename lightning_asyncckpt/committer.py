@@ -66,7 +66,7 @@ def record_commit(run: Run, save: PendingSave, all_results: list, rank: int) -> 
     record = SaveRecord(
         path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.started,
         nbytes=save.file_nbytes if save.writes_file else written_bytes(all_results), local_nbytes=save.nbytes, pending=len(run.pending) - (save in run.pending),
-        worker_s=save.write_s,
+        worker_s=save.write_s, lazy_nbytes=save.lazy_nbytes,
     )
     run.history.append(record)
     if save.remote and isinstance(save.tmp, Path):

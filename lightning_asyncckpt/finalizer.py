@@ -36,8 +36,11 @@ def finalize(
     while True:
         settle_local(run, settings, rank, blocking=False)
         ready_through = run.pending.ready_through(count.announced)
+        copying = run.copying.request.seq if run.copying is not None else None  # a lazy snapshot not handed over
+        if copying is not None:
+            ready_through = min(ready_through, copying - 1)
         first_failed = run.failures.first_failed_seq(after_all=count.announced + 1)
-        progress = [-ready_through, int(bool(run.failures)), int(bool(run.unfinished())), -first_failed]
+        progress = [-ready_through, int(bool(run.failures)), int(bool(run.unsettled())), -first_failed]
         if deadline is not None:
             progress.append(int(time.monotonic() > deadline))
         neg_ready, any_failed, any_pending, neg_first_failed, *out_of_time = agreement.all_max(progress)

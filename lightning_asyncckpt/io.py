@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
-from lightning_asyncckpt import engines, loading, logsetup, paths, poller, scheduler
+from lightning_asyncckpt import engines, lazy, loading, logsetup, paths, poller, scheduler
 from lightning_asyncckpt.committer import request_removal
 from lightning_asyncckpt.dcp_format import META_FILE
 from lightning_asyncckpt.faults import EnvironmentFaults, FaultPolicy
@@ -30,6 +30,7 @@ from lightning_asyncckpt.records import SaveRecord, global_step
 __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 
 FORMATS = ("auto", "dcp")
+SNAPSHOTS = lazy.SNAPSHOT_MODES
 
 logsetup.configure()
 
@@ -56,6 +57,13 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
             ``"dcp"``: single-writer saves are DCP directories too (0.1's layout).
         faults: where injected faults come from (:mod:`lightning_asyncckpt.testing`); by default the
             ``LIGHTNING_ASYNCCKPT_FAULTS`` environment variable, read at every save.
+        snapshot: ``"eager"``: ``save_checkpoint`` copies the whole state before it returns. ``"lazy"``: it
+            copies only what may change before the next optimizer step (buffers, small tensors, non-tensor
+            state) and leaves the parameters and state of the tracked optimizers (:meth:`track_optimizers`;
+            ``AsyncFinalizerCallback`` tracks the Trainer's) to a background copy during the next forward
+            and backward, waited for by :meth:`wait_for_snapshot` before the optimizer step. A tensor that
+            changes in place before its copy fails that save (see :mod:`lightning_asyncckpt.lazy`).
+            Collective, sharded and fork-per-save (``worker="fork"``) saves are always eager.
 
     Construct it on every rank; it starts nothing until the first save, ``warmup`` or the callback's
     ``setup``. ``history`` lists a :class:`SaveRecord` for each save this rank committed.
@@ -64,7 +72,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def __init__(
         self, strategy: str = "auto", *, worker: str = "persistent", thread_count: int = 1, timeout_s: float = 1800.0,
         max_pending: int = 2, poll_interval_s: float = 0.02, drain_timeout_s: float = 300.0,
-        format: str = "auto", faults: FaultPolicy | None = None,
+        format: str = "auto", faults: FaultPolicy | None = None, snapshot: str = "eager",
     ) -> None:
         CheckpointIO.__init__(self)
         for name, ok, want in (("thread_count", thread_count >= 1, "at least 1"), ("max_pending", max_pending >= 1, "at least 1"),
@@ -73,12 +81,17 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
                 raise ValueError(f"`AsyncCheckpointIO({name}={locals()[name]})` must be {want}.")
         if format not in FORMATS:
             raise ValueError(f"`AsyncCheckpointIO(format={format!r})` is not valid; choose one of {', '.join(map(repr, FORMATS))}.")
+        if snapshot not in SNAPSHOTS:
+            raise ValueError(
+                f"`AsyncCheckpointIO(snapshot={snapshot!r})` is not valid; choose one of {', '.join(map(repr, SNAPSHOTS))}."
+            )
         SavePipeline.__init__(self, engines.resolve(strategy), engines.parse_worker(worker))
-        self.format = format
+        self.format, self.snapshot = format, snapshot
         self.thread_count, self.max_pending = thread_count, max_pending
         self.timeout_s, self.poll_interval_s, self.drain_timeout_s = float(timeout_s), poll_interval_s, float(drain_timeout_s)
         self.faults: FaultPolicy = faults if faults is not None else EnvironmentFaults()
         self.write_hook: Any = None  # picklable; the worker calls it with the buckets before writing
+        self.copy_hook: Any = None  # a lazy snapshot's copy thread calls it before copying (testing.HoldCopy)
         self._returned = 0  # history[:_returned] was returned by finalize()
 
     @property
@@ -92,8 +105,9 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
 
     @property
     def num_pending(self) -> int:
-        """(any rank, any time) Saves of this rank not yet committed or failed."""
-        return len(self._run.unfinished()) if self._run is not None else 0
+        """(any rank, any time) Saves of this rank not yet committed or failed (a lazy snapshot being copied
+        included)."""
+        return len(self._run.unsettled()) if self._run is not None else 0
 
     @property
     def exit_group_ready(self) -> bool:
@@ -107,7 +121,8 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def is_pending(self, path: Any) -> bool:
         """(the saving ranks) Whether a save to ``path`` is scheduled and not yet committed: it exists for
         whoever picks free names (``ModelCheckpoint``'s ``-v1`` suffixes), as stock's synchronous file would."""
-        return self._run is not None and any(s.path == paths.checkpoint_path(path) for s in self._run.unfinished())
+        path = paths.checkpoint_path(path)
+        return self._run is not None and any(p == path for p, _ in self._run.unsettled())
 
     def staging_buffers(self) -> list[torch.Tensor]:
         """(any rank) The host buffers held for snapshots, reused from save to save (empty after ``teardown``)."""
@@ -140,6 +155,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         ``path`` is raised here."""
         path = paths.checkpoint_path(path)
         if self._run is not None:
+            self.wait_for_snapshot()
             poller.settle_for(self._run, self, self._agreement.rank, path)
         return loading.load(path, map_location=map_location, weights_only=weights_only)
 
@@ -173,7 +189,9 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def settle(self, blocking: bool = True) -> None:
         """(all ranks, same order) ``finalize`` without taking its records: for loads, which must see every
         save settled first (the strategies' ``load_checkpoint``, ``fabric.load``)."""
-        finalize(self._ensure_run(), self._agreement, self, blocking, force=True)
+        run = self._ensure_run()
+        self.settle_snapshot(blocking)
+        finalize(run, self._agreement, self, blocking, force=True)
 
     def __enter__(self) -> AsyncCheckpointIO:
         return self

@@ -41,6 +41,7 @@ class PendingSave:
     written: list | None = None  # a collective save's local write results, once this rank's part is on disk
     started: float = field(default_factory=time.monotonic)
     call: int = 0  # the save call of this rank it came from (``SavePipeline.saves_scheduled``)
+    lazy_nbytes: int = 0  # bytes its lazy snapshot copied after the save call returned
 
     @property
     def remote(self) -> bool:

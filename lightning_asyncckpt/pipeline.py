@@ -3,9 +3,13 @@
 ``AsyncCheckpointIO`` (``io.py``) is the face Lightning and Fabric call. This base class holds what the
 face stands on: the current :class:`~lightning_asyncckpt.run.Run`, the cross-rank ``Agreement``, the exit
 group and the interpreter-exit hook. Its public methods are the small interface that the callback and
-the strategies call (``begin_run``, ``announce``, ``prepare``, ``finalize_step``,
-``wait_for_local_writes``, ``abort``, and ``saves_scheduled``/``saves_settled`` for the logger relay);
-nothing outside calls its ``_``-methods.
+the strategies call (``begin_run``, ``announce``, ``prepare``, ``track_optimizers``, ``wait_for_snapshot``,
+``finalize_step``, ``wait_for_local_writes``, ``abort``, and ``saves_scheduled``/``saves_settled`` for the
+logger relay); nothing outside calls its ``_``-methods.
+
+A lazy snapshot (``snapshot="lazy"``, :mod:`lightning_asyncckpt.lazy`) is waited for at every entry that
+may follow a change of the state or needs the save handed over: the next save, finalize, load,
+teardown, abort, and :meth:`wait_for_snapshot` itself.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from lightning_asyncckpt.drain import AtExit, ExitGroup, drain
 from lightning_asyncckpt.faults import FaultPolicy
 from lightning_asyncckpt.finalizer import finalize
 from lightning_asyncckpt.layout import Layout
+from lightning_asyncckpt.lazy import TrackedState
 from lightning_asyncckpt.records import SaveRecord, global_step
 from lightning_asyncckpt.run import Run
 
@@ -34,9 +39,11 @@ class SavePipeline:
     engine: str
     worker: str
     format: str
+    snapshot: str
     drain_timeout_s: float
     faults: FaultPolicy
     write_hook: Any
+    copy_hook: Any
 
     def __init__(self, engine_name: Any, worker_mode: Any) -> None:
         self._engine_name, self._worker_mode = engine_name, worker_mode
@@ -50,13 +57,15 @@ class SavePipeline:
         self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
         self._exit_group = ExitGroup()
         self._at_exit = AtExit()
+        self._tracked = TrackedState()  # the optimizers given to track_optimizers (weakly), for every run
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled (or deep-copied) plugin is its settings and history, as stock's ``TorchCheckpointIO`` is:
         ``torch.save(trainer)`` works. The copy starts no worker until it saves; the saves in flight stay
         with the original."""
         state = dict(self.__dict__)
-        state.update(_run=None, _closed=False, _began=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None)
+        state.update(_run=None, _closed=False, _began=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None,
+                     _tracked=TrackedState())
         return state
 
     @property
@@ -74,7 +83,7 @@ class SavePipeline:
         dropped on the way out, or it raised to its caller). Saves commit in ``finalize`` (the callback's,
         after every batch); a failure is raised there, on every rank. With nothing in the range (``mark <=
         since``, e.g. a rank that saves nothing), ``True``."""
-        if self._run is not None and any(since < s.call <= mark for s in self._run.unfinished()):
+        if self._run is not None and any(since < call <= mark for _, call in self._run.unsettled()):
             return None
         return all(call in self._committed_calls for call in range(since + 1, mark + 1))
 
@@ -111,10 +120,42 @@ class SavePipeline:
         rank, world = (self._agreement.rank, self._agreement.world_size) if distributed else (0, 1)
         self._ensure_run().prepare(like, rank, world)
 
+    def track_optimizers(self, optimizers: Any) -> None:
+        """(the saving ranks, before the saves; the callback at the start of training, and at each save)
+        The optimizers whose ``step`` alone changes their parameters and state: with ``snapshot="lazy"``
+        those are copied in the background after ``save_checkpoint`` returns. Nothing tracked: every save
+        is copied at save time. Fabric users call it once, with their optimizers."""
+        self._tracked.track(optimizers)
+
+    def wait_for_snapshot(self) -> None:
+        """(the saving ranks, on the training thread, right before ``optimizer.step()``) Waits for the
+        background copy of a lazy snapshot (``snapshot="lazy"``) and hands its write to the worker; returns
+        at once when none is in flight. ``AsyncFinalizerCallback`` calls it in ``on_before_optimizer_step``;
+        Fabric users, who have no hooks, call it themselves before each ``optimizer.step()`` (or at least
+        before the first step after a save). Never called, the next save, ``finalize``, ``load_checkpoint``,
+        ``teardown`` or ``abort`` waits instead.
+
+        The copy checks every tensor it copies: one changed in place between the save and its copy (an
+        optimizer step, a callback or EMA editing weights, before this wait) fails that save, which is
+        never written: :class:`CheckpointWriteError` naming the tensor, raised here when there is no process
+        group, else by the next ``finalize`` on every rank. A change made through ``.data`` is invisible
+        to that check: such code needs ``snapshot="eager"``."""
+        if self._run is not None and self._run.copying is not None:
+            scheduler.finish_copy(self._run, self._agreement, self)
+
+    def settle_snapshot(self, blocking: bool) -> None:
+        """(the saving ranks, in finalize) ``blocking``: :meth:`wait_for_snapshot`. Else only a lazy copy that
+        already finished is handed over: one still running is waited for before the optimizer step, not
+        inside a finalize that the training loop calls right after the save (Fabric's loops do)."""
+        copying = self._run.copying if self._run is not None else None
+        if copying is not None and (blocking or copying.copy.done()):
+            self.wait_for_snapshot()
+
     def finalize_step(self, blocking: bool = False) -> None:
         """(all ranks, same order; the callback, after every batch) ``finalize`` that agrees only while a save
         is announced and unsettled, so that steps without pending saves pay no collective."""
         if self._run is not None:
+            self.settle_snapshot(blocking)
             finalize(self._run, self._agreement, self, blocking, force=False)
 
     def wait_for_local_writes(self) -> None:
@@ -122,12 +163,17 @@ class SavePipeline:
         this rank's part of a collective save is written (the ranks commit it at the next finalize, or on
         the way out). Failures are raised by the next finalize, on every rank."""
         if self._run is not None:
+            self.wait_for_snapshot()
             poller.wait_for_local_writes(self._run, self, self._agreement.rank)
 
     def abort(self) -> None:
         """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then
         stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
         if self._run is not None and not self._closed:
+            try:
+                self.wait_for_snapshot()  # a clean lazy snapshot is handed over, to land like the others
+            except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
+                log.exception("lightning-asyncckpt: the lazy snapshot in flight failed")
             try:
                 drain(self._run, self, self._agreement.rank, self._exit_group, self.drain_timeout_s)
             except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
@@ -139,6 +185,7 @@ class SavePipeline:
 
     def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, layout: Layout,
               extra_files: list | None = None, step: int | None = None, trainer_save: bool = False) -> None:
+        self.wait_for_snapshot()  # the previous save's copy, before anything of this one
         self._save_calls += 1
         run, rank = self._ensure_run(), self._agreement.rank
         collective = layout.all_ranks_write(self._agreement.active)
@@ -157,6 +204,7 @@ class SavePipeline:
         # no loop will finalize this save (torn down, e.g. `trainer.save_checkpoint` after `fit`; or a Trainer
         # save outside any stage): complete it now, with the other ranks for a collective save, else alone
         try:
+            self.wait_for_snapshot()
             agreement = self._agreement if collective else Agreement.alone()
             finalize(self._ensure_run(), agreement, self, blocking=True, force=True)
         finally:
@@ -166,6 +214,7 @@ class SavePipeline:
         # (all ranks) the blocking finalize of teardown: every save settled, errors raised on every rank
         try:
             if self._run is not None and not self._closed:
+                self.wait_for_snapshot()
                 finalize(self._run, self._agreement, self, blocking=True, force=True)
         finally:
             self._close(abort=False)
@@ -178,6 +227,7 @@ class SavePipeline:
     def _ensure_run(self) -> Run:
         if self._run is None:
             self._run = Run(self._engine_name, self._worker_mode, self.history, self._committed_calls)
+            self._run.tracked = self._tracked
             self._handling_at_start = sys.exc_info()[1]
         return self._run
 

@@ -21,12 +21,15 @@ class SaveRecord:
     Attributes:
         path: the committed checkpoint.
         step: the checkpoint's ``global_step``, when it has one.
-        stall_s: how long ``save_checkpoint`` held training on this rank (waiting for room included).
+        stall_s: how long ``save_checkpoint`` held training on this rank (waiting for room included), plus,
+            for a lazy snapshot, how long the wait for its copy and the hand-over held it.
         write_s: from scheduling the write to the commit: how long the checkpoint took to become durable.
         nbytes: bytes written into shard files, by all ranks together.
         local_nbytes: bytes of tensors this rank staged and wrote.
         pending: saves still pending on this rank right after this one committed.
         worker_s: the background worker's own time for this rank's part (write and fsync).
+        lazy_nbytes: bytes of ``local_nbytes`` copied in the background after the save call returned
+            (``snapshot="lazy"``); the wait for that copy counts in ``stall_s``.
     """
 
     path: str
@@ -37,6 +40,7 @@ class SaveRecord:
     local_nbytes: int
     pending: int
     worker_s: float
+    lazy_nbytes: int = 0
 
     @property
     def gbps(self) -> float:

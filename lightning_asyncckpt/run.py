@@ -20,11 +20,14 @@ from typing import Any, Protocol
 
 from lightning_asyncckpt import commit, engines, remote
 from lightning_asyncckpt.failures import FailureLog
+from lightning_asyncckpt.lazy import TrackedState
 from lightning_asyncckpt.pending import PendingQueue
 from lightning_asyncckpt.records import SaveRecord
 from lightning_asyncckpt.staging import Stager
 
 log = logging.getLogger(__name__)
+
+COPY_AT_CLOSE_S = 300.0  # a memcpy of the state: far longer than it ever takes
 
 
 class Settings(Protocol):
@@ -36,6 +39,8 @@ class Settings(Protocol):
     poll_interval_s: float
     drain_timeout_s: float
     format: str
+    snapshot: str  # "eager" or "lazy"
+    copy_hook: Any  # called in a lazy snapshot's copy thread before it copies (tests)
 
     @property
     def engine(self) -> str: ...
@@ -96,6 +101,8 @@ class Run:
     stager: Stager = field(init=False)
     # remote directories whose .metadata is being uploaded (coordinator): (save, its upload, write results)
     publishing: list[tuple[Any, Future, list]] = field(default_factory=list)
+    tracked: TrackedState = field(default_factory=TrackedState)  # what a lazy snapshot may copy later
+    copying: Any = None  # scheduler.HandOver: the lazy snapshot being copied (one at most: a save waits for it)
     _remote_ops: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
@@ -131,6 +138,14 @@ class Run:
             nbytes = self.stager.prepare(like, rank=rank, world_size=world_size)
             log.debug("lightning-asyncckpt: prepared %d bytes of staging buffers", nbytes)
 
+    def unsettled(self) -> list[tuple[Path | str, int]]:
+        """``(path, save call)`` of every save not yet committed or failed: the pending ones, the lazy
+        snapshot being copied (not yet handed to the worker), and remote directories being published."""
+        out = [(s.path, s.call) for s in [*self.pending, *(p[0] for p in self.publishing)]]
+        if self.copying is not None:
+            out.append((self.copying.request.path, self.copying.request.call))
+        return out
+
     def remove(self, path: Path | str, what: str) -> None:
         """(this rank, retention) Removes a checkpoint: a local one now; a remote one in one background
         thread, so that object-store calls stay off the training thread (``close`` waits for them)."""
@@ -146,10 +161,6 @@ class Run:
             self._remote_ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncckpt-remote")
         return self._remote_ops.submit(fn, *args)
 
-    def unfinished(self) -> list[Any]:
-        """This rank's saves not yet committed or failed: pending ones, and those being published."""
-        return list(self.pending) + [p[0] for p in self.publishing]
-
     def worker_pids(self) -> list[int]:
         """PIDs of this run's live writers: the persistent worker, or the forked ones of pending saves."""
         if self.engine is None:
@@ -160,6 +171,9 @@ class Run:
     def close(self, rank: int, abort: bool) -> None:
         """(this rank) Stops the worker, drops what is still pending (only left when aborting), runs the
         removals that were waiting for committed saves, and frees every buffer."""
+        if self.copying is not None:  # every way out waits for it first: a last resort, the save is dropped
+            self.copying.copy.wait(COPY_AT_CLOSE_S)  # its thread writes into buffers that go now
+            self.copying = None
         if self.engine is not None:
             self.engine.close(abort=abort)
         dropped = self.pending.take_where(lambda s: True)

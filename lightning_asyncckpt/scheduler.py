@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_asyncckpt import _worker, commit, dcp_format, paths, poller, remote, staging, torch_file
+from lightning_asyncckpt import _worker, commit, dcp_format, lazy, paths, poller, remote, staging, torch_file
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.failures import Failed, filesystem_failures
@@ -85,25 +85,34 @@ def submit(
     except (Exception, CheckpointException) as e:
         if isinstance(e, CheckpointWriteError):
             raise
-        failures = filesystem_failures(e, rank)
-        if not agreement.active:
-            if failures is None:
-                raise  # bad input: the caller's own error type (TypeError, pickling error, ...)
-            raise CheckpointWriteError(str(request.path), failures) from (None if isinstance(e, CheckpointException) else e)
-        for failure in failures if failures is not None else [RankFailure.from_exception(rank, e)]:
-            if failure.rank == rank:  # a failure in DCP's collective planning reaches all; each records its own
-                run.failures.record(Failed(run.order, str(request.path), failure, request.seq))
-        log.error("lightning-asyncckpt: save to %s failed at save time: %s", request.path, e)
+        _failed_at_save_time(run, agreement, request, e)
 
 
-def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest) -> staging.Snapshot:
-    """Copies the state into reused host buffers (this rank's shards or share when collective)."""
+def _failed_at_save_time(run: Run, agreement: Agreement, request: SaveRequest, e: BaseException) -> None:
+    """Alone, raises (a write failure as :class:`CheckpointWriteError`, bad input as it is); with a process
+    group, records the failure for the next finalize, which raises it on every rank."""
+    rank = agreement.rank
+    failures = filesystem_failures(e, rank)
+    if not agreement.active:
+        if failures is None:
+            raise e  # bad input: the caller's own error type (TypeError, pickling error, ...)
+        raise CheckpointWriteError(str(request.path), failures) from (None if isinstance(e, CheckpointException) else e)
+    for failure in failures if failures is not None else [RankFailure.from_exception(rank, e)]:
+        if failure.rank == rank:  # a failure in DCP's collective planning reaches all; each records its own
+            run.failures.record(Failed(run.order, str(request.path), failure, request.seq))
+    log.error("lightning-asyncckpt: save to %s failed at save time: %s", request.path, e)
+
+
+def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest,
+                  defer: Callable[[torch.Tensor], bool] | None = None) -> staging.Snapshot:
+    """Copies the state into reused host buffers (this rank's shards or share when collective), but for
+    the tensors that ``defer`` leaves to a lazy copy."""
     request.faults.check(request.faults.at_snapshot, request.path)
     if request.layout is Layout.SHARDED:
         return run.stager.snapshot_tree(request.checkpoint)
     if request.collective:  # replicated state: this rank copies and writes its share only
         return run.stager.snapshot(request.checkpoint, rank=agreement.rank, world_size=agreement.world_size)
-    return run.stager.snapshot(request.checkpoint)
+    return run.stager.snapshot(request.checkpoint, defer=defer)
 
 
 def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_collective: Callable[[], None]) -> Path | str:
@@ -125,60 +134,144 @@ def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_coll
     return commit.tmp_for(base, f"{run.token}-c{run.collective_count}{spool}")
 
 
+@dataclass
+class HandOver:
+    """A save whose snapshot is taken (a lazy one's copy may still run) and whose write is not yet handed
+    to the worker. Its non-tensor state is serialized already: a snapshot of the step it was saved at."""
+
+    request: SaveRequest
+    snapshot: staging.Snapshot
+    order: int
+    tmp: Path | str
+    rank: int
+    skeleton: bytes | None  # the skeleton, torch.save'd at save time (None for a sharded save)
+    shape: torch_file.FileLayout | None  # aliases and devices, for a torch.save file
+    write_hook: Any
+    stall_s: float = 0.0  # how long the save call held training
+    copy: lazy.BackgroundCopy | None = None  # a lazy snapshot's copy in flight
+
+
 def schedule(
     run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, snapshot: staging.Snapshot | None,
     write_hook: Any, on_first_collective: Callable[[], None],
-) -> PendingSave:
-    """Plans and hands over one save; returns it, pending. On an error nothing of it is left behind."""
+) -> None:
+    """Snapshots, plans and hands over one save (pending once handed over). A lazy snapshot's copy is left
+    running (``run.copying``) and the hand-over waits for :func:`finish_copy`. On an error nothing of the
+    save is left behind."""
     assert run.engine is not None and run.results_dir is not None
     run.order += 1
     tmp = _tmp_dir(run, agreement, request, on_first_collective)
     rank = agreement.rank if request.collective else 0
     try:
         if snapshot is None:
-            snapshot = take_snapshot(run, agreement, request)
-        result_path = run.results_dir / f"{run.order}.result"
+            snapshot = take_snapshot(run, agreement, request, _lazy_rule(run, settings, request))
+        skeleton = None
+        if request.layout is not Layout.SHARDED and (request.writes_file or rank == 0):
+            skeleton = _serialize(snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
+        shape = torch_file.layout(request.checkpoint) if request.writes_file else None  # metadata only
+        ready = HandOver(request, snapshot, run.order, tmp, rank, skeleton, shape, write_hook)
+        if snapshot.deferred:
+            ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook)
+            ready.stall_s = time.perf_counter() - request.started
+            run.copying = ready
+            log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", request.path, ready.copy.nbytes)
+            return
+    except BaseException:
+        _drop(run, request, tmp, snapshot)
+        raise
+    hand_over(run, agreement, settings, ready, time.perf_counter() - request.started)
+
+
+def _lazy_rule(run: Run, settings: Settings, request: SaveRequest) -> Callable[[torch.Tensor], bool] | None:
+    """Lazy snapshots are taken for single-writer saves with the persistent worker. A collective or sharded
+    save plans across ranks right after its snapshot, and a forked writer's snapshot is the fork itself:
+    those are taken eagerly."""
+    if settings.snapshot != "lazy" or request.collective or request.layout is Layout.SHARDED or not run.stager.copy_cpu:
+        return None
+    return run.tracked.rule()
+
+
+def _serialize(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _drop(run: Run, request: SaveRequest, tmp: Path | str, snapshot: staging.Snapshot | None) -> None:
+    # this rank's own directory (a single writer's, or a remote save's local spool); a remote file is never visible
+    if (not request.collective or isinstance(request.path, str)) and isinstance(tmp, Path):
+        commit.try_remove(tmp, "the unfinished save")
+    run.stager.release(snapshot.buffer_set if snapshot is not None else None)
+
+
+def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOver, stall_s: float) -> PendingSave:
+    """Plans the save and hands its write to the worker; returns it, pending. On an error nothing of it
+    is left behind (and the error is raised)."""
+    assert run.engine is not None and run.results_dir is not None
+    request, snapshot = ready.request, ready.snapshot
+    result_path = run.results_dir / f"{ready.order}.result"
+    try:
         if request.writes_file:
-            ticket, plan = _hand_over_file(run, request, snapshot, tmp, result_path, write_hook), None
+            ticket, plan = _hand_over_file(run, ready, result_path), None
         else:
-            ticket, plan = _hand_over_dcp(run, agreement, settings, request, snapshot, tmp, result_path, write_hook, rank)
+            ticket, plan = _hand_over_dcp(run, agreement, settings, ready, result_path)
     except BaseException:
         # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
-        if (not request.collective or isinstance(request.path, str)) and isinstance(tmp, Path):
-            commit.try_remove(tmp, "the unfinished save")
-        run.stager.release(snapshot.buffer_set if snapshot is not None else None)
+        _drop(run, request, ready.tmp, snapshot)
         raise
     save = PendingSave(
-        order=run.order, seq=request.seq, path=request.path, tmp=tmp, ticket=ticket, plan=plan,
-        result_path=result_path, buffer_set=snapshot.buffer_set, stall_s=time.perf_counter() - request.started,
+        order=ready.order, seq=request.seq, path=request.path, tmp=ready.tmp, ticket=ticket, plan=plan,
+        result_path=result_path, buffer_set=snapshot.buffer_set, stall_s=stall_s,
         nbytes=snapshot.nbytes, step=request.step, collective=request.collective, faults=request.faults,
-        writes_file=request.writes_file, call=request.call,
+        writes_file=request.writes_file, call=request.call, lazy_nbytes=ready.copy.nbytes if ready.copy else 0,
     )
     run.pending.append(save)
     log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", request.path, snapshot.nbytes, save.stall_s)
     return save
 
 
-def _hand_over_file(run: Run, request: SaveRequest, snapshot: staging.Snapshot, tmp: Path | str, result_path: Path,
-                    write_hook: Any) -> Any:
+def finish_copy(run: Run, agreement: Agreement, settings: Settings) -> None:
+    """(the saving rank, on the training thread, before the state may change) Waits for the lazy snapshot
+    in flight, if any, then hands its write over. A snapshot that changed while it was copied is never
+    written: alone (no process group) :class:`CheckpointWriteError` is raised here; with one, the failure
+    is recorded and the next finalize raises it on every rank."""
+    ready, run.copying = run.copying, None
+    if ready is None:
+        return
+    assert ready.copy is not None
+    request, waited = ready.request, time.perf_counter()
+    problem = ready.copy.wait(settings.timeout_s)
+    if problem is None:
+        try:
+            hand_over(run, agreement, settings, ready, ready.stall_s + time.perf_counter() - waited)
+        except Exception as e:  # noqa: BLE001 - as at save time: a write failure, or bad input
+            _failed_at_save_time(run, agreement, request, e)
+        return
+    # the buffers are released only once the thread is done writing into them (else never reused)
+    _drop(run, request, ready.tmp, ready.snapshot if ready.copy.done() else None)
+    failure = RankFailure(agreement.rank, "TornSnapshot", problem)
+    log.error("lightning-asyncckpt: save to %s failed: %s", request.path, problem)
+    if not agreement.active:
+        raise CheckpointWriteError(str(request.path), [failure])
+    run.failures.record(Failed(ready.order, str(request.path), failure, request.seq))
+
+
+def _hand_over_file(run: Run, ready: HandOver, result_path: Path) -> Any:
     r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU."""
-    assert run.engine is not None
-    # The non-tensor state is serialized now, once: it is then a snapshot of this step (the worker's queue
-    # would pickle it later, in a feeder thread, while training may change a leaf object), and bad input
-    # (an object that cannot be pickled) fails here, in the trainer.
-    buf = io.BytesIO()
-    torch.save(snapshot.skeleton, buf)
-    shape = torch_file.layout(request.checkpoint)  # aliases (tied weights) and devices, from metadata only
+    assert run.engine is not None and ready.skeleton is not None and ready.shape is not None
+    # The non-tensor state was serialized at save time, once: it is then a snapshot of this step (the
+    # worker's queue would pickle it later, in a feeder thread, while training may change a leaf object).
+    request = ready.request
     request.faults.check(request.faults.at_handover, request.path)
     return run.engine.schedule(torch_file.write_file_job, (
-        buf.getvalue(), snapshot.tensors, str(tmp), str(result_path), with_hook(request.faults, write_hook),
-        shape.aliases, shape.locations, shape.same_object,
+        ready.skeleton, ready.snapshot.tensors, str(ready.tmp), str(result_path),
+        with_hook(request.faults, ready.write_hook), ready.shape.aliases, ready.shape.locations, ready.shape.same_object,
     ))
 
 
-def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, snapshot: staging.Snapshot,
-                   tmp: Path | str, result_path: Path, write_hook: Any, rank: int) -> tuple[Any, Any]:
+def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, ready: HandOver, result_path: Path) -> tuple[Any, Any]:
     """Plans this rank's part of a DCP directory (collectively when all ranks write) and hands it over."""
+    request, snapshot, tmp, rank = ready.request, ready.snapshot, ready.tmp, ready.rank
     assert run.engine is not None and isinstance(tmp, Path)
     extra = [(str(tmp / name), data) for name, data in request.extra_files]
     planner_data = None
@@ -187,9 +280,8 @@ def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, request: 
     else:  # flat items; where they sit in the dict for plain DCP readers; the exact skeleton beside them
         state, planner_data = dcp_format.replicated_items(snapshot.skeleton, snapshot.tensors, everything=rank == 0)
         if rank == 0:
-            buf = io.BytesIO()
-            torch.save(snapshot.skeleton, buf)  # bad input (an object that cannot be pickled) fails here
-            extra.append((str(tmp / dcp_format.SKELETON_FILE), buf.getvalue()))
+            assert ready.skeleton is not None
+            extra.append((str(tmp / dcp_format.SKELETON_FILE), ready.skeleton))
     plan = dcp_format.plan_save(
         state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
         request.collective, flatten=request.layout is Layout.SHARDED, planner_data=planner_data if rank == 0 else None,
@@ -199,7 +291,7 @@ def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, request: 
     request.faults.check(request.faults.at_handover, request.path)
     ticket = run.engine.schedule(
         _worker.write_job,
-        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, write_hook), extra,
+        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, ready.write_hook), extra,
          (str(tmp), request.path) if isinstance(request.path, str) else None),
     )
     return ticket, plan

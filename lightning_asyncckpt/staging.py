@@ -207,6 +207,9 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
     nbytes: int
     buffer_set: BufferSet | None
+    # (name, source, buffer): tensors left for a lazy copy (``snapshot(defer=...)``); their buffers in
+    # ``tensors`` hold nothing yet
+    deferred: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class Stager:
@@ -347,23 +350,33 @@ class Stager:
             self.release(bs)
             raise
 
-    def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1) -> Snapshot:
+    def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1,
+                 defer: Callable[[torch.Tensor], bool] | None = None) -> Snapshot:
         """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete.
 
-        With ``world_size > 1`` only this rank's share of the (replicated) tensors is copied.
+        With ``world_size > 1`` only this rank's share of the (replicated) tensors is copied. ``defer``
+        (the lazy snapshot, :mod:`lightning_asyncckpt.lazy`) picks plain tensors whose buffers are
+        allocated but left empty, listed in ``Snapshot.deferred`` for the caller to fill.
         """
         skeleton, tensors = split(checkpoint)
         tensors = _share(tensors, rank, world_size)
         bs = self._acquire()
         staged: dict[str, torch.Tensor] = {}
+        deferred: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         nbytes = 0
         pending_cuda = False
         try:
             for name, t in tensors.items():
                 nbytes += t.numel() * t.element_size()
+                if defer is not None and self.copy_cpu and not is_quantized(t) and defer(t):
+                    staged[name] = self._buffer(bs, name, t)
+                    deferred.append((name, t, staged[name]))
+                    continue
                 staged[name], in_flight = self._stage(bs, name, t)
                 pending_cuda |= in_flight
-            return self._finish(bs, skeleton, staged, nbytes, pending_cuda)
+            snap = self._finish(bs, skeleton, staged, nbytes, pending_cuda)
+            snap.deferred = deferred
+            return snap
         except BaseException:
             if pending_cuda:
                 self._wait_copies()

@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import errno as _errno
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -297,3 +298,39 @@ class HoldWrite:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: {path} never appeared")
             time.sleep(self.poll_s)
+
+
+class HoldCopy:
+    """Holds the background copy of every lazy snapshot (``AsyncCheckpointIO(snapshot="lazy")``) until
+    :meth:`release`, so that a test can change the state while the copy has surely not run::
+
+        hold = HoldCopy()
+        io.copy_hook = hold
+        io.save_checkpoint(state, path)  # returns; the copy waits
+        hold.wait_started()
+        ...                              # change the state: the save must fail, not tear
+        hold.release()
+        io.wait_for_snapshot()
+
+    In-process (the copy is a thread of the trainer). A copy held longer than ``timeout_s`` fails its save,
+    so a test that never releases does not hang.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self._started = threading.Event()
+        self._released = threading.Event()
+
+    def __call__(self) -> None:
+        self._started.set()
+        if not self._released.wait(self.timeout_s):
+            raise TimeoutError(f"lazy snapshot copy held for {self.timeout_s:g}s")
+
+    def release(self) -> None:
+        """Lets the held copies (and every later one) go."""
+        self._released.set()
+
+    def wait_started(self, timeout_s: float = 60.0) -> None:
+        """Returns once a copy has reached the hook; ``TimeoutError`` after ``timeout_s``."""
+        if not self._started.wait(timeout_s):
+            raise TimeoutError(f"no lazy snapshot copy started within {timeout_s:g}s")

@@ -212,8 +212,8 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def _failing_run(args, report, callbacks, explicit_callback=True, weights_only=False, **kw):
-    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+def _failing_run(args, report, callbacks, explicit_callback=True, weights_only=False, snapshot="eager", **kw):
+    io = AsyncCheckpointIO(args.engine, worker=args.worker, snapshot=snapshot)
     dirpath = os.path.join(args.dir or args.out, "c")
     ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1, save_weights_only=weights_only)
     cbs = ([AsyncFinalizerCallback()] if explicit_callback else []) + [SlowSteps()] + [cb(io) for cb in callbacks] + [ck]
@@ -329,6 +329,55 @@ def case_kill(args, report):
 def case_weights_only(args, report):
     """Lightning runs no callback hook for weights-only saves: their errors must still stop every rank."""
     _failing_run(args, report, [lambda io: FailWritesFrom(io, 8)], weights_only=True)
+
+
+class EditAfterLazySave(L.Callback):
+    """On rank 0, holds the lazy copy of the save at ``step`` and edits a weight in place before letting it
+    go (a callback editing weights right after a save): that save must fail on every rank."""
+
+    def __init__(self, io, step):
+        self.io, self.step, self.hold = io, step, testing.HoldCopy()
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step - 1 and trainer.global_rank == 0:
+            self.io.copy_hook = self.hold  # runs before ModelCheckpoint (checkpoint callbacks run last)
+
+    def on_train_batch_start(self, trainer, pl_module, *a):
+        if trainer.global_step == self.step and trainer.global_rank == 0:
+            self.hold.wait_started()
+            with torch.no_grad():
+                pl_module.net[0].weight.add_(1)
+            self.hold.release()
+
+
+def case_lazy_torn(args, report):
+    _failing_run(args, report, [lambda io: EditAfterLazySave(io, 8)], snapshot="lazy")
+
+
+def case_lazy(args, report):
+    """snapshot="lazy": DDP from rank 0 copies lazily and exactly; AsyncDDPStrategy (collective) stays eager."""
+    from lightning_asyncckpt import AsyncDDPStrategy
+
+    data = dict(width=160, n=64, batch_size=4)  # 100 KiB weights: above the lazy threshold
+    for name, strategy in (("ddp", "ddp"), ("parallel", AsyncDDPStrategy())):
+        io = AsyncCheckpointIO(args.engine, worker=args.worker, snapshot="lazy")
+        rec = SnapshotRecorder()
+        dirpath = os.path.join(args.out, name)
+        ck = ModelCheckpoint(dirpath=dirpath, monitor="step", mode="max", save_top_k=2, every_n_train_steps=4,
+                             save_last=True)
+        L.seed_everything(1)
+        t = _trainer(args, [io], [AsyncFinalizerCallback(), rec, ck], max_steps=12, strategy=strategy)
+        t.fit(TinyModel(width=160), loader(**data))
+        torch.distributed.barrier()
+        report[f"{name}_files"] = sorted(os.listdir(dirpath))
+        report[f"{name}_lazy_bytes"] = [r.lazy_nbytes for r in io.history]
+        report[f"{name}_children_after_fit"] = _own_children(t)
+        if t.global_rank == 0:
+            for f in report[f"{name}_files"]:
+                loaded = io.load_checkpoint(os.path.join(dirpath, f), weights_only=False)
+                got = {"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]}
+                assert_tree_equal(got, rec.copies[loaded["global_step"]], f"{name} {f}")
+            report[f"{name}_verified"] = report[f"{name}_files"]
 
 
 def case_auto(args, report):

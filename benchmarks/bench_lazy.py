@@ -1,0 +1,121 @@
+"""How long does a save hold training with ``snapshot="eager"`` and with ``snapshot="lazy"``?
+
+    python benchmarks/bench_lazy.py                       # 0.25 and 0.5 GiB of state, 7 saves per mode, 2 rounds
+    python benchmarks/bench_lazy.py --sizes 1 --saves 5
+
+Each mode runs in its own process, alternating (eager, lazy, eager, lazy, ...) so that both see the same
+machine. One process builds an MLP of ``Linear(width, width)`` layers with Adam (state = weights + two
+moments, plus small biases), warms up the worker and the staging buffers, then per save, as a Fabric loop
+does (and as the Trainer's hooks do):
+
+1. ``save_checkpoint`` (timed: the **save** block);
+2. a real forward and backward of the model (timed: **fwd/bwd**, against the same without a save before it:
+   the lazy copy runs in the background during it, on the same cores);
+3. ``wait_for_snapshot()`` right before ``optimizer.step()`` (timed: the **wait** block; instant for eager);
+4. ``optimizer.step()``, then a blocking finalize (untimed), so that the next save starts with no write in
+   flight.
+
+Figures are medians over the saves after the first. **blocked** = save + wait: what training stops for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def one(mode: str, size_gib: float, saves: int, batch: int, width: int) -> dict:
+    import torch
+
+    from lightning_asyncckpt import AsyncCheckpointIO
+
+    layer_bytes = width * width * 4
+    layers = max(1, round(size_gib * 1024 * MiB / (3 * layer_bytes)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width)
+
+    def forward_backward() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        return time.perf_counter() - t0
+
+    def state(step: int) -> dict:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+
+    forward_backward()
+    opt.step()
+    plain = [forward_backward() for _ in range(5)]  # fwd/bwd with no save before it
+    opt.zero_grad()
+    out = {"mode": mode, "size_gib": size_gib, "state_mib": sum(t.numel() * 4 for t in model.parameters()) * 3 / MiB,
+           "layers": layers, "width": width, "fwd_bwd_plain_s": statistics.median(plain),
+           "save_s": [], "wait_s": [], "fwd_bwd_s": [], "lazy_mib": []}
+    with tempfile.TemporaryDirectory(dir=".") as tmp, AsyncCheckpointIO("nvrx", snapshot=mode) as io:
+        io.track_optimizers([opt])
+        io.warmup(like=state(0))
+        for i in range(saves):
+            path = Path(tmp) / f"ckpt-{i}"
+            t0 = time.perf_counter()
+            io.save_checkpoint(state(i), path)
+            t1 = time.perf_counter()
+            fb = forward_backward()
+            t2 = time.perf_counter()
+            io.wait_for_snapshot()
+            t3 = time.perf_counter()
+            opt.step()
+            io.finalize(blocking=True)
+            path.unlink()
+            out["save_s"].append(t1 - t0)
+            out["fwd_bwd_s"].append(fb)
+            out["wait_s"].append(t3 - t2)
+            out["lazy_mib"].append(io.history[-1].lazy_nbytes / MiB)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=float, nargs="+", default=[0.25, 0.5])
+    p.add_argument("--saves", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--one", nargs=2, metavar=("MODE", "SIZE"), help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help="write every figure as JSON here")
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one[0], float(args.one[1]), args.saves, args.batch, args.width)))
+        return
+    runs = []
+    for size in args.sizes:
+        for r in range(args.rounds):
+            for mode in (("eager", "lazy") if r % 2 == 0 else ("lazy", "eager")):
+                cmd = [sys.executable, __file__, "--one", mode, str(size), "--saves", str(args.saves),
+                       "--batch", str(args.batch), "--width", str(args.width)]
+                res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(runs, indent=1))
+    print("| state | mode | save (s) | wait (s) | blocked = save + wait (s) | fwd/bwd (s) | fwd/bwd, no save (s) | copied lazily (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size in args.sizes:
+        for mode in ("eager", "lazy"):
+            rs = [r for r in runs if r["size_gib"] == size and r["mode"] == mode]
+            med = {k: statistics.median(v for r in rs for v in r[k][1:]) for k in ("save_s", "wait_s", "fwd_bwd_s", "lazy_mib")}
+            blocked = statistics.median(s + w for r in rs for s, w in zip(r["save_s"][1:], r["wait_s"][1:]))
+            plain = statistics.median(r["fwd_bwd_plain_s"] for r in rs)
+            print(f"| {rs[0]['state_mib']:.0f} MiB | {mode} | {med['save_s']:.4f} | {med['wait_s']:.4f} | {blocked:.4f} |"
+                  f" {med['fwd_bwd_s']:.3f} | {plain:.3f} | {med['lazy_mib']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
