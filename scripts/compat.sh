@@ -57,7 +57,7 @@ build() {  # venv python torch lightning mcore nvrx
     # pins.txt pins lightning and megatron-core for `make test`: the corner's own versions replace those
     grep -v -E "^(lightning|megatron-core)==" requirements/pins.txt > "$venv.pins"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$3" "lightning==$4" \
-        "megatron-core==$5" "nvidia-resiliency-ext==$6" -c "$venv.pins" setuptools \
+        "megatron-core==$5" "nvidia-resiliency-ext==$6" -c "$venv.pins" "setuptools>=64" wheel \
         pytest pytest-timeout psutil 2>&1 | grep -v "^WARNING: Location" || true
     "$venv/bin/python" -c "import torch, lightning, megatron.core, nvidia_resiliency_ext" || return 1
     touch "$venv/.compat-ready"
@@ -76,7 +76,9 @@ while read -r name py torch lightning mcore nvrx; do
     if ! build "$venv" "$py" "$torch" "$lightning" "$mcore" "$nvrx"; then
         summary+=("FAILED (venv did not build)  $label"); status=1; continue
     fi
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null
+    if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null; then
+        summary+=("FAILED (this checkout did not install)  $label"); status=1; continue
+    fi
     "$venv/bin/python" -c "import torch, lightning, sys; print('   ', sys.version.split()[0], 'torch', torch.__version__, 'lightning', lightning.__version__)"
     ok=1
     for spec in "${TESTS[@]}"; do
