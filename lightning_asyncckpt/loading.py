@@ -18,9 +18,7 @@ def load(path: Path | str, map_location: Any | None = None, weights_only: bool |
         remote.forget(path)
     if isinstance(path, str) or path.is_file():  # stock's file: read as stock reads it (onto the CPU unless told otherwise)
         kwargs = {} if map_location is None else {"map_location": map_location}
-        if weights_only is not None:  # Lightning 2.5's load_checkpoint has no weights_only (and means False)
-            kwargs["weights_only"] = weights_only
-        return TorchCheckpointIO().load_checkpoint(path, **kwargs)
+        return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint at {str(path)!r} not found.")
     if not commit.is_committed(path):
