@@ -20,7 +20,7 @@ VENVS=$(cd "$VENVS" && pwd)
 
 #      name   python torch  lightning    megatron-core nvidia-resiliency-ext
 CORNERS="
-oldest 3.10   2.6.0  2.5.0.post0  0.13.1        0.4.1
+oldest 3.10   2.7.0  2.6.0        0.13.1        0.4.1
 newest 3.12   2.14.1 2.6.6        0.16.1        0.4.1
 "
 WANT=${COMPAT_CORNERS:-oldest newest}
@@ -42,9 +42,9 @@ TESTS=(
 
 find_python() {
     local v=$1 p
-    p=$(command -v "python$v" 2>/dev/null) && { echo "$p"; return; }
-    for p in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$v"*/bin/python"$v"; do
-        [ -x "$p" ] && { echo "$p"; return; }
+    for p in "$(command -v "python$v")" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$v"*/bin/python"$v"; do
+        # a pyenv shim is on PATH for every version but runs only the selected ones
+        [ -x "$p" ] && "$p" -c "" 2>/dev/null && { echo "$p"; return; }
     done
     return 1
 }
