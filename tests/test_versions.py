@@ -61,3 +61,14 @@ def test_the_ranges_are_the_ones_pyproject_declares():
     declared = project["dependencies"] + project["optional-dependencies"]["mcore"]
     for package, allowed in versions.SUPPORTED.items():
         assert f"{package}{allowed.spec()}" in declared, package
+
+
+def test_an_unsupported_installed_stack_is_refused_at_construction():
+    """For `make test-compat`'s `below` corner (a stack under the floors): the real constructor refuses it
+    before anything starts. Skipped on a supported stack."""
+    installed = {p: versions.installed_version(p) for p in ("torch", "lightning", "nvidia-resiliency-ext")}
+    problems = [m for p, v in installed.items() if v and (m := versions.problem(p, v))]
+    if not problems:
+        pytest.skip("the installed stack is supported")
+    with pytest.raises(UnsupportedVersionError, match=re.escape(problems[0])):
+        AsyncCheckpointIO("nvrx")
