@@ -33,9 +33,9 @@ class Range:
 # keep in step with pyproject.toml (tests/test_versions.py checks that they agree)
 SUPPORTED: dict[str, Range] = {
     # torch 2.6 and older: dcp.load has no no_dist, so a checkpoint directory cannot be read back on one rank
-    # while a process group is up (torch 2.4 also writes DCP metadata that plain DCP cannot read back)
+    # while a process group is up
     "torch": Range("2.7", reason="its DCP cannot read back the checkpoint directories this library writes"),
-    # Lightning 2.5: CheckpointIO.load_checkpoint has no weights_only, which resuming and loading pass on
+    # Lightning 2.5: TorchCheckpointIO.load_checkpoint has no weights_only, which loading.load passes on
     "lightning": Range("2.6", reason="its TorchCheckpointIO.load_checkpoint takes no weights_only"),
     "nvidia-resiliency-ext": Range("0.4.1", "0.8"),
     "megatron-core": Range("0.13"),
