@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-faults test-all test-nvrx-versions bench gpu-check lint clean
+.PHONY: demo test test-faults test-all test-nvrx-versions test-compat bench gpu-check lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test-all: $(STAMP)
 # nvidia-resiliency-ext 0.5 to 0.7 (manylinux_2_39 only): downloaded, unpacked, run beside 0.4.1 (needs network)
 test-nvrx-versions: $(STAMP)
 	bash scripts/nvrx_versions.sh
+
+# the oldest and newest supported stacks (torch, Lightning, megatron-core, Python), each in a venv cached under
+# COMPAT_VENVS (default ../.compat-venvs), against a subset of the suite; about 30 minutes (needs network once)
+test-compat:
+	bash scripts/compat.sh
 
 # every save variant in one run, interleaved; writes benchmarks/results/bench-<time>.{md,json}
 bench: $(STAMP)

@@ -85,3 +85,8 @@ class CheckpointWriteError(Exception):
 
 class EngineNotAvailableError(ImportError):
     """The requested engine package is not installed."""
+
+
+class UnsupportedVersionError(ImportError):
+    """An installed package (torch, Lightning, an engine) is outside the versions this library supports
+    (:mod:`lightning_asyncckpt.versions`); raised when ``AsyncCheckpointIO`` is made, before any save."""

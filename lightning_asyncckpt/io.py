@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
-from lightning_asyncckpt import engines, lazy, loading, logsetup, paths, poller, scheduler
+from lightning_asyncckpt import engines, lazy, loading, logsetup, paths, poller, scheduler, versions
 from lightning_asyncckpt.committer import request_removal
 from lightning_asyncckpt.dcp_format import META_FILE
 from lightning_asyncckpt.faults import EnvironmentFaults, FaultPolicy
@@ -66,7 +66,8 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
             Collective, sharded and fork-per-save (``worker="fork"``) saves are always eager.
 
     Construct it on every rank; it starts nothing until the first save, ``warmup`` or the callback's
-    ``setup``. ``history`` lists a :class:`SaveRecord` for each save this rank committed.
+    ``setup``. With torch, Lightning or the engine outside the supported versions it raises
+    :class:`~lightning_asyncckpt.errors.UnsupportedVersionError` at once (:mod:`lightning_asyncckpt.versions`). ``history`` lists a :class:`SaveRecord` for each save this rank committed.
     """
 
     def __init__(
@@ -85,7 +86,10 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
             raise ValueError(
                 f"`AsyncCheckpointIO(snapshot={snapshot!r})` is not valid; choose one of {', '.join(map(repr, SNAPSHOTS))}."
             )
-        SavePipeline.__init__(self, engines.resolve(strategy), engines.parse_worker(worker))
+        versions.check_installed("torch", "lightning")  # before anything is written that could not be read back
+        engine = engines.resolve(strategy)
+        versions.check_installed(versions.ENGINE_PACKAGES[engine.value])
+        SavePipeline.__init__(self, engine, engines.parse_worker(worker))
         self.format, self.snapshot = format, snapshot
         self.thread_count, self.max_pending = thread_count, max_pending
         self.timeout_s, self.poll_interval_s, self.drain_timeout_s = float(timeout_s), poll_interval_s, float(drain_timeout_s)
