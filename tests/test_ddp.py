@@ -26,6 +26,7 @@ def test_ddp_top_k_snapshots_and_exact_resume(tmp_path, engine, worker):
         assert r["children_after_fit"] == [] and r["children_after_resume"] == []
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_ddp_a_save_in_flight_lands_when_every_rank_dies(tmp_path):
     """Rank 0 commits the save it was writing on the way out of an error raised on every rank."""
     r0, r1 = run_job(tmp_path, "die", "nvrx", "persistent")
@@ -66,6 +67,7 @@ def test_ddp_plugin_alone_gets_the_finalizer_on_every_rank(tmp_path, engine, wor
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "OSError")
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_ddp_weights_only_save_error_raises_on_every_rank_within_steps(tmp_path):
     """``ModelCheckpoint(save_weights_only=True)``: Lightning skips callbacks' ``on_save_checkpoint``,
     yet the failed write stops both ranks a few steps after it, not at the end of fit."""
@@ -124,6 +126,7 @@ def test_async_ddp_strategy_one_failing_rank_raises_on_every_rank(tmp_path, engi
     assert "rank 1" in r0["raised"]["message"] and "ENOSPC" in r0["raised"]["message"]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 @pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "fork")}, combos=[("nvrx", "fork"), ("mcore", "persistent")]))
 def test_checkpoint_from_one_rank_resumes_on_two(tmp_path, engine, worker):
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -139,12 +142,14 @@ def test_checkpoint_from_one_rank_resumes_on_two(tmp_path, engine, worker):
         assert r["resume_exact"] and r["children_after_fit"] == []
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_async_ddp_strategy_local_failure_before_planning_does_not_hang(tmp_path):
     """A rank that fails before the collective planning must not leave the other ranks inside it."""
     r0, r1 = run_job(tmp_path, "parallel_snapfail", "nvrx", "persistent", timeout=120)
     _assert_failed_everywhere(r0, r1, "epoch=1-step=8.ckpt", "MemoryError", ranks=(1,))
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_ddp_lazy_snapshot_from_rank0_is_exact_and_collective_saves_stay_eager(tmp_path):
     r0, r1 = run_job(tmp_path, "lazy", "nvrx", "persistent")
     files = ["epoch=0-step=8.ckpt", "epoch=1-step=12.ckpt", "last.ckpt"]

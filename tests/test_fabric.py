@@ -33,7 +33,8 @@ def test_fabric_failed_write_raises_on_both_ranks(tmp_path, engine, worker):
     assert r0["raised_at_step"] == r1["raised_at_step"]
 
 
-@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx-persistent", "mcore-fork"])
+@pytest.mark.parametrize(("engine", "worker"), [("nvrx", "persistent"), pytest.param("mcore", "fork", marks=pytest.mark.slow)],
+                         ids=["nvrx-persistent", "mcore-fork"])
 def test_fabric_sharded_save_finalize_load_is_exact(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "sharded", engine, worker)
     for r in (r0, r1):

@@ -55,6 +55,7 @@ REPRESENTATIVE = [
 ]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 @pytest.mark.parametrize(("strategy", "engine", "worker", "faults"), REPRESENTATIVE, ids=["ddp-nvrx-persistent", "mp-mcore-fork", "ddp-nvrx-persistent-more"])
 def test_faults_reach_every_rank(tmp_path, strategy, engine, worker, faults):
     r0, r1 = run_ranks(JOB, tmp_path, strategy, engine, worker, timeout=240, faults=faults)

@@ -40,6 +40,7 @@ def test_fsdp2_shards_on_every_rank_and_stock_compatible_resume(tmp_path, engine
     ("engine", "worker"),
     [pytest.param("nvrx", "fork", id="nvrx-fork"), pytest.param("mcore", "persistent", id="mcore-persistent", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_fsdp2_resharding_two_to_one_to_two(tmp_path, engine, worker):
     (r0, _) = run_ranks(JOB, tmp_path / "two", "save", engine, worker)
     assert r0["verified"]
@@ -83,6 +84,7 @@ def test_fsdp2_save_after_fit_failing_on_one_rank_raises_on_both(tmp_path):
         assert r["children_after_save"] == [] and not r["final_exists"] and r["leftovers"] == []
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_fsdp2_a_sharded_save_in_flight_lands_when_every_rank_dies(tmp_path):
     """The ranks commit the sharded save they were writing together, on the way out of an error raised
     on every rank (over a gloo group whose collectives give up if a rank never comes)."""

@@ -7,7 +7,7 @@ from helpers import job_script, run_ranks
 JOB = job_script("pipeline_job.py")
 
 
-@pytest.mark.parametrize("stage", ["snapshot", "handover"])
+@pytest.mark.parametrize("stage", ["snapshot", pytest.param("handover", marks=pytest.mark.slow)])
 def test_a_save_time_failure_on_one_rank_never_drops_the_good_save_before_it(tmp_path, stage):
     """Save 1 is good; save 2 fails at save time on rank 1 alone. Save 1 still commits, and save 2's error
     is raised on both ranks, naming rank 1."""
@@ -18,6 +18,7 @@ def test_a_save_time_failure_on_one_rank_never_drops_the_good_save_before_it(tmp
     assert reports[0]["one_committed"] and reports[0]["entries"] == ["one.ckpt"], reports[0]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_warmup_on_some_ranks_does_not_break_the_next_collective_save(tmp_path):
     reports = run_ranks(JOB, tmp_path, "warmup_on_some_ranks", "mcore", "persistent", timeout=120)
     for r in reports:

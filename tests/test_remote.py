@@ -38,7 +38,7 @@ def _uploads(s3):
             if m in ("PUT", "POST") and p.startswith("/ckpt/run1/") and "?delete" not in p]
 
 
-@pytest.mark.parametrize("worker", ["persistent", "fork"])
+@pytest.mark.parametrize("worker", ["persistent", pytest.param("fork", marks=pytest.mark.slow)])
 def test_trainer_top_k_last_resume_and_load_from_s3(tmp_path, s3, worker):
     """The full Trainer flow on S3: top-k removals, ``last``, resume with ``ckpt_path="last"``,
     ``load_from_checkpoint`` from the URL; every byte is uploaded by the worker, none by the trainer."""

@@ -53,6 +53,7 @@ def test_demo_runs(tmp_path):
     ]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_fabric_example_runs(tmp_path):
     code, out = _run(
         [sys.executable, os.path.join(ROOT, "examples", "train_fabric.py"), "--steps", "20", "--every", "10",
@@ -63,6 +64,7 @@ def test_fabric_example_runs(tmp_path):
     assert "restored step 20; checkpoints: ['step-10', 'step-20']" in out
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_sharded_example_runs(tmp_path):
     code, out = _run(
         [sys.executable, os.path.join(ROOT, "examples", "train_sharded.py"), "--steps", "40",

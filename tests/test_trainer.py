@@ -130,6 +130,7 @@ def test_resume_continues_exactly(engine_worker, tmp_path):
     assert_tree_equal(clone_tree(resumed.state_dict()), final)  # identical to the uninterrupted run
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_fit_twice_then_validate_and_test(engine_worker, tmp_path):
     engine, worker = engine_worker
     io = AsyncCheckpointIO(engine, worker=worker)
