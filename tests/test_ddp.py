@@ -78,6 +78,7 @@ def test_ddp_weights_only_save_error_raises_on_every_rank_within_steps(tmp_path)
     assert r0["global_step"] <= 16
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_ddp_bad_input_on_rank0_raises_on_every_rank(tmp_path):
     """A save that fails at save time on rank 0 must not leave rank 1 waiting in Lightning's barrier."""
     r0, r1 = run_job(tmp_path, "badinput", "nvrx", "persistent")

@@ -29,7 +29,7 @@ def _run(tmp_path, how, engine="nvrx", worker="persistent", **extra):
     return code, job.log_text(), report
 
 
-@pytest.mark.parametrize("how", ["end", "raise"])
+@pytest.mark.parametrize("how", ["end", pytest.param("raise", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("engine,worker", combo_params(fast={("nvrx", "persistent")}))
 def test_the_last_save_lands_when_the_script_exits(tmp_path, how, engine, worker):
     code, log, report = _run(tmp_path, how, engine, worker)

@@ -21,6 +21,7 @@ def test_fabric_save_finalize_load_is_exact(tmp_path, engine, worker):
         assert r["children_after_exit"] == []  # leaving the `with io:` block stopped the worker
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 @pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), pytest.param("mcore", "persistent", marks=pytest.mark.slow)],
                          ids=["nvrx-fork", "mcore-persistent"])
 def test_fabric_failed_write_raises_on_both_ranks(tmp_path, engine, worker):

@@ -52,6 +52,7 @@ def test_fsdp2_resharding_two_to_one_to_two(tmp_path, engine, worker):
         assert r["resume_exact"] and r["children_after_fit"] == []
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 @pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("nvrx", "fork")}, combos=[("nvrx", "fork"), ("mcore", "persistent")]))
 def test_fsdp2_one_failing_rank_raises_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, "fail", engine, worker)
