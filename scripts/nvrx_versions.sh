@@ -22,14 +22,14 @@ for v in $VERSIONS; do
     "$PY" -m zipfile -e build/wheels/nvidia_resiliency_ext-"$v"-*.whl "$tree"
     trees+=("$PWD/$tree")
 done
-LIGHTNING_ASYNCCKPT_NVRX_TREES=$(IFS=:; echo "${trees[*]}") "$PY" -m pytest -q tests/test_engine_versions.py "$@"
-[ "${NVRX_SUBSET:-1}" = 0 ] && exit 0
+status=0
+LIGHTNING_ASYNCCKPT_NVRX_TREES=$(IFS=:; echo "${trees[*]}") "$PY" -m pytest -q tests/test_engine_versions.py "$@" || status=1
+[ "${NVRX_SUBSET:-1}" = 0 ] && exit $status
 
 # the subset of `make test-compat` (scripts/subset.sh), on the nvrx engine, each release imported first
 # (the worker processes inherit PYTHONPATH); the version check reads the release's own metadata
 ENGINE_K="nvrx-persistent"
 source scripts/subset.sh
-status=0
 for tree in "${trees[@]}"; do
     echo "== nvidia-resiliency-ext from $tree"
     PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import nvidia_resiliency_ext, importlib.metadata as m; print('   ', m.version('nvidia-resiliency-ext'), nvidia_resiliency_ext.__file__)"

@@ -20,7 +20,8 @@ def main() -> None:
 
     report = {"version": engine_version("nvidia-resiliency-ext"), "module": nvidia_resiliency_ext.__file__}
     for worker in ("fork", "persistent"):
-        io = AsyncCheckpointIO("nvrx", worker=worker, thread_count=2, timeout_s=120)
+        # format="dcp": the directory layout goes through this release's own DCP writer (write_preloaded_data)
+        io = AsyncCheckpointIO("nvrx", worker=worker, thread_count=2, timeout_s=120, format="dcp")
         ckpt = {"global_step": 3, "state_dict": {"w": torch.randn(64, 64), "b": torch.randn(3).bfloat16()},
                 "hyper_parameters": {"a": [1, 2]}}
         try:
