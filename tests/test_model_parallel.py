@@ -65,6 +65,7 @@ def test_fsdp2_one_failing_rank_raises_on_every_rank(tmp_path, engine, worker):
     assert r0["global_step"] == r1["global_step"] < 40
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_fsdp2_save_after_fit_is_complete_when_it_returns(tmp_path):
     """``trainer.save_checkpoint`` after ``fit`` (the plugin is torn down): the ranks commit the sharded
     save together before it returns, with the final state; it was dropped before."""
@@ -74,6 +75,7 @@ def test_fsdp2_save_after_fit_is_complete_when_it_returns(tmp_path):
     assert r0["verified"]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_fsdp2_save_after_fit_failing_on_one_rank_raises_on_both(tmp_path):
     """The save after ``fit`` fails on rank 1 alone, after the ranks agreed to save: rank 0 must not wait
     for rank 1 in the commit; both raise the same error, and nothing is left at the path."""
