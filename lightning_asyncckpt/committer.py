@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from lightning_asyncckpt import commit, remote, torch_file
@@ -38,7 +39,8 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
             save.faults.check(save.faults.before_publish, save.path)
             if isinstance(save.path, str):  # a remote file was visible once uploaded; a directory now
                 if not save.writes_file:
-                    run.publishing.append((save, run.background(remote.publish_metadata, save.tmp, save.path), all_results))
+                    upload = run.background(remote.publish_metadata, save.tmp, save.path)
+                    run.publishing.append((save, upload, all_results, time.monotonic()))
                     return None
             else:
                 (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
@@ -48,14 +50,24 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
     return None
 
 
-def settle_publishing(run: Run, rank: int, blocking: bool) -> None:
+def settle_publishing(run: Run, rank: int, blocking: bool, timeout_s: float, url: str | None = None) -> None:
     """(the coordinator, while polling) Records the remote directories whose ``.metadata`` upload ended
-    (``blocking``: waits for each); a failed one is recorded for the next finalize to raise everywhere."""
-    while run.publishing and (blocking or run.publishing[0][1].done()):
-        save, done, all_results = run.publishing.pop(0)
+    (``blocking``: waits for each; ``url``: only for those up to the last one to that URL). A failed
+    upload, or one still running ``timeout_s`` after it began, is recorded for the next finalize to raise
+    on every rank."""
+    last = max((i for i, p in enumerate(run.publishing) if p[0].path == url), default=-1) if url else None
+    while run.publishing and (last is None or last >= 0):
+        save, upload, all_results, since = run.publishing[0]
+        left = since + timeout_s - time.monotonic()
+        if not upload.done() and left > 0 and not (blocking or last is not None):
+            return
+        run.publishing.pop(0)
+        last = None if last is None else last - 1
         try:
-            done.result()
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the next finalize
+            upload.result(timeout=max(left, 0))
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the next finalize (a timeout too)
+            if isinstance(e, (TimeoutError, FutureTimeout)):  # the same class from Python 3.11 on
+                e = TimeoutError(f"the upload of {remote.METADATA} did not finish within timeout_s={timeout_s:g}s")
             record_failure(run, save, RankFailure.from_exception(rank, e), rank)
             continue
         record_commit(run, save, all_results, rank)

@@ -25,7 +25,7 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
     """(this rank) Polls own writes in order; commits finished single-writer saves, marks finished parts of
     collective saves as written (the ranks commit them together), records failures. ``blocking`` waits
     for every write (up to the save of order ``until``)."""
-    settle_publishing(run, rank, blocking=blocking and until is None)
+    settle_publishing(run, rank, blocking and until is None, settings.timeout_s)
     while True:
         save = run.pending.next_to_poll(until)
         if save is None:
@@ -74,10 +74,15 @@ def settle_for(run: Run, settings: Settings, rank: int, path: Path) -> None:
         raise CheckpointWriteError(failed.path, [failed.failure])
 
 
-def wait_for_path(run: Run, settings: Settings, rank: int, url: str) -> None:
-    """Before a remote save with forked writers: waits for this rank's earlier saves to the same URL. An
-    object appears when its upload completes, not in commit order, so two uploads to one URL
-    (``last.ckpt``) by separate processes must not overlap. (The persistent worker writes in order.)"""
+def wait_for_path(run: Run, settings: Settings, rank: int, url: str, persistent: bool) -> None:
+    """(before a remote save, ahead of any collective planning) Waits for the ``.metadata`` upload of an
+    earlier directory save to the same URL: the new save's workers overwrite its shards, so an old
+    ``.metadata`` landing after them would make a torn checkpoint look complete. With forked writers, also
+    waits for this rank's earlier saves to that URL: an object appears when its upload completes, not in
+    commit order. (The persistent worker writes in order.)"""
+    settle_publishing(run, rank, False, settings.timeout_s, url=url)
+    if persistent:
+        return
     for save in run.pending:
         if save.path == url:
             settle_local(run, settings, rank, blocking=True, until=save.order)

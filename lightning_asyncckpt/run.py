@@ -99,8 +99,8 @@ class Run:
     results_dir: Path | None = None
     cleaned_dirs: set[Path | str] = field(default_factory=set)
     stager: Stager = field(init=False)
-    # remote directories whose .metadata is being uploaded (coordinator): (save, its upload, write results)
-    publishing: list[tuple[Any, Future, list]] = field(default_factory=list)
+    # remote directories whose .metadata is being uploaded (coordinator): (save, upload, write results, since)
+    publishing: list[tuple[Any, Future, list, float]] = field(default_factory=list)
     tracked: TrackedState = field(default_factory=TrackedState)  # what a lazy snapshot may copy later
     copying: Any = None  # scheduler.HandOver: the lazy snapshot being copied (one at most: a save waits for it)
     _remote_ops: ThreadPoolExecutor | None = None
@@ -198,7 +198,7 @@ class Run:
         if self._remote_ops is not None:
             self._remote_ops.shutdown(wait=True)  # the publishes and removals asked for are done when the run closes
             self._remote_ops = None
-        for save, _, _ in self.publishing:  # published (or not) on the way out, unrecorded: its spool goes
+        for save, *_ in self.publishing:  # published (or not) on the way out, unrecorded: its spool goes
             commit.try_remove(save.tmp, "the uploaded spool directory")
         self.publishing = []
         self.count.settle_all()

@@ -68,8 +68,8 @@ def submit(
             if not agreement.active:
                 run.failures.raise_local()
             poller.wait_for_room(run, settings, rank)
-            if isinstance(request.path, str) and not run.engine.persistent:
-                poller.wait_for_path(run, settings, rank, request.path)
+            if isinstance(request.path, str):
+                poller.wait_for_path(run, settings, rank, request.path, run.engine.persistent)
             if collective:
                 snapshot = take_snapshot(run, agreement, request)
         except Exception as e:
