@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lazy.py                       # 0.25 and 0.5 GiB of state, 7 saves per mode, 2 rounds
     python benchmarks/bench_lazy.py --sizes 1 --saves 5
+    python benchmarks/bench_lazy.py --device cuda --sizes 2 --rounds 1   # scripts/gpu_check.sh runs this
 
 Each mode runs in its own process, alternating (eager, lazy, eager, lazy, ...) so that both see the same
 machine. One process builds an MLP of ``Linear(width, width)`` layers with Adam (state = weights + two
@@ -16,6 +17,9 @@ does (and as the Trainer's hooks do):
    flight.
 
 Figures are medians over the saves after the first. **blocked** = save + wait: what training stops for.
+**floor**: one blocking copy of the whole state into buffers that already exist (on CPU a memcpy; with
+``--device cuda`` the device-to-host copy into pinned buffers), measured in the same process; the target
+for lazy is a blocked time of 0.1 times that floor on a GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +36,24 @@ from pathlib import Path
 MiB = 1 << 20
 
 
-def one(mode: str, size_gib: float, saves: int, batch: int, width: int) -> dict:
+def floor_s(tensors: list, device: str, repeats: int = 3) -> float:
+    """One blocking copy of ``tensors`` into host buffers made beforehand (pinned for CUDA): the least a
+    snapshot taken inside the save call costs."""
+    import torch
+
+    bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=device == "cuda") for t in tensors]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, tensors):
+            b.copy_(t, non_blocking=device == "cuda")
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def one(mode: str, size_gib: float, saves: int, batch: int, width: int, device: str = "cpu") -> dict:
     import torch
 
     from lightning_asyncckpt import AsyncCheckpointIO
@@ -40,14 +61,16 @@ def one(mode: str, size_gib: float, saves: int, batch: int, width: int) -> dict:
     layer_bytes = width * width * 4
     layers = max(1, round(size_gib * 1024 * MiB / (3 * layer_bytes)))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(batch, width)
+    x = torch.randn(batch, width, device=device)
 
     def forward_backward() -> float:
         t0 = time.perf_counter()
         opt.zero_grad()
         model(x).pow(2).mean().backward()
+        if device == "cuda":  # the training stream only: a device-wide sync would also wait for the lazy copy
+            torch.cuda.current_stream().synchronize()
         return time.perf_counter() - t0
 
     def state(step: int) -> dict:
@@ -57,7 +80,8 @@ def one(mode: str, size_gib: float, saves: int, batch: int, width: int) -> dict:
     opt.step()
     plain = [forward_backward() for _ in range(5)]  # fwd/bwd with no save before it
     opt.zero_grad()
-    out = {"mode": mode, "size_gib": size_gib, "state_mib": sum(t.numel() * 4 for t in model.parameters()) * 3 / MiB,
+    tensors = [t for t in [*model.parameters(), *(v for st in opt.state.values() for v in st.values())] if t.dim()]
+    out = {"mode": mode, "size_gib": size_gib, "device": device, "floor_s": floor_s(tensors, device), "state_mib": sum(t.numel() * 4 for t in model.parameters()) * 3 / MiB,
            "layers": layers, "width": width, "fwd_bwd_plain_s": statistics.median(plain),
            "save_s": [], "wait_s": [], "fwd_bwd_s": [], "lazy_mib": []}
     with tempfile.TemporaryDirectory(dir=".") as tmp, AsyncCheckpointIO("nvrx", snapshot=mode) as io:
@@ -90,31 +114,35 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--one", nargs=2, metavar=("MODE", "SIZE"), help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default=None, help="write every figure as JSON here")
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], float(args.one[1]), args.saves, args.batch, args.width)))
+        print(json.dumps(one(args.one[0], float(args.one[1]), args.saves, args.batch, args.width, args.device)))
         return
     runs = []
     for size in args.sizes:
         for r in range(args.rounds):
             for mode in (("eager", "lazy") if r % 2 == 0 else ("lazy", "eager")):
                 cmd = [sys.executable, __file__, "--one", mode, str(size), "--saves", str(args.saves),
-                       "--batch", str(args.batch), "--width", str(args.width)]
+                       "--batch", str(args.batch), "--width", str(args.width), "--device", args.device]
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
     if args.out:
         Path(args.out).write_text(json.dumps(runs, indent=1))
-    print("| state | mode | save (s) | wait (s) | blocked = save + wait (s) | fwd/bwd (s) | fwd/bwd, no save (s) | copied lazily (MiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"device: {args.device}")
+    print("| state | mode | save (s) | wait (s) | blocked = save + wait (s) | floor (s) | blocked / floor | fwd/bwd (s) |"
+          " fwd/bwd, no save (s) | copied lazily (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         for mode in ("eager", "lazy"):
             rs = [r for r in runs if r["size_gib"] == size and r["mode"] == mode]
             med = {k: statistics.median(v for r in rs for v in r[k][1:]) for k in ("save_s", "wait_s", "fwd_bwd_s", "lazy_mib")}
             blocked = statistics.median(s + w for r in rs for s, w in zip(r["save_s"][1:], r["wait_s"][1:]))
             plain = statistics.median(r["fwd_bwd_plain_s"] for r in rs)
+            floor = statistics.median(r["floor_s"] for r in rs)
             print(f"| {rs[0]['state_mib']:.0f} MiB | {mode} | {med['save_s']:.4f} | {med['wait_s']:.4f} | {blocked:.4f} |"
-                  f" {med['fwd_bwd_s']:.3f} | {plain:.3f} | {med['lazy_mib']:.0f} |")
+                  f" {floor:.4f} | {blocked / floor:.3f}x | {med['fwd_bwd_s']:.3f} | {plain:.3f} | {med['lazy_mib']:.0f} |")
 
 
 if __name__ == "__main__":

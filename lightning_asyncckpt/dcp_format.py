@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from lightning_asyncckpt import commit, staging
+from lightning_asyncckpt import commit, staging, tree
 from lightning_asyncckpt.metadata import read_metadata
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a sharded checkpoint
@@ -41,7 +41,7 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
     rank's tensors."""
     items: dict[str, Any] = dict(tensors)
     paths: dict[str, tuple] = {}
-    names = staging._FqnNamer()
+    names = tree.FqnNamer()
 
     def has_tensor(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):

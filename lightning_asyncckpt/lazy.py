@@ -14,6 +14,11 @@ The rule (:class:`TrackedState`): a tensor of the checkpoint is copied lazily wh
 tracked optimizer's ``param_groups`` or a tensor of its ``state``. Anything else, and everything when no
 optimizer is tracked, is copied at save time.
 
+The same rule serves every layout: a single writer's file, a collective save's share of a replicated
+state (``AsyncDDPStrategy``), and a sharded save's local shards (``AsyncModelParallelStrategy``), whose
+``DTensor`` parameters and optimizer state are matched by their local shard. A DCP save is planned at save
+time (collectively, while every rank is in the save call); only the hand-over to the worker waits for the copy.
+
 Proof (:class:`BackgroundCopy`): each lazily copied tensor's version counter is read at save time and
 again right after its copy; any in-place change in between (a callback editing weights after a save,
 EMA, an in-place op in forward) bumps it, and the save fails instead of being written torn. A change
@@ -37,8 +42,15 @@ LAZY_MIN_BYTES = 64 << 10
 
 
 def _key(t: torch.Tensor) -> tuple:
-    """Identifies the memory a tensor views: a parameter and its ``state_dict`` entry (a ``detach``) agree."""
+    """Identifies the memory a tensor views: a parameter and its ``state_dict`` entry (a ``detach``) agree;
+    a ``DTensor`` (FSDP2, tensor parallel) by its local shard, which is what a sharded save copies."""
+    if _is_dtensor(t):
+        t = t.to_local()
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 class TrackedState:
@@ -52,37 +64,48 @@ class TrackedState:
         # a LightningOptimizer wraps the torch optimizer, whose state is what the checkpoint holds
         self._refs = [weakref.ref(getattr(o, "_optimizer", o)) for o in optimizers]
 
-    def rule(self) -> Callable[[torch.Tensor], bool] | None:
-        """(at save time) Which checkpoint tensors may be copied lazily; ``None`` when none may."""
-        keys = set()
+    def rule(self) -> Callable[[torch.Tensor], list[torch.Tensor] | None] | None:
+        """(at save time) Which checkpoint tensors may be copied lazily; ``None`` when none may. For such a
+        tensor the rule returns the tensors whose version counters prove it unchanged: the optimizer's own
+        parameter or state tensor, and for a ``DTensor`` also a view of its local shard. In-place ops on a
+        ``DTensor`` bump the wrapper's counter and edits of ``to_local()`` the shard's, never both, and a
+        state dict's ``detach`` of a ``DTensor`` shares neither: so the copy watches the optimizer's tensors."""
+        watched: dict[tuple, list[torch.Tensor]] = {}
         for ref in self._refs:
             opt = ref()
             if opt is None:
                 continue
             for group in opt.param_groups:
                 for p in group["params"]:
-                    keys.add(_key(p))
-                    for v in opt.state.get(p, {}).values():
-                        if isinstance(v, torch.Tensor) and v.device.type != "meta":
-                            keys.add(_key(v))
-        if not keys:
+                    tensors = [p, *(v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))]
+                    for v in tensors:
+                        if v.device.type != "meta":
+                            watched[_key(v)] = [v, v.to_local()] if _is_dtensor(v) else [v]
+        if not watched:
             return None
-        return lambda t: t.numel() * t.element_size() >= LAZY_MIN_BYTES and type(t) is torch.Tensor and _key(t) in keys
+
+        def watch(t: torch.Tensor) -> list[torch.Tensor] | None:
+            if t.numel() * t.element_size() < LAZY_MIN_BYTES or type(t) is not torch.Tensor:
+                return None
+            return watched.get(_key(t))
+
+        return watch
 
 
 class BackgroundCopy:
-    """Copies ``(name, source, buffer)`` triples in a daemon thread, started at once.
+    """Copies :class:`~lightning_asyncckpt.staging.Deferred` items (name, source, buffer, watched tensors)
+    in a daemon thread, started at once.
 
-    Made on the training thread at save time, which is when each source's version is read. CUDA sources
+    Made on the training thread at save time, which is when the watched tensors' versions are read. CUDA sources
     are copied on a side stream ordered after the work queued before the save (an event recorded now).
     ``hook`` (tests: :class:`lightning_asyncckpt.testing.HoldCopy`) runs in the thread before it copies.
     """
 
-    def __init__(self, items: list[tuple[str, torch.Tensor, torch.Tensor]], hook: Callable[[], None] | None = None):
+    def __init__(self, items: list[Any], hook: Callable[[], None] | None = None):
         self.items = items
-        self.nbytes = sum(t.numel() * t.element_size() for _, t, _ in items)
-        self._versions = [t._version for _, t, _ in items]
-        devices = {t.device for _, t, _ in items if t.device.type == "cuda"}
+        self.nbytes = sum(d.source.numel() * d.source.element_size() for d in items)
+        self._versions = [[w._version for w in d.watch] for d in items]
+        devices = {d.source.device for d in items if d.source.device.type == "cuda"}
         # the kernels that produced the sources are queued on the training thread's current stream
         self._events = {d: torch.cuda.current_stream(d).record_event() for d in devices}
         self._hook = hook
@@ -91,8 +114,8 @@ class BackgroundCopy:
         self._thread.start()
 
     def _torn(self, i: int) -> bool:
-        name, src, _ = self.items[i]
-        if src._version == self._versions[i]:
+        name, watch = self.items[i].name, self.items[i].watch
+        if [w._version for w in watch] == self._versions[i]:
             return False
         self._problem = (
             f"tensor {name!r} was changed in place after the save and before its lazy snapshot was copied"
@@ -110,7 +133,7 @@ class BackgroundCopy:
             for d, side in streams.items():
                 side.wait_event(self._events[d])
             on_device = []
-            for i, (_, src, buf) in enumerate(self.items):
+            for i, (_, src, buf, _) in enumerate(self.items):
                 if src.device.type == "cuda":
                     side = streams[src.device]
                     with torch.cuda.stream(side):

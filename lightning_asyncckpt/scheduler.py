@@ -71,7 +71,7 @@ def submit(
             if isinstance(request.path, str):
                 poller.wait_for_path(run, settings, rank, request.path, run.engine.persistent)
             if collective:
-                snapshot = take_snapshot(run, agreement, request)
+                snapshot = take_snapshot(run, agreement, request, _lazy_rule(run, settings))
         except Exception as e:
             if not collective:
                 raise
@@ -104,14 +104,14 @@ def _failed_at_save_time(run: Run, agreement: Agreement, request: SaveRequest, e
 
 
 def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest,
-                  defer: Callable[[torch.Tensor], bool] | None = None) -> staging.Snapshot:
+                  defer: staging.Defer | None = None) -> staging.Snapshot:
     """Copies the state into reused host buffers (this rank's shards or share when collective), but for
     the tensors that ``defer`` leaves to a lazy copy."""
     request.faults.check(request.faults.at_snapshot, request.path)
     if request.layout is Layout.SHARDED:
-        return run.stager.snapshot_tree(request.checkpoint)
+        return run.stager.snapshot_tree(request.checkpoint, defer=defer)
     if request.collective:  # replicated state: this rank copies and writes its share only
-        return run.stager.snapshot(request.checkpoint, rank=agreement.rank, world_size=agreement.world_size)
+        return run.stager.snapshot(request.checkpoint, rank=agreement.rank, world_size=agreement.world_size, defer=defer)
     return run.stager.snapshot(request.checkpoint, defer=defer)
 
 
@@ -149,6 +149,15 @@ class HandOver:
     write_hook: Any
     stall_s: float = 0.0  # how long the save call held training
     copy: lazy.BackgroundCopy | None = None  # a lazy snapshot's copy in flight
+    planned: DcpPlan | None = None  # a DCP save planned at save time, while its lazy copy runs
+
+
+@dataclass
+class DcpPlan:
+    """This rank's part of a DCP save, planned (collectively when all ranks write): what the worker gets."""
+
+    plan: Any  # dcp_format.WritePlan
+    extra: list[tuple[str, bytes]]  # small files beside the shards (skeleton, provenance, extra_files)
 
 
 def schedule(
@@ -164,13 +173,15 @@ def schedule(
     rank = agreement.rank if request.collective else 0
     try:
         if snapshot is None:
-            snapshot = take_snapshot(run, agreement, request, _lazy_rule(run, settings, request))
+            snapshot = take_snapshot(run, agreement, request, _lazy_rule(run, settings))
         skeleton = None
         if request.layout is not Layout.SHARDED and (request.writes_file or rank == 0):
             skeleton = _serialize(snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
         shape = torch_file.layout(request.checkpoint) if request.writes_file else None  # metadata only
         ready = HandOver(request, snapshot, run.order, tmp, rank, skeleton, shape, write_hook)
         if snapshot.deferred:
+            if not request.writes_file:  # planning reads shapes, not values: now, while every rank is here
+                ready.planned = _plan_dcp(run, agreement, settings, ready)
             ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook)
             ready.stall_s = time.perf_counter() - request.started
             run.copying = ready
@@ -182,11 +193,10 @@ def schedule(
     hand_over(run, agreement, settings, ready, time.perf_counter() - request.started)
 
 
-def _lazy_rule(run: Run, settings: Settings, request: SaveRequest) -> Callable[[torch.Tensor], bool] | None:
-    """Lazy snapshots are taken for single-writer saves with the persistent worker. A collective or sharded
-    save plans across ranks right after its snapshot, and a forked writer's snapshot is the fork itself:
-    those are taken eagerly."""
-    if settings.snapshot != "lazy" or request.collective or request.layout is Layout.SHARDED or not run.stager.copy_cpu:
+def _lazy_rule(run: Run, settings: Settings) -> staging.Defer | None:
+    """Which tensors a lazy snapshot leaves to the background copy (any layout). A forked writer's
+    snapshot is the fork itself: taken at save time."""
+    if settings.snapshot != "lazy" or not run.stager.copy_cpu:
         return None
     return run.tracked.rule()
 
@@ -214,7 +224,8 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
         if request.writes_file:
             ticket, plan = _hand_over_file(run, ready, result_path), None
         else:
-            ticket, plan = _hand_over_dcp(run, agreement, settings, ready, result_path)
+            planned = ready.planned or _plan_dcp(run, agreement, settings, ready)
+            ticket, plan = _hand_over_dcp(run, ready, planned, result_path), planned.plan
     except BaseException:
         # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
         _drop(run, request, ready.tmp, snapshot)
@@ -269,8 +280,9 @@ def _hand_over_file(run: Run, ready: HandOver, result_path: Path) -> Any:
     ))
 
 
-def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, ready: HandOver, result_path: Path) -> tuple[Any, Any]:
-    """Plans this rank's part of a DCP directory (collectively when all ranks write) and hands it over."""
+def _plan_dcp(run: Run, agreement: Agreement, settings: Settings, ready: HandOver) -> DcpPlan:
+    """Plans this rank's part of a DCP directory (collectively when all ranks write: every rank calls it
+    for the same save, at save time)."""
     request, snapshot, tmp, rank = ready.request, ready.snapshot, ready.tmp, ready.rank
     assert run.engine is not None and isinstance(tmp, Path)
     extra = [(str(tmp / name), data) for name, data in request.extra_files]
@@ -288,13 +300,20 @@ def _hand_over_dcp(run: Run, agreement: Agreement, settings: Settings, ready: Ha
     )
     if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
         extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
+    return DcpPlan(plan, extra)
+
+
+def _hand_over_dcp(run: Run, ready: HandOver, planned: DcpPlan, result_path: Path) -> Any:
+    """Hands this rank's planned part of a DCP directory to the worker (its buffers hold the snapshot)."""
+    request, tmp = ready.request, ready.tmp
+    assert run.engine is not None
     request.faults.check(request.faults.at_handover, request.path)
-    ticket = run.engine.schedule(
+    plan = planned.plan
+    return run.engine.schedule(
         _worker.write_job,
-        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, ready.write_hook), extra,
-         (str(tmp), request.path) if isinstance(request.path, str) else None),
+        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, ready.write_hook),
+         planned.extra, (str(tmp), request.path) if isinstance(request.path, str) else None),
     )
-    return ticket, plan
 
 
 def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:

@@ -1,11 +1,6 @@
 """Snapshot of a checkpoint dict: the only module that touches tensor data on the save path.
 
-A checkpoint is split into
-- ``tensors``: a flat ``{fqn: tensor}`` dict, the fqn being the dotted path of keys
-  (``state_dict.layer.weight``, ``optimizer_states.0.state.0.exp_avg``);
-- a ``skeleton``: the same nested structure with every tensor replaced by a ``meta`` tensor of the
-  same shape and dtype. It keeps every key type (int keys of optimizer state), lists, tuples and
-  non-tensor objects, and loading it needs nothing but torch.
+A checkpoint is split (:mod:`lightning_asyncckpt.tree`) into a ``skeleton`` and flat ``tensors``.
 
 The tensors handed to the writer are copies taken at save time into reused host buffers, so the
 training step may change every parameter as soon as ``snapshot`` returns. CUDA tensors are copied into
@@ -16,98 +11,16 @@ in the dtype they report, so that the checkpoint holds plain tensors that any re
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-SKELETON_KEY = "lightning_asyncckpt.skeleton"
+from lightning_asyncckpt.tree import SKELETON_KEY, FqnNamer, join, partition, share, split, walk
 
-
-def _walk(obj: Any, path: tuple, on_tensor: Callable[[tuple, torch.Tensor], Any]) -> Any:
-    """Rebuilds ``obj`` with every tensor leaf replaced by ``on_tensor(path, tensor)``."""
-    if isinstance(obj, torch.Tensor):
-        return on_tensor(path, obj)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the dict subclass (OrderedDict, AttributeDict, defaultdict)
-        for k, v in obj.items():
-            out[k] = _walk(v, (*path, k), on_tensor)
-        return out
-    if isinstance(obj, list):
-        return [_walk(v, (*path, i), on_tensor) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        items = [_walk(v, (*path, i), on_tensor) for i, v in enumerate(obj)]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-class _FqnNamer:
-    """Dotted names for tensor paths, made unique in traversal order (same on save and on load)."""
-
-    def __init__(self) -> None:
-        self.seen: set[str] = set()
-
-    def __call__(self, path: tuple) -> str:
-        name = ".".join(str(k) for k in path) or "tensor"
-        base, n = name, 1
-        while name in self.seen or name == SKELETON_KEY:
-            name = f"{base}#{n}"
-            n += 1
-        self.seen.add(name)
-        return name
-
-
-def split(checkpoint: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Splits a checkpoint into its skeleton and its flat tensors (no copies made)."""
-    namer = _FqnNamer()
-    tensors: dict[str, torch.Tensor] = {}
-
-    def take(path: tuple, t: torch.Tensor) -> torch.Tensor:
-        name = namer(path)
-        if t.device.type == "meta":
-            return t
-        tensors[name] = t.detach()
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-    skeleton = _walk(checkpoint, (), take)
-    return skeleton, tensors
-
-
-def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`split`: puts loaded tensors back in place of the skeleton's placeholders."""
-    namer = _FqnNamer()
-
-    def put(path: tuple, t: torch.Tensor) -> torch.Tensor:
-        name = namer(path)
-        return tensors.get(name, t)
-
-    return _walk(skeleton, (), put)
-
-
-def partition(tensors: dict[str, torch.Tensor], world_size: int) -> list[set[str]]:
-    """Assigns each tensor to one rank so that every rank writes about the same number of bytes.
-
-    Deterministic: every rank computes the same assignment from the same (replicated) state.
-    """
-    loads = [0] * world_size
-    parts: list[set[str]] = [set() for _ in range(world_size)]
-    for name, t in sorted(tensors.items(), key=lambda kv: (-kv[1].numel() * kv[1].element_size(), kv[0])):
-        r = min(range(world_size), key=lambda i: (loads[i], i))
-        parts[r].add(name)
-        loads[r] += t.numel() * t.element_size()
-    return parts
-
-
-def _share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """This rank's share of replicated tensors (all of them on one rank)."""
-    if world_size <= 1:
-        return tensors
-    mine = partition(tensors, world_size)[rank]
-    return {k: v for k, v in tensors.items() if k in mine}
-
+__all__ = ["SKELETON_KEY", "Deferred", "Snapshot", "Stager", "dequantized", "is_quantized", "join", "partition", "split"]
 
 def is_quantized(t: torch.Tensor) -> bool:
     """Whether ``t`` is a quantized tensor subclass (TransformerEngine's ``Float8Tensor``,
@@ -201,15 +114,27 @@ class BufferSet:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
+# a lazy snapshot's rule: the tensors that prove a checkpoint tensor unchanged, or None to copy it now
+Defer = Callable[[torch.Tensor], "list[torch.Tensor] | None"]
+
+
+class Deferred(NamedTuple):
+    """A tensor left to a lazy snapshot's background copy (:mod:`lightning_asyncckpt.lazy`)."""
+
+    name: str
+    source: torch.Tensor
+    buffer: torch.Tensor  # allocated, filled by the copy
+    watch: list[torch.Tensor]  # whose version counters prove the source unchanged until it is copied
+
+
 @dataclass
 class Snapshot:
     skeleton: Any
     tensors: dict[str, torch.Tensor]
     nbytes: int
     buffer_set: BufferSet | None
-    # (name, source, buffer): tensors left for a lazy copy (``snapshot(defer=...)``); their buffers in
-    # ``tensors`` hold nothing yet
-    deferred: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # tensors left for a lazy copy (``snapshot(defer=...)``); their buffers in ``tensors`` hold nothing yet
+    deferred: list[Deferred] = field(default_factory=list)
 
 
 class Stager:
@@ -268,7 +193,7 @@ class Stager:
         """Allocates (and faults in) the buffers that a snapshot of a checkpoint like this one needs, so
         that the first save costs what later ones do. Returns the bytes prepared."""
         _, tensors = split(checkpoint)
-        tensors = _share(tensors, rank, world_size)
+        tensors = share(tensors, rank, world_size)
         bs = self._acquire()
         nbytes = 0
         for name, t in tensors.items():
@@ -314,15 +239,17 @@ class Stager:
             if name not in used:
                 del bs.buffers[name]
 
-    def snapshot_tree(self, state: dict[str, Any]) -> Snapshot:
+    def snapshot_tree(self, state: dict[str, Any], defer: Defer | None = None) -> Snapshot:
         """Copies every tensor of ``state`` in place of the original, keeping the structure (for a save
         that DCP plans as is, e.g. a sharded model's state). A ``DTensor`` keeps its mesh, placements and
-        global shape; only its local shard is copied. ``skeleton`` is the copied tree."""
+        global shape; only its local shard is copied. ``skeleton`` is the copied tree. ``defer`` as in
+        :meth:`snapshot`, asked about each local shard."""
         from torch.distributed.tensor import DTensor
 
         bs = self._acquire()
-        namer = _FqnNamer()
+        namer = FqnNamer()
         staged: dict[str, torch.Tensor] = {}
+        deferred: list[Deferred] = []
         nbytes = 0
         pending_cuda = False
 
@@ -334,16 +261,23 @@ class Stager:
             if local.device.type == "meta":
                 return t
             nbytes += local.numel() * local.element_size()
-            copy, in_flight = self._stage(bs, name, local)
-            pending_cuda |= in_flight
+            watch = self._deferred(defer, local)
+            if watch is not None:
+                copy = self._buffer(bs, name, local)
+                deferred.append(Deferred(name, local, copy, watch))
+            else:
+                copy, in_flight = self._stage(bs, name, local)
+                pending_cuda |= in_flight
             staged[name] = copy
             if isinstance(t, DTensor):
                 return _rewrap(t, copy)
             return copy
 
         try:
-            tree = _walk(state, (), take)
-            return self._finish(bs, tree, staged, nbytes, pending_cuda)
+            tree = walk(state, (), take)
+            snap = self._finish(bs, tree, staged, nbytes, pending_cuda)
+            snap.deferred = deferred
+            return snap
         except BaseException:
             if pending_cuda:
                 self._wait_copies()
@@ -351,7 +285,7 @@ class Stager:
             raise
 
     def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1,
-                 defer: Callable[[torch.Tensor], bool] | None = None) -> Snapshot:
+                 defer: Defer | None = None) -> Snapshot:
         """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete.
 
         With ``world_size > 1`` only this rank's share of the (replicated) tensors is copied. ``defer``
@@ -359,18 +293,19 @@ class Stager:
         allocated but left empty, listed in ``Snapshot.deferred`` for the caller to fill.
         """
         skeleton, tensors = split(checkpoint)
-        tensors = _share(tensors, rank, world_size)
+        tensors = share(tensors, rank, world_size)
         bs = self._acquire()
         staged: dict[str, torch.Tensor] = {}
-        deferred: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        deferred: list[Deferred] = []
         nbytes = 0
         pending_cuda = False
         try:
             for name, t in tensors.items():
                 nbytes += t.numel() * t.element_size()
-                if defer is not None and self.copy_cpu and not is_quantized(t) and defer(t):
+                watch = self._deferred(defer, t)
+                if watch is not None:
                     staged[name] = self._buffer(bs, name, t)
-                    deferred.append((name, t, staged[name]))
+                    deferred.append(Deferred(name, t, staged[name], watch))
                     continue
                 staged[name], in_flight = self._stage(bs, name, t)
                 pending_cuda |= in_flight
@@ -382,6 +317,12 @@ class Stager:
                 self._wait_copies()
             self.release(bs)
             raise
+
+    def _deferred(self, defer: Defer | None, t: torch.Tensor) -> list[torch.Tensor] | None:
+        # a fork writer's snapshot is the fork; a quantized tensor is dequantized, a new tensor, at save time
+        if defer is None or not self.copy_cpu or is_quantized(t):
+            return None
+        return defer(t)
 
     def _wait_copies(self) -> None:
         """Blocks until every device-to-host copy of this snapshot is in its host buffer."""

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from lightning_asyncckpt import _worker, commit, remote, staging
+from lightning_asyncckpt import _worker, commit, remote, staging, tree
 
 # Stock ``torch.save``'s defaults: pickle protocol 2 and the zip format.
 _PICKLE_PROTOCOL = 2
@@ -67,7 +67,7 @@ def layout(checkpoint: dict[str, Any]) -> FileLayout:
     them. Reads metadata only: no tensor data is touched or copied."""
     out = FileLayout()
     first: dict[tuple, tuple[str, torch.Tensor]] = {}
-    namer = staging._FqnNamer()
+    namer = tree.FqnNamer()
 
     def visit(path: tuple, t: torch.Tensor) -> torch.Tensor:
         name = namer(path)
@@ -85,7 +85,7 @@ def layout(checkpoint: dict[str, Any]) -> FileLayout:
                 out.same_object.add(name)
         return t
 
-    staging._walk(checkpoint, (), visit)
+    tree.walk(checkpoint, (), visit)
     return out
 
 

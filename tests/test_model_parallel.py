@@ -98,3 +98,29 @@ def test_fsdp2_a_sharded_save_in_flight_lands_when_every_rank_dies(tmp_path):
         assert r["children_after_fit"] == []
         assert r["exit_group_at_start"]
     assert r0["verified"]
+
+
+def test_fsdp2_lazy_snapshot_with_gradient_accumulation_is_exact(tmp_path):
+    """snapshot="lazy" on sharded saves: each rank's local shards are copied after the save call returned,
+    while the next steps (two micro-batches each) run; every checkpoint holds the state of its step."""
+    r0, r1 = run_ranks(JOB, tmp_path, "lazy", "nvrx", "persistent")
+    expected = ["epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
+    assert r0["files"] == r1["files"] == r0["verified"] == expected
+    for r in (r0, r1):
+        # per save: this rank's shards of two 256x256 weights and their two Adam moments
+        assert r["lazy_bytes"] == [2 * 3 * 128 * 256 * 4] * 6, r["lazy_bytes"]
+        assert r["children_after_fit"] == []
+
+
+@pytest.mark.parametrize("edit", ["local_shard", pytest.param("dtensor", marks=pytest.mark.slow)])
+def test_fsdp2_lazy_shard_edited_after_the_save_fails_on_every_rank(tmp_path, monkeypatch, edit):
+    if edit == "dtensor":
+        monkeypatch.setenv("EDIT_AS_DTENSOR", "1")
+    r0, r1 = run_ranks(JOB, tmp_path, "lazy_torn", "nvrx", "persistent")
+    for r in (r0, r1):
+        raised = r["raised"]
+        assert raised is not None and raised["ranks"] == [1] and raised["error_type"] == "TornSnapshot", raised
+        assert raised["path"].endswith("epoch=0-step=8.ckpt"), raised
+        assert 'snapshot="eager"' in raised["message"]
+        assert r["children_after_fit"] == []
+    assert r0["files"] == r1["files"] == ["epoch=0-step=4.ckpt"]  # the torn save is nowhere; the earlier one stays

@@ -332,21 +332,22 @@ def case_weights_only(args, report):
 
 
 class EditAfterLazySave(L.Callback):
-    """On rank 0, holds the lazy copy of the save at ``step`` and edits a weight in place before letting it
+    """On ``rank``, holds the lazy copy of the save at ``step`` and edits a weight in place before letting it
     go (a callback editing weights right after a save): that save must fail on every rank."""
 
-    def __init__(self, io, step):
-        self.io, self.step, self.hold = io, step, testing.HoldCopy()
+    def __init__(self, io, step, rank=0):
+        self.io, self.step, self.rank, self.hold = io, step, rank, testing.HoldCopy()
 
     def on_train_batch_end(self, trainer, *a):
-        if trainer.global_step == self.step - 1 and trainer.global_rank == 0:
+        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
             self.io.copy_hook = self.hold  # runs before ModelCheckpoint (checkpoint callbacks run last)
 
     def on_train_batch_start(self, trainer, pl_module, *a):
-        if trainer.global_step == self.step and trainer.global_rank == 0:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
             self.hold.wait_started()
-            with torch.no_grad():
-                pl_module.net[0].weight.add_(1)
+            with torch.no_grad():  # rank 0 writes every tensor; another rank its share: edit every weight there
+                for layer in pl_module.net if self.rank else pl_module.net[:1]:
+                    layer.weight.add_(1)
             self.hold.release()
 
 
@@ -354,8 +355,15 @@ def case_lazy_torn(args, report):
     _failing_run(args, report, [lambda io: EditAfterLazySave(io, 8)], snapshot="lazy")
 
 
+def case_lazy_torn_parallel(args, report):
+    """AsyncDDPStrategy: rank 1 edits a weight while its lazy copy of its share is held."""
+    from lightning_asyncckpt import AsyncDDPStrategy
+
+    _failing_run(args, report, [lambda io: EditAfterLazySave(io, 8, rank=1)], snapshot="lazy", strategy=AsyncDDPStrategy())
+
+
 def case_lazy(args, report):
-    """snapshot="lazy": DDP from rank 0 copies lazily and exactly; AsyncDDPStrategy (collective) stays eager."""
+    """snapshot="lazy": DDP from rank 0 and AsyncDDPStrategy (each rank its share) copy lazily and exactly."""
     from lightning_asyncckpt import AsyncDDPStrategy
 
     data = dict(width=160, n=64, batch_size=4)  # 100 KiB weights: above the lazy threshold
