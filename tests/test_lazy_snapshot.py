@@ -24,6 +24,7 @@ from lightning_asyncckpt import (
     AsyncFinalizerCallback,
     CheckpointWriteError,
     commit,
+    staging,
     testing,
 )
 
@@ -236,3 +237,25 @@ def test_snapshot_argument_is_validated():
     with pytest.raises(ValueError, match=r"AsyncCheckpointIO\(snapshot='sometimes'\).*'eager', 'lazy'"):
         AsyncCheckpointIO(snapshot="sometimes")
     assert AsyncCheckpointIO().snapshot == "eager"  # the default
+
+
+def test_lazy_staging_is_one_copy_of_the_state_and_does_not_grow(tmp_path):
+    """Lazy mode copies into the same reused buffers as eager: one copy of the state, whatever the number of
+    saves (the background copy adds no second one)."""
+    model, opt, forward_backward = _fabric_loop_parts()
+    forward_backward()
+    opt.step()
+    _, tensors = staging.split(_torch_state(model, opt, 0))
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    held = []
+    with _lazy_io() as io:
+        io.track_optimizers([opt])
+        for step in range(1, 5):
+            io.save_checkpoint(_torch_state(model, opt, step), tmp_path / f"step-{step}")
+            forward_backward()
+            io.wait_for_snapshot()
+            opt.step()
+            io.finalize(blocking=True)
+            held.append(sum(b.numel() * b.element_size() for b in io.staging_buffers()))
+    assert all(r.lazy_nbytes > 0 for r in io.history)
+    assert held == [state_bytes] * 4, (held, state_bytes)
