@@ -1,0 +1,53 @@
+"""4 ranks on 2 simulated nodes (tests/nodes.py): each node launched as a multi-node launch does, with its
+own /dev/shm, TMPDIR and scratch; checkpoints in the shared directory. Every launch has a hard timeout, and
+every process of every node is killed after it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from helpers import job_script
+from nodes import launch_nodes, read_reports, run_nodes, skip_without_namespaces
+
+JOB = job_script("nodes_job.py")
+RANKS = [0, 1, 2, 3]
+SHARDS = [f"__{r}_0.distcp" for r in RANKS]
+
+pytestmark = [pytest.mark.scale]
+
+
+@pytest.fixture(autouse=True)
+def _namespaces():
+    skip_without_namespaces()
+
+
+def _assert_identities(reports):
+    """Global rank = node * 2 + local rank on every rank, and each node's /dev/shm is its own."""
+    for r in reports:
+        g = r["rank"]
+        assert r["identity"] == {"global": g, "local": g % 2, "node": g // 2, "dist": g, "world": 4}, r["identity"]
+        assert r["shm_marks"] == [2 * (g // 2), 2 * (g // 2) + 1], r["shm_marks"]  # only its own node's ranks
+
+
+def _assert_every_rank_wrote_its_share(reports, name, extra):
+    """Shard files of all four global ranks in ``name``, none empty, and each rank's record its own share."""
+    layout = reports[0]["layout"][name]
+    assert sorted(layout) == sorted([*SHARDS, *extra]), (name, layout)
+    assert all(layout[f] > 0 for f in SHARDS), layout
+    (nbytes,) = {r["records"][name][0] for r in reports}  # every rank's record counts all ranks' bytes
+    local = [r["records"][name][1] for r in reports]
+    assert all(0 < n < nbytes for n in local), local
+
+
+def test_async_ddp_strategy_on_two_nodes_saves_every_share_and_resumes_exactly(tmp_path):
+    """The representative case of ``make test``: AsyncDDPStrategy, 2 x 2 ranks, fit with two saves that
+    rank 0 checks bit for bit, and an exact resume on 4 ranks. A rank that took its identity from
+    ``LOCAL_RANK`` would write node 0's shares again on node 1 (and global ranks 2 and 3's never)."""
+    reports = run_nodes(JOB, tmp_path, "ddp", timeout=240, engine="mcore", worker="fork")
+    _assert_identities(reports)
+    for name in ("epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
+        _assert_every_rank_wrote_its_share(reports, name, [".asyncckpt-skeleton.pt", ".asyncckpt.json", ".metadata"])
+    assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
