@@ -51,3 +51,60 @@ def test_async_ddp_strategy_on_two_nodes_saves_every_share_and_resumes_exactly(t
     for name in ("epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
         _assert_every_rank_wrote_its_share(reports, name, [".asyncckpt-skeleton.pt", ".asyncckpt.json", ".metadata"])
     assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
+
+
+@pytest.mark.slow
+def test_ddp_plugin_on_two_nodes_rank0_writes_and_resumes_exactly(tmp_path):
+    """Plain DDP with the plugin: global rank 0 (on node 0) writes each checkpoint alone; exact resume on 4."""
+    reports = run_nodes(JOB, tmp_path, "ddp", timeout=240, strategy="plain")
+    _assert_identities(reports)
+    assert reports[0]["files"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
+    assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
+    assert [sorted(r["records"]) for r in reports] == [["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"], [], [], []]
+
+
+@pytest.mark.slow
+def test_fsdp2_over_four_ranks_on_two_nodes_saves_every_shard_and_resumes_exactly(tmp_path):
+    reports = run_nodes(JOB, tmp_path, "mp", timeout=300)
+    _assert_identities(reports)
+    for name in ("epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
+        _assert_every_rank_wrote_its_share(reports, name, [".asyncckpt.json", ".metadata", "meta.pt"])
+    assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_within_nodes_fsdp2_across_on_two_nodes(tmp_path):
+    """2 x 2: 2-way tensor parallel inside each node, FSDP2 across the nodes; exact save and resume."""
+    reports = run_nodes(JOB, tmp_path, "mp", timeout=300, tp=2)
+    _assert_identities(reports)
+    for name in ("epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
+        _assert_every_rank_wrote_its_share(reports, name, [".asyncckpt.json", ".metadata", "meta.pt"])
+    assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
+
+
+@pytest.mark.slow
+def test_fsdp2_resharding_four_to_two_to_four_ranks(tmp_path):
+    """Saved on 4 ranks (2 nodes), resumed exactly on 2 (one node) and saved, resumed exactly on 4 again."""
+    four = run_nodes(JOB, tmp_path / "four", "mp", timeout=300, dir="no-resume")
+    assert four[0]["verified"]
+    saved = tmp_path / "four" / "out" / "c" / "epoch=0-step=8.ckpt"
+    two = run_nodes(JOB, tmp_path / "two", "resume", nodes=1, timeout=240, dir=saved)
+    assert all(r["resume_exact"] for r in two)
+    back = run_nodes(JOB, tmp_path / "back", "resume", timeout=300, dir=two[0]["saved"])
+    _assert_identities(back)
+    assert all(r["resume_exact"] for r in back)
+
+
+@pytest.mark.slow
+def test_a_write_failure_on_node_1_raises_on_all_four_ranks(tmp_path):
+    """ENOSPC in the background write of global rank 3 (node 1, local rank 1) raises CheckpointWriteError
+    naming rank 3 on every rank, at the same step; the committed checkpoint stays, nothing partial."""
+    reports = run_nodes(JOB, tmp_path, "fail", timeout=300)
+    for r in reports:
+        raised = r["raised"]
+        assert raised is not None, f"rank {r['rank']} did not raise"
+        assert raised["type"] == "CheckpointWriteError" and raised["ranks"] == [3], raised
+        assert raised["path"].endswith("epoch=0-step=8.ckpt") and raised["error_type"] == "OSError", raised
+        assert "rank 3" in raised["message"] and "ENOSPC" in raised["message"], raised
+        assert r["files"] == ["epoch=0-step=4.ckpt"]
+    assert len({r["global_step"] for r in reports}) == 1 and reports[0]["global_step"] < 40
