@@ -108,3 +108,73 @@ def test_a_write_failure_on_node_1_raises_on_all_four_ranks(tmp_path):
         assert "rank 3" in raised["message"] and "ENOSPC" in raised["message"], raised
         assert r["files"] == ["epoch=0-step=4.ckpt"]
     assert len({r["global_step"] for r in reports}) == 1 and reports[0]["global_step"] < 40
+
+
+def _wait_for_files(cluster, paths):
+    """Returns once every path exists (the handshake); fails the test if a node exits or the deadline passes."""
+    while not all(p.exists() for p in paths):
+        if not all(n.running for n in cluster.nodes) or time.monotonic() > cluster.deadline:
+            pytest.fail(f"the save was never held on node 1 ({[p.name for p in paths]}); logs:\n{cluster.logs()}")
+        time.sleep(0.05)
+
+
+def _gone(node, deadline):
+    """Seconds until every process of ``node`` has exited (zombies count as exited), polled until ``deadline``."""
+    import psutil
+
+    while time.monotonic() < deadline:
+        alive = []
+        for p in node.processes():
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.Error:
+                pass
+        if not alive:
+            return time.monotonic()
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.slow
+def test_node_lost_mid_save_ends_node_0_and_the_next_launch_resumes_from_last(tmp_path):
+    """FSDP2 over 4 ranks; the step-4 save is committed, then node 1's writes of the step-8 save are held
+    and node 1 is SIGKILLed (every process of it) while that save is in flight. Node 0's ranks must exit
+    by themselves (no hang in any checkpoint path), nothing is left at a final path of the lost save, and
+    a new 4-rank launch resumes from ``ckpt_path="last"``: the step-4 checkpoint, exactly."""
+    lost = tmp_path / "lost"
+    args = ["--case", "loss", "--engine", "nvrx", "--worker", "persistent"]
+    with launch_nodes(JOB, args, lost, timeout=400) as cluster:
+        node0, node1 = cluster.nodes
+        _wait_for_files(cluster, [cluster.out / "held-rank2", cluster.out / "held-rank3"])
+        killed = node1.kill()
+        t_kill = time.monotonic()
+        exited = _gone(node0, cluster.deadline)
+        assert exited is not None, f"node 0 still running {cluster.timeout}s after the launch:\n{cluster.logs()}"
+        exit_s = exited - t_kill
+        (code,) = cluster.wait([node0])
+        logs = cluster.logs()
+    assert len(killed) >= 2, killed  # both ranks of node 1 (and their writers)
+    ckdir = cluster.out / "c"
+    # nothing of the lost save at a final path: the committed step-4 checkpoints only (leftovers of the
+    # unfinished one may remain under a temporary name; the next launch's rank 0 removes them)
+    finals = sorted(p.name for p in ckdir.iterdir() if not p.name.startswith(".asyncckpt-incomplete-"))
+    assert finals == ["epoch=0-step=4.ckpt", "last.ckpt"], (finals, logs[-4000:])
+    assert json.loads((ckdir / "last.ckpt" / ".asyncckpt.json").read_text())["global_step"] == 4
+    for rank in (0, 1):  # node 0's ranks ended by an error, not by the test's timeout
+        path = cluster.out / f"rank{rank}.json"
+        if path.exists():
+            assert "crash" in json.loads(path.read_text())
+    print(f"node 0 exited {exit_s:.1f}s after node 1 was killed, with status {code}")
+    (tmp_path / "exit_s.txt").write_text(f"{exit_s:.2f}\n")
+
+    # the next launch, in the same directory (the reports and logs of the lost one go aside first)
+    for f in [*cluster.out.glob("rank*.json"), *(n.home / "log.txt" for n in cluster.nodes)]:
+        f.rename(f.with_name(f"lost-{f.name}"))
+    with launch_nodes(JOB, ["--case", "last"], lost, timeout=300) as again:
+        again.wait()
+        reports = read_reports(again, 4)
+    for r in reports:
+        assert r["start_step"] == 4, r
+        assert not any(n.startswith(".asyncckpt-incomplete-") for n in r["after"]), r["after"]
+    assert reports[0]["resume_exact"]
