@@ -16,9 +16,11 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,22 +129,25 @@ def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, device
                  env: dict | None = None) -> Iterator[Cluster]:
     """Starts ``script`` once per node (``NODE_RANK`` 0..``nodes``-1) with ``--nodes``/``--devices`` and the
     reports' directory ``--out <tmp_path>/out``; each node in its own session and mount namespace, with its
-    log in ``<tmp_path>/node<k>/log.txt``. Leaving the block kills every process of every node."""
+    log in ``<tmp_path>/node<k>/log.txt``, its scratch in ``<tmp_path>/node<k>/scratch`` and its own
+    ``TMPDIR`` (a short directory under the system's temp directory, removed afterwards). Leaving the block kills every process of every node."""
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     started: list[Node] = []
-    logs = []
+    logs, tmpdirs = [], []
     try:
         for k in range(nodes):
             home = tmp_path / f"node{k}"
-            for sub in ("tmp", "scratch"):
-                (home / sub).mkdir(parents=True, exist_ok=True)
+            (home / "scratch").mkdir(parents=True, exist_ok=True)
+            # TMPDIR short: shared-memory tensors reach the persistent worker through a Unix socket
+            # under it, whose path must stay under 108 bytes (pytest's tmp_path can be longer)
+            tmpdirs.append(tempfile.mkdtemp(prefix=f"asyncckpt-node{k}-"))
             node_env = {key: v for key, v in os.environ.items() if key not in _CLEARED}
             paths = [p for p in node_env.get("PYTHONPATH", "").split(os.pathsep) if p]
             node_env.update(
                 PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(k),
-                WORLD_SIZE=str(nodes * devices), TMPDIR=str(home / "tmp"), NODE_SCRATCH=str(home / "scratch"),
+                WORLD_SIZE=str(nodes * devices), TMPDIR=tmpdirs[-1], NODE_SCRATCH=str(home / "scratch"),
                 PYTHONPATH=os.pathsep.join(paths + [TESTS] * (TESTS not in paths)),
                 **{STACKS_AFTER_VAR: str(max(timeout - 10, timeout * 0.8))}, **(env or {}),
             )
@@ -161,6 +166,8 @@ def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, device
             node.proc.wait()
         for log in logs:
             log.close()
+        for d in tmpdirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def run_nodes(script: str, tmp_path: Path, case: str, nodes: int = 2, devices: int = 2, timeout: float = 300,

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from mp_job import _sorted, full_state, read_with_dcp  # noqa: E402
 
 from helpers import (  # noqa: E402
     STACKS_AFTER_VAR,
@@ -42,7 +43,6 @@ from lightning_asyncckpt import (  # noqa: E402
     CheckpointWriteError,
     testing,
 )
-from mp_job import _sorted, full_state, read_with_dcp  # noqa: E402
 
 WIDTH = 64
 DATA = dict(width=WIDTH, n=128, batch_size=4)  # 8 steps per epoch on 4 data-parallel ranks
