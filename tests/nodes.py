@@ -4,7 +4,7 @@ does (``NODE_RANK``, a shared ``MASTER_ADDR``/``MASTER_PORT``, ``WORLD_SIZE``), 
 
 Each node gets node-local state, so that nothing can silently rely on a shared host: its own ``/dev/shm``
 (a tmpfs in a private mount namespace: ``unshare --mount --propagation private``), its own ``TMPDIR`` and
-its own scratch directory (``NODE_SCRATCH``). The shared directory (``<tmp_path>/out``) is what a
+its own scratch directory (``NODE_SCRATCH``; the working directory and Lightning's ``default_root_dir``). The shared directory (``<tmp_path>/out``) is what a
 parallel filesystem is to a real job: checkpoints and the ranks' reports go there.
 
 Job scripts read ``--nodes`` and ``--devices`` and write ``<out>/rank<global rank>.json`` (``nodes_job.py``).
@@ -130,7 +130,8 @@ def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, device
     """Starts ``script`` once per node (``NODE_RANK`` 0..``nodes``-1) with ``--nodes``/``--devices`` and the
     reports' directory ``--out <tmp_path>/out``; each node in its own session and mount namespace, with its
     log in ``<tmp_path>/node<k>/log.txt``, its scratch in ``<tmp_path>/node<k>/scratch`` and its own
-    ``TMPDIR`` (a short directory under the system's temp directory, removed afterwards). Leaving the block kills every process of every node."""
+    ``TMPDIR`` (a short directory under the system's temp directory, removed afterwards). Leaving the block
+    kills every process of every node."""
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
