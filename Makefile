@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-faults test-all test-nvrx-versions test-compat bench gpu-check lint clean
+.PHONY: demo test test-faults test-scale test-all test-nvrx-versions test-compat bench gpu-check lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 # the full fault-injection matrix: {ddp, mp} x {nvrx, mcore} x {persistent, fork} x every fault kind and rank
 test-faults: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m faults $(PYTEST_ARGS)
+
+# 4 ranks on 2 simulated nodes (own /dev/shm, TMPDIR, scratch each; needs root or user namespaces for
+# `unshare --mount`, else skipped): every strategy, resharding 4 -> 2 -> 4, a failure on node 1, node 1 lost mid-save
+test-scale: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m scale $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

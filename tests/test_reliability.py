@@ -137,3 +137,37 @@ def test_soak_hundred_saves_nothing_grows(tmp_path):
         assert late["rss"] - early["rss"] < 16 << 20, (early, late)
         assert late["worker_rss"] - early["worker_rss"] < 2 << 20, (early, late)
         assert r["children_after_fit"] == []
+
+
+_UNSENDABLE = """
+import json, sys, torch
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError
+io = AsyncCheckpointIO("nvrx", worker="persistent", timeout_s=600)
+io.save_checkpoint({"w": torch.randn(64, 64)}, sys.argv[1])
+try:
+    io.finalize(blocking=True)
+    out = None
+except CheckpointWriteError as e:
+    out = {"error_type": e.error_type, "message": str(e)}
+io.teardown()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_save_that_cannot_reach_the_persistent_worker_fails_at_once(tmp_path):
+    """A node-local TMPDIR with a long path (seen with the simulated nodes' directories): handing the
+    shared-memory snapshot to the worker fails in the queue's feeder thread (``AF_UNIX path too long``:
+    its file descriptors travel through a socket under TMPDIR). The save fails at once, saying why and
+    what to do; it used to be dropped silently, the save waiting for its worker until ``timeout_s``."""
+    long_tmp = tmp_path / ("t" * 100)
+    long_tmp.mkdir()
+    out = tmp_path / "out"
+    with launch([sys.executable, "-c", _UNSENDABLE, str(tmp_path / "c.ckpt")], out, timeout=120,
+                env={"TMPDIR": str(long_tmp)}) as job:
+        assert job.wait() == 0, job.log_text()[-3000:]
+    line = next(x for x in job.log_text().splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result is not None and result["error_type"] == "WorkerDied", result
+    assert "could not be sent to the checkpoint worker" in result["message"], result
+    assert "AF_UNIX path too long" in result["message"] and "TMPDIR" in result["message"], result
+    assert not (tmp_path / "c.ckpt").exists()

@@ -85,7 +85,8 @@ class Engine:
             caller = self._caller
             status = caller.poll_done() if caller is not None else Status.DEAD
             if status is Status.DEAD:
-                ticket.detail = self._death_detail(getattr(caller, "process", None))
+                unsent = caller.send_failure() if caller is not None else None
+                ticket.detail = unsent or self._death_detail(getattr(caller, "process", None))
             return status
         proc = ticket.process
         if proc.is_alive():

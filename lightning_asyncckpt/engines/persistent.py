@@ -9,6 +9,7 @@ import gc
 import inspect
 import logging
 import sys
+import tempfile
 import time
 from multiprocessing import queues as mp_queues
 from queue import Empty
@@ -61,10 +62,18 @@ def _no_main_reimport():
 class RequestQueue(mp_queues.JoinableQueue):
     """The persistent worker's request queue. When the worker dies or hangs, its feeder thread can be
     blocked writing a request into the pipe; ``close`` then closes our end of the pipe, so that the
-    write fails with EPIPE and the thread exits. That expected EPIPE is not printed."""
+    write fails with EPIPE and the thread exits. That expected EPIPE is not printed.
 
-    @staticmethod
-    def _on_queue_feeder_error(e: Exception, obj: Any) -> None:
+    A request the feeder thread could not send (its pickling failed, e.g. ``OSError('AF_UNIX path too
+    long')`` passing a shared-memory tensor's file descriptor under a long ``TMPDIR``) never reaches the
+    worker: the first such error is kept in ``send_error`` for ``poll_done``, which reports the worker as
+    failed, instead of the save waiting for it until ``timeout_s``."""
+
+    send_error: BaseException | None = None  # set in the trainer process only (the feeder thread)
+
+    def _on_queue_feeder_error(self, e: Exception, obj: Any) -> None:
+        if self.send_error is None:
+            self.send_error = e
         if not isinstance(e, (BrokenPipeError, OSError)):
             mp_queues.Queue._on_queue_feeder_error(e, obj)
 
@@ -129,6 +138,8 @@ class PersistentMixin:
             return Status.FINISHED
         except Empty:
             pass
+        if self.send_failure() is not None:
+            return Status.DEAD
         if self.process is not None and self.process.is_alive():
             return Status.RUNNING
         try:  # the completion message may have been flushed just before the exit
@@ -136,6 +147,18 @@ class PersistentMixin:
             return Status.FINISHED
         except Empty:
             return Status.DEAD
+
+    def send_failure(self) -> str | None:
+        """Why a request could not be sent to the worker (``RequestQueue.send_error``), or ``None``."""
+        error = getattr(self.queue, "send_error", None)
+        if error is None:
+            return None
+        detail = f"a save could not be sent to the checkpoint worker: {type(error).__name__}: {error}"
+        if "AF_UNIX path too long" in str(error):
+            # shared-memory tensors travel as file descriptors through a Unix socket under TMPDIR
+            detail += (f"; the socket path under TMPDIR ({tempfile.gettempdir()}) must be shorter than 108 bytes:"
+                       " set TMPDIR to a shorter directory")
+        return detail
 
     def close(self, abort: bool = False, timeout_s: float = 30.0) -> None:  # type: ignore[override]
         proc, self.process = self.process, None

@@ -1,0 +1,194 @@
+"""Simulated nodes: one job script launched once per node on this machine, exactly as a multi-node launch
+does (``NODE_RANK``, a shared ``MASTER_ADDR``/``MASTER_PORT``, ``WORLD_SIZE``), with Lightning's own launcher
+(``_SubprocessScriptLauncher`` under ``LightningEnvironment``) starting each node's local ranks.
+
+Each node gets node-local state, so that nothing can silently rely on a shared host: its own ``/dev/shm``
+(a tmpfs in a private mount namespace: ``unshare --mount --propagation private``), its own ``TMPDIR`` and
+its own scratch directory (``NODE_SCRATCH``; the working directory and Lightning's ``default_root_dir``). The shared directory (``<tmp_path>/out``) is what a
+parallel filesystem is to a real job: checkpoints and the ranks' reports go there.
+
+Job scripts read ``--nodes`` and ``--devices`` and write ``<out>/rank<global rank>.json`` (``nodes_job.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from helpers import STACKS_AFTER_VAR, TESTS, free_port, hang_report
+
+# the node's own /dev/shm, then the job: `sh` execs it, so the node's leader keeps the pid Popen returned
+_NODE_SHELL = 'mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && exec "$@"'
+_UNSHARE = ["unshare", "--mount", "--propagation", "private", "--"]
+# launcher variables a node must not inherit from the test's own environment (e.g. a test run under torchrun)
+_CLEARED = ("LOCAL_RANK", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
+
+
+@functools.lru_cache(maxsize=1)
+def namespaces_refused() -> str | None:
+    """Why a private mount namespace with its own ``/dev/shm`` cannot be made here (``None`` if it can):
+    the tests skip with this reason (they need root or user namespaces, and ``unshare`` from util-linux)."""
+    try:
+        p = subprocess.run([*_UNSHARE, "sh", "-c", _NODE_SHELL, "sh", "true"], capture_output=True, text=True,
+                           timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"simulated nodes need `unshare --mount` and `mount -t tmpfs` (node-local /dev/shm): {e}"
+    if p.returncode != 0:
+        return ("simulated nodes need `unshare --mount` and `mount -t tmpfs` (node-local /dev/shm), refused here:"
+                f" {p.stderr.strip()[:300]}")
+    return None
+
+
+def skip_without_namespaces() -> None:
+    import pytest
+
+    reason = namespaces_refused()
+    if reason:
+        pytest.skip(reason)
+
+
+class Node:
+    """One simulated node: its leader process (local rank 0, the leader of its own session), its directory
+    (``tmp``, ``scratch``, ``log.txt``) and everything it started."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen, home: Path, log: Any) -> None:
+        self.rank, self.proc, self.home, self.log = rank, proc, home, log
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of this node: the leader, its descendants and whatever else is in its group."""
+        found: dict[int, psutil.Process] = {}
+        with contextlib.suppress(psutil.Error):
+            leader = psutil.Process(self.proc.pid)
+            found[leader.pid] = leader
+            found.update((c.pid, c) for c in leader.children(recursive=True))
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if p.pid not in found and os.getpgid(p.pid) == self.proc.pid:
+                    found[p.pid] = p
+        return list(found.values())
+
+    def kill(self) -> list[int]:
+        """SIGKILLs every process of the node at once (a node lost); returns their pids."""
+        procs = self.processes()
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return [p.pid for p in procs]
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+
+class Cluster:
+    """The nodes of one launch, under one hard deadline."""
+
+    def __init__(self, nodes: list[Node], script: str, out: Path, timeout: float) -> None:
+        self.nodes, self.script, self.out, self.timeout = nodes, script, out, timeout
+        self.deadline = time.monotonic() + timeout
+
+    def wait(self, nodes: list[Node] | None = None) -> list[int]:
+        """Exit statuses of ``nodes`` (all by default); a node still running at the hard timeout fails the
+        test with every node's log and every stack."""
+        import pytest
+
+        codes = []
+        for node in nodes or self.nodes:
+            try:
+                codes.append(node.proc.wait(timeout=max(self.deadline - time.monotonic(), 0)))
+            except subprocess.TimeoutExpired:
+                reports = [f"=== node {n.rank} ===\n{hang_report(n.proc.pid, self.script, self.out, n.log)}"
+                           for n in self.nodes]
+                pytest.fail(f"{self.script} on node {node.rank} hung for {self.timeout}s:\n" + "\n".join(reports))
+        return codes
+
+    def logs(self) -> str:
+        return "\n".join(f"=== node {n.rank} log ===\n{n.log_text()[-6000:]}" for n in self.nodes)
+
+
+@contextlib.contextmanager
+def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, devices: int = 2, timeout: float = 300,
+                 env: dict | None = None) -> Iterator[Cluster]:
+    """Starts ``script`` once per node (``NODE_RANK`` 0..``nodes``-1) with ``--nodes``/``--devices`` and the
+    reports' directory ``--out <tmp_path>/out``; each node in its own session and mount namespace, with its
+    log in ``<tmp_path>/node<k>/log.txt``, its scratch in ``<tmp_path>/node<k>/scratch`` and its own
+    ``TMPDIR`` (a short directory under the system's temp directory, removed afterwards). Leaving the block
+    kills every process of every node."""
+    out = tmp_path / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    started: list[Node] = []
+    logs, tmpdirs = [], []
+    try:
+        for k in range(nodes):
+            home = tmp_path / f"node{k}"
+            (home / "scratch").mkdir(parents=True, exist_ok=True)
+            # TMPDIR short: shared-memory tensors reach the persistent worker through a Unix socket
+            # under it, whose path must stay under 108 bytes (pytest's tmp_path can be longer)
+            tmpdirs.append(tempfile.mkdtemp(prefix=f"asyncckpt-node{k}-"))
+            node_env = {key: v for key, v in os.environ.items() if key not in _CLEARED}
+            paths = [p for p in node_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            node_env.update(
+                PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(k),
+                WORLD_SIZE=str(nodes * devices), TMPDIR=tmpdirs[-1], NODE_SCRATCH=str(home / "scratch"),
+                PYTHONPATH=os.pathsep.join(paths + [TESTS] * (TESTS not in paths)),
+                **{STACKS_AFTER_VAR: str(max(timeout - 10, timeout * 0.8))}, **(env or {}),
+            )
+            cmd = [*_UNSHARE, "sh", "-c", _NODE_SHELL, "node", sys.executable, script, *map(str, args),
+                   "--out", str(out), "--nodes", str(nodes), "--devices", str(devices)]
+            log = open(home / "log.txt", "w")  # noqa: SIM115 - closed below
+            logs.append(log)
+            proc = subprocess.Popen(cmd, cwd=home / "scratch", stdout=log, stderr=subprocess.STDOUT, env=node_env,
+                                    start_new_session=True)
+            started.append(Node(k, proc, home, log))
+        yield Cluster(started, script, out, timeout)
+    finally:
+        for node in started:
+            node.kill()
+        for node in started:
+            node.proc.wait()
+        for log in logs:
+            log.close()
+        for d in tmpdirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def run_nodes(script: str, tmp_path: Path, case: str, nodes: int = 2, devices: int = 2, timeout: float = 300,
+              engine: str = "nvrx", worker: str = "persistent", **extra: Any) -> list[dict]:
+    """Runs ``case`` of ``script`` on ``nodes`` x ``devices`` ranks and returns every rank's report in global
+    rank order (a missing report or a crashed rank fails the test with its traceback and the logs)."""
+    args = ["--case", case, "--engine", engine, "--worker", worker]
+    for k, v in extra.items():
+        args += [f"--{k}", str(v)]
+    with launch_nodes(script, args, tmp_path, nodes=nodes, devices=devices, timeout=timeout) as cluster:
+        cluster.wait()
+        return read_reports(cluster, nodes * devices)
+
+
+def read_reports(cluster: Cluster, ranks: int, crashed_ok: bool = False) -> list[dict]:
+    reports = []
+    for rank in range(ranks):
+        path = cluster.out / f"rank{rank}.json"
+        assert path.exists(), f"global rank {rank} wrote no report; logs:\n{cluster.logs()}"
+        reports.append(json.loads(path.read_text()))
+    for r in reports:
+        assert crashed_ok or "crash" not in r, f"global rank {r['rank']} crashed:\n{r['crash']}\n{cluster.logs()}"
+    return reports
