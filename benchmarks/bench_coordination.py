@@ -1,6 +1,6 @@
 """The per-save coordination cost of collective saves, with and without the plan cache (gloo, CPU, loopback).
 
-    python benchmarks/bench_coordination.py [--ranks 2 4 8] [--items 128] [--saves 6] [--layout sharded]
+    python benchmarks/bench_coordination.py [--ranks 2 4 8] [--items 512] [--saves 12] [--layout sharded]
     python benchmarks/bench_coordination.py --coordinator 2 64 1024   # the coordinator's planning alone
 
 Each world size runs in its own spawned process group. Every rank holds ``--items`` small tensors (a
@@ -10,7 +10,8 @@ Two ``AsyncCheckpointIO`` (``worker="fork"``) save alternately, one with the pla
 (``LIGHTNING_ASYNCCKPT_PLAN_CACHE=0`` when its run starts); per save and rank it times:
 
 - **plan**: ``dcp_format.plan_save`` (local plan, digest and all-reduce, or DCP's gather / global plan /
-  scatter);
+  scatter), after a barrier that the benchmark adds right before it (so that it does not time the other
+  ranks' snapshots: 8 ranks on 2 cores arrive far apart);
 - **save call**: the whole blocking ``save_checkpoint_*`` call (snapshot, agreement, plan, hand-over);
 - **commit**: after every rank's write is done (``wait_for_local_writes`` and a barrier),
   ``finalize(blocking=True)``: the progress all-reduce, the gather of write results, ``.metadata`` written
@@ -51,6 +52,9 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, out: str, port: i
     plain_plan_save = dcp_format.plan_save
 
     def timed_plan_save(*a, **kw):  # the scheduler calls it through the module: time it there
+        # aligned first, so that the time is the planning's own, not the other ranks' snapshot still running
+        # (on 2 cores, 8 ranks arrive far apart); this barrier is part of "save call" in both modes
+        dist.barrier()
         t0 = time.perf_counter()
         try:
             return plain_plan_save(*a, **kw)
@@ -162,6 +166,8 @@ def coordinator_costs(args: argparse.Namespace, worlds: list[int]) -> list[dict]
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
+    from lightning_asyncckpt import plan_cache
+
     out = []
     for world in worlds:
         rows = 64 * world  # each rank's shard: 64 rows of 4 floats
@@ -174,6 +180,9 @@ def coordinator_costs(args: argparse.Namespace, worlds: list[int]) -> list[dict]
                                             properties=props, size=torch.Size([rows, 4])),
             ) for i in range(args.items)]
             plans.append(SavePlan(items))
+        t0 = time.perf_counter()
+        plan_cache.structure_digest(plans[0], world_size=world, rank=0, flatten=True, writer="w")
+        digest_s = time.perf_counter() - t0  # what a cached save adds on each rank, besides one all-reduce
         planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         t0 = time.perf_counter()
         central, metadata = planner.create_global_plan(plans)
@@ -188,7 +197,7 @@ def coordinator_costs(args: argparse.Namespace, worlds: list[int]) -> list[dict]
         metadata_bytes = len(pickle.dumps(metadata))
         finish_s = time.perf_counter() - t0
         out.append({
-            "ranks": world, "items_per_rank": args.items, "global_plan_s": plan_s,
+            "ranks": world, "items_per_rank": args.items, "global_plan_s": plan_s, "digest_s": digest_s,
             "local_plan_bytes": len(pickle.dumps(plans[0])), "central_plan_bytes": len(pickle.dumps(central[0])),
             "write_results_bytes": len(pickle.dumps(results[0])), "metadata_bytes": metadata_bytes,
             "metadata_finish_s": finish_s,
@@ -212,11 +221,11 @@ def render(summaries: list[dict], coord: list[dict]) -> str:
                 f"| {ms['uncached_call_s']:.1f} | {ms['cached_commit_s']:.1f} | {ms['uncached_commit_s']:.1f} "
                 f"| {ms['cached_total_s']:.1f} | {ms['uncached_total_s']:.1f} |")
     if coord:
-        lines += ["", "| ranks | items per rank | coordinator's global plan (ms) | one local plan (bytes) "
+        lines += ["", "| ranks | items per rank | one rank's digest (ms) | coordinator's global plan (ms) | one local plan (bytes) "
                   "| one central plan (bytes) | one rank's write results (bytes) | .metadata (bytes) "
-                  "| coordinator's .metadata merge + pickle (ms) |", "|---|---|---|---|---|---|---|---|"]
+                  "| coordinator's .metadata merge + pickle (ms) |", "|---|---|---|---|---|---|---|---|---|"]
         for c in coord:
-            lines.append(f"| {c['ranks']} | {c['items_per_rank']} | {c['global_plan_s'] * 1e3:.1f} "
+            lines.append(f"| {c['ranks']} | {c['items_per_rank']} | {c['digest_s'] * 1e3:.2f} | {c['global_plan_s'] * 1e3:.1f} "
                          f"| {c['local_plan_bytes']} | {c['central_plan_bytes']} | {c['write_results_bytes']} "
                          f"| {c['metadata_bytes']} | {c['metadata_finish_s'] * 1e3:.1f} |")
     return "\n".join(lines)
@@ -225,8 +234,8 @@ def render(summaries: list[dict], coord: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, nargs="*", default=[2, 4, 8])
-    p.add_argument("--items", type=int, default=128)
-    p.add_argument("--saves", type=int, default=6)
+    p.add_argument("--items", type=int, default=512)
+    p.add_argument("--saves", type=int, default=12)
     p.add_argument("--layout", choices=["sharded", "replicated"], default="sharded")
     p.add_argument("--coordinator", type=int, nargs="*", default=[], help="world sizes for the coordinator alone")
     p.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
