@@ -131,16 +131,25 @@ def plan_save(
         return writer.prepare_global_plan(all_plans)
 
     if distributed and cache is not None:  # every rank plans locally; one all-reduce decides on reuse
-        local_plan = local_step()
-        digest = plan_cache.structure_digest(
-            local_plan, world_size=wrapper.get_world_size(), rank=wrapper.rank, flatten=flatten,
-            writer=f"{writer_cls.__module__}.{writer_cls.__qualname__}", metadata_extra=planner_data,
-        )
+        local_plan, digest, local_error = None, "", None
+        try:
+            local_plan = local_step()
+            digest = plan_cache.structure_digest(
+                local_plan, world_size=wrapper.get_world_size(), rank=wrapper.rank, flatten=flatten,
+                writer=f"{writer_cls.__module__}.{writer_cls.__qualname__}", metadata_extra=planner_data,
+            )
+        except Exception as e:  # noqa: BLE001 - no digest matches: every rank plans in full, and DCP's
+            local_error = e  # collective planning below raises it on every rank (none is left waiting)
         decision = cache.agree(digest, Agreement().all_max)
         if decision.hit is not None:
             central_plan, metadata = planner.finish_plan(decision.hit.central_plan), decision.hit.metadata_for_save()
         else:
-            central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", lambda: local_plan, global_step))
+            def replay_local_step():
+                if local_error is not None:
+                    raise local_error
+                return local_plan
+
+            central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", replay_local_step, global_step))
             cache.store(digest, decision.round_id, central_plan, metadata)
     else:
         central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", local_step, global_step))

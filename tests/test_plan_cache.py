@@ -159,3 +159,14 @@ def test_sharded_saves_replan_when_optimizer_state_appears_or_shapes_change(tmp_
     other shapes under the same names: each change is planned anew; all read back exactly."""
     r0, _ = _run(tmp_path, "sharded", ["sharded"])
     assert r0["sharded"]["expected"].count("reused") == 3
+
+
+@pytest.mark.slow  # make test-all
+def test_a_rank_failing_to_plan_raises_on_every_rank_with_the_cache(tmp_path):
+    """One rank's local planning fails on a save whose structure is cached: no rank waits in the cache's
+    all-reduce; DCP's collective planning raises the error on both."""
+    r0, r1 = run_ranks(JOB, tmp_path, "planning_error", "nvrx", "fork", timeout=120)
+    for r in (r0, r1):
+        assert r["raised"] is not None and r["raised"]["ranks"] == [1], r["raised"]
+        assert "NotADirectoryError" in r["raised"]["message"]
+        assert r["misses"] == 2  # the first save, and the failed one (planned in full)

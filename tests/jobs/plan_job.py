@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
@@ -231,6 +232,34 @@ def case_sharded(args, report):
         return full(kind)
 
     save_all(args, report, "sharded", SHARDED, save, EXPECTED_SHARDED)
+
+
+def case_planning_error(args, report):
+    """A rank whose local planning fails (its directory cannot be made) with the cache on: every rank
+    raises (DCP's CheckpointException naming rank 1), none waits forever."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as fs
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_asyncckpt import dcp_format
+
+    rank, cache = dist.get_rank(), plan_cache.PlanCache(enabled=True)
+    blocker = os.path.join(args.out, "a-file")
+    open(blocker, "w").close()
+    state = {"w": torch.ones(4)}
+    good = os.path.join(args.out, "good")
+
+    def plan(tmp):
+        return dcp_format.plan_save(state, tmp, fs.FileSystemWriterAsync, 1, fs._split_by_size_and_type,
+                                    distributed=True, cache=cache)
+
+    plan(Path(good))  # cached now on both ranks
+    dist.barrier()
+    try:
+        plan(Path(blocker) / "tmp" if rank == 1 else Path(good))
+        report["raised"] = None
+    except CheckpointException as e:  # DCP's, a BaseException: every rank's errors, by rank
+        report["raised"] = {"type": type(e).__name__, "ranks": sorted(e.failures), "message": str(e)}
+    report["misses"] = cache.misses
 
 
 def spawned(rank: int) -> None:
