@@ -140,7 +140,8 @@ def _run(tmp_path, case, kinds):
 def test_replicated_saves_replan_on_every_structure_change(tmp_path):
     """Repeated collective (``AsyncDDPStrategy``'s) saves: a tensor appearing, a shape, a dtype, a leaf without
     tensors on rank 0 only: each is planned anew on both ranks; unchanged ones reuse the plan; all read back
-    exactly. With the change detection broken, a stale plan writes a checkpoint that reads back wrong."""
+    exactly. With the change detection broken, a stale plan fails the save ("Could not find FQN") or writes a
+    checkpoint that reads back wrong (a float64 tensor read back as float32)."""
     r0, _ = _run(tmp_path, "replicated", ["replicated"])
     assert r0["replicated"]["expected"].count("reused") == 3
 
