@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from lightning_asyncckpt import commit, staging, tree
+from lightning_asyncckpt import commit, plan_cache, staging, tree
+from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.metadata import read_metadata
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a sharded checkpoint
@@ -94,6 +95,7 @@ def plan_save(
     distributed: bool,
     flatten: bool = False,
     planner_data: dict[str, tuple] | None = None,
+    cache: plan_cache.PlanCache | None = None,
 ) -> WritePlan:
     """Plans this rank's part of a save with DCP's planner and the engine's storage writer.
 
@@ -103,6 +105,8 @@ def plan_save(
     writes each replicated item once.
     ``flatten=True``: plan as ``torch.distributed.checkpoint.save`` does by default (nested keys flattened
     to dotted names, the mapping stored in the metadata), so the result matches a stock DCP save.
+    ``cache`` (collective saves): reuses the global plan and metadata of an earlier save whose structure
+    was the same on every rank (:mod:`lightning_asyncckpt.plan_cache`), instead of gathering and scattering.
     """
     planner = DefaultSavePlanner(flatten_state_dict=flatten, flatten_sharded_tensors=flatten)
     writer = writer_cls(str(tmp), thread_count=thread_count)
@@ -126,7 +130,29 @@ def plan_save(
             metadata.planner_data = planner_data
         return writer.prepare_global_plan(all_plans)
 
-    central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", local_step, global_step))
+    if distributed and cache is not None:  # every rank plans locally; one all-reduce decides on reuse
+        local_plan, digest, local_error = None, "", None
+        try:
+            local_plan = local_step()
+            digest = plan_cache.structure_digest(
+                local_plan, world_size=wrapper.get_world_size(), rank=wrapper.rank, flatten=flatten,
+                writer=f"{writer_cls.__module__}.{writer_cls.__qualname__}", metadata_extra=planner_data,
+            )
+        except Exception as e:  # noqa: BLE001 - no digest matches: every rank plans in full, and DCP's
+            local_error = e  # collective planning below raises it on every rank (none is left waiting)
+        decision = cache.agree(digest, Agreement().all_max)
+        if decision.hit is not None:
+            central_plan, metadata = planner.finish_plan(decision.hit.central_plan), decision.hit.metadata_for_save()
+        else:
+            def replay_local_step():
+                if local_error is not None:
+                    raise local_error
+                return local_plan
+
+            central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", replay_local_step, global_step))
+            cache.store(digest, decision.round_id, central_plan, metadata)
+    else:
+        central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", local_step, global_step))
     buckets = make_buckets(central_plan, planner, tmp, thread_count, split_by_size)
     transforms = [writer.transforms] if hasattr(writer, "transforms") else []
     return WritePlan(writer=writer, metadata=metadata, buckets=buckets, transforms=transforms)

@@ -22,6 +22,7 @@ from lightning_asyncckpt import commit, engines, remote
 from lightning_asyncckpt.failures import FailureLog
 from lightning_asyncckpt.lazy import TrackedState
 from lightning_asyncckpt.pending import PendingQueue
+from lightning_asyncckpt.plan_cache import PlanCache
 from lightning_asyncckpt.records import SaveRecord
 from lightning_asyncckpt.staging import Stager
 
@@ -102,6 +103,7 @@ class Run:
     # remote directories whose .metadata is being uploaded (coordinator): (save, upload, write results, since)
     publishing: list[tuple[Any, Future, list, float]] = field(default_factory=list)
     tracked: TrackedState = field(default_factory=TrackedState)  # what a lazy snapshot may copy later
+    plans: PlanCache = field(default_factory=PlanCache)  # collective saves' plans, reused while the structure holds
     copying: Any = None  # scheduler.HandOver: the lazy snapshot being copied (one at most: a save waits for it)
     _remote_ops: ThreadPoolExecutor | None = None
 

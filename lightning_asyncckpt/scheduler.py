@@ -297,6 +297,7 @@ def _plan_dcp(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
     plan = dcp_format.plan_save(
         state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
         request.collective, flatten=request.layout is Layout.SHARDED, planner_data=planner_data if rank == 0 else None,
+        cache=run.plans,
     )
     if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
         extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
