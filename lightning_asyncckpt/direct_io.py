@@ -67,9 +67,7 @@ class Recorder:
         return n
 
     def _reference(self, view: memoryview) -> tuple[int, int] | None:
-        import numpy as np  # the buffer's address, without a copy
-
-        addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        addr = _address(view)
         i = bisect.bisect_right(self._starts, addr) - 1
         if i >= 0 and addr + view.nbytes <= self._regions[i][1]:
             return addr, view.nbytes
@@ -86,6 +84,17 @@ class Recorder:
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         raise OSError(errno.ESPIPE, "the recorded checkpoint file is written in one pass; seeking is not supported")
+
+
+def _address(view: memoryview) -> int:
+    """Where a (read-only) buffer's bytes are, without copying them."""
+    try:
+        import numpy as np
+    except ImportError:  # torch warns once that the buffer is read-only; nothing writes through it
+        import torch
+
+        return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def _fill(buf_addr: int, recorded: Recorded, start: int, end: int) -> None:
