@@ -8,7 +8,8 @@
 Drives ``AsyncCheckpointIO`` without a Trainer, as ``AsyncFinalizerCallback`` does: ``save_checkpoint``,
 then a non-blocking ``finalize`` every ``--poll-ms`` (a training batch) until the save is committed.
 Before each save, an fsync'd probe writes the same number of bytes to the same directory (the floor:
-size / probe bandwidth). Per save it reports:
+size / probe bandwidth; ``--direct-probe``: the probe bypasses the page cache with ``O_DIRECT``, the
+stricter floor). Per save it reports:
 
 - **commit s**: from the save call's return to the commit seen by ``finalize`` (durable, published);
 - **vs floor**: commit s / (state bytes / probe bandwidth); the target is at most 2;
@@ -45,16 +46,23 @@ def make_state(nbytes: int, count: int) -> dict:
     return {"state_dict": sd, "epoch": 1, "global_step": 10, "hyper_parameters": {"lr": 0.1}}
 
 
-def probe(directory: Path, nbytes: int) -> float:
-    """Bytes per second of an fsync'd sequential write of ``nbytes`` in 8 MiB blocks."""
-    block = b"\1" * (8 << 20)
+def probe(directory: Path, nbytes: int, direct: bool = False) -> float:
+    """Bytes per second of an fsync'd sequential write of ``nbytes`` in 8 MiB blocks (``direct``: with
+    ``O_DIRECT``, from an aligned buffer, bypassing the page cache)."""
+    import mmap
+
+    block = mmap.mmap(-1, 8 << 20)
+    block.write(b"\1" * len(block))
     path = directory / "probe.bin"
     t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
         written = 0
         while written < nbytes:
-            written += f.write(block)
-        os.fsync(f.fileno())
+            written += os.write(fd, block)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     elapsed = time.perf_counter() - t0
     path.unlink()
     return written / elapsed
@@ -111,7 +119,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             input("attach now, then press Enter: ")
         with (Load() if args.load else _Null()):
             for n in range(args.saves):
-                bw = probe(workdir, nbytes)
+                bw = probe(workdir, nbytes, direct=args.direct_probe)
                 path = workdir / f"ckpt-{n}.ckpt"
                 t_save = time.perf_counter()
                 io.save_checkpoint(state, path)
@@ -167,6 +175,7 @@ def main() -> None:
     ap.add_argument("--poll-ms", type=float, default=50.0, help="interval of the non-blocking finalize (a batch)")
     ap.add_argument("--load", action="store_true", help="2 threads of matmuls in this process")
     ap.add_argument("--pause", action="store_true", help="wait for Enter after the worker starts")
+    ap.add_argument("--direct-probe", action="store_true", help="the probe writes with O_DIRECT (no page cache)")
     ap.add_argument("--check", action="store_true", help="torch.load the first checkpoint and compare")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
