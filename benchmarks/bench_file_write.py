@@ -9,9 +9,11 @@ child, as the fork-per-save worker does, into a fresh temporary name on ``--dir`
 the child measures its wall time and its CPU seconds (``getrusage``, user + system, all threads).
 Variants, in rotating order:
 
-- ``dcp``: ``_worker.write_job`` with the engine's ``FileSystemWriterAsync`` (what the worker writes
-  today; ``--threads`` shard files), then the coordinator's ``.metadata`` (timed in the parent, added);
-- ``file``: ``torch_file.write_file`` (``torch.save`` into a Python file object with a 16 MiB buffer);
+- ``dcp``: ``_worker.write_job`` with the engine's ``FileSystemWriterAsync``'s plan (each shard file
+  through ``direct_io.DirectFile``; ``--threads`` shard files), then the coordinator's ``.metadata``
+  (timed in the parent, added);
+- ``file``: ``torch_file.write_file`` (``torch.save`` into ``direct_io.DirectFile``: O_DIRECT chunks from
+  the staged copies, written while torch.save runs);
 - ``file_path``: ``torch.save`` to the path (torch's C++ file writer), then an fsync (to a visible
   name: that writer refuses a file name starting with ``.``, such as ``commit.tmp_for``'s);
 - ``file_nocrc``: as ``file``, with torch's per-record CRC32 switched off

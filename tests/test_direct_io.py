@@ -1,0 +1,110 @@
+"""direct_io: a file recorded from a serializer and written in aligned chunks holds exactly the bytes written
+to it, through O_DIRECT or the page cache, and a failed write is raised with its errno."""
+
+import errno
+import os
+
+import pytest
+import torch
+
+from lightning_asyncckpt import direct_io
+
+
+def _writes(big: torch.Tensor) -> list:
+    """A serializer's writes: small headers (copied), slices of ``big`` (kept as references), odd sizes."""
+    raw = memoryview(big.numpy()).cast("B")
+    return [b"PK\3\4header", raw[: 100_000], b"x" * 37, raw[100_000: 300_001], bytearray(b"tail" * 1000), raw[300_001:]]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize("chunk", [8192, 1 << 20], ids=["many-chunks", "one-chunk"])
+def test_file_holds_exactly_the_written_bytes(tmp_path, direct, chunk):
+    big = torch.randint(0, 255, (500_003,), dtype=torch.uint8)
+    regions = [(big.data_ptr(), big.numel())]
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"old content, longer than nothing" * 100_000)  # truncated, not overwritten in place
+    expected = b"".join(bytes(w) for w in _writes(big))
+    with direct_io.DirectFile(str(path), regions, threads=3, chunk=chunk, direct=direct) as f:
+        for w in _writes(big):
+            assert f.write(w) == len(w)
+        assert f.tell() == len(expected)
+    assert path.read_bytes() == expected
+    if not direct:
+        assert f.direct is False
+    refs = [p for p in f.recorded.parts if not isinstance(p, bytes)]
+    assert len(refs) == 3  # the large slices were not copied
+
+
+def test_torch_save_through_it_loads(tmp_path):
+    state = {"w": torch.randn(300, 300), "i": torch.arange(70_000), "meta": {"step": 3}}
+    regions = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in (state["w"], state["i"])]
+    path = tmp_path / "s.pt"
+    with direct_io.DirectFile(str(path), regions, chunk=1 << 16) as f:
+        torch.save(state, f)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["i"], state["i"]) and loaded["meta"] == {"step": 3}
+    assert os.path.getsize(path) == f.tell()
+
+
+def test_a_failed_write_is_raised_with_its_errno(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    with pytest.raises(OSError) as info:
+        with direct_io.DirectFile("/dev/full", [], chunk=8192) as f:
+            f.write(b"x" * 100_000)
+    assert info.value.errno == errno.ENOSPC
+
+
+def test_an_error_in_the_serializer_propagates_and_stops_the_writers(tmp_path):
+    with pytest.raises(ValueError, match="pickling failed"):
+        with direct_io.DirectFile(str(tmp_path / "f.bin"), [], threads=2, chunk=8192) as f:
+            f.write(b"x" * 20_000)
+            raise ValueError("pickling failed")
+
+
+def test_seeking_is_refused_clearly(tmp_path):
+    with direct_io.DirectFile(str(tmp_path / "f.bin"), []) as f:
+        with pytest.raises(OSError, match="seeking is not supported"):
+            f.seek(0)
+
+
+@pytest.mark.parametrize("engine", ["nvrx", "mcore"])
+def test_dcp_shards_are_the_engines_own_bytes_and_results(tmp_path, engine):
+    """The worker's DCP write (``write_job``) produces the shard files and write results that the engine's
+    ``write_preloaded_data`` produces for the same plan: only how the bytes reach the disk differs."""
+    import pickle
+    import queue
+    from pathlib import Path
+
+    from lightning_asyncckpt import _worker, dcp_format, engines, staging
+
+    state = {"w": torch.randn(256, 300), "b": torch.arange(10_000, dtype=torch.int64), "step": 7, "name": "x"}
+    snap = staging.Stager(shared=False, copy_cpu=True).snapshot(state)
+    eng = engines.create(engines.EngineName(engine), engines.WorkerMode("fork"), 0)
+    written = {}
+    for how in ("engine", "worker"):
+        out = tmp_path / how
+        plan = dcp_format.plan_local_save(snap, out, eng.writer_cls, 2, eng.split_by_size)
+        os.makedirs(out, exist_ok=True)
+        if how == "engine":
+            import inspect
+
+            params = inspect.signature(eng.writer_cls.write_preloaded_data).parameters
+            results = []
+            for i, bucket in enumerate(plan.buckets):
+                outcomes, count = queue.Queue(), queue.Queue()
+                count.put(i)
+                eng.writer_cls.write_preloaded_data(**_worker.write_call_kwargs(params, plan.transforms, i, bucket, outcomes, count))
+                idx, res = outcomes.get()
+                assert not isinstance(res, BaseException), res
+                results.extend(res)
+        else:
+            _worker.write_job(eng.writer_cls, plan.transforms, plan.buckets, str(tmp_path / "result"))
+            with open(tmp_path / "result", "rb") as f:
+                outcome = pickle.load(f)
+            assert outcome["ok"], outcome
+            results = outcome["results"]
+        files = {p.name: p.read_bytes() for p in sorted(Path(out).iterdir())}
+        written[how] = (files, sorted((str(r.index), r.size_in_bytes, r.storage_data) for r in results))
+    assert len(written["engine"][0]) == 2  # thread_count=2: two shard files
+    assert written["worker"] == written["engine"]
