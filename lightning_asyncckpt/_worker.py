@@ -86,15 +86,10 @@ def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
     outcomes: queue.Queue[tuple[int, Any]] = queue.Queue()
     params = inspect.signature(writer_cls.write_preloaded_data).parameters
 
-    direct = _direct_item_writer() if len(transforms) == 1 else None
-
     def run(i: int, bucket: Any) -> None:
         count: queue.Queue = queue.Queue()
         count.put(i)
         try:
-            if direct is not None:
-                outcomes.put((i, _write_bucket_direct(direct, transforms, bucket)))
-                return
             writer_cls.write_preloaded_data(**write_call_kwargs(params, transforms, i, bucket, outcomes, count))
         except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
             outcomes.put((i, e))
@@ -113,40 +108,6 @@ def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
         if out is None:
             raise RuntimeError(f"shard writer {i} reported no result")
         results.extend(out)
-    return results
-
-
-def _direct_item_writer() -> Any:
-    """torch DCP's ``_write_item``, the function the engines' ``write_preloaded_data`` calls for every
-    item, when its signature is the one this module calls it with (torch 2.7+); else None: the engine
-    writes the bucket itself."""
-    import inspect
-
-    from torch.distributed.checkpoint import filesystem
-
-    fn = getattr(filesystem, "_write_item", None)
-    if fn is None or not hasattr(filesystem, "SerializationFormat"):
-        return None
-    names = list(inspect.signature(fn).parameters)
-    return fn if names[:2] == ["transforms", "stream"] and "serialization_format" in names else None
-
-
-def _write_bucket_direct(write_item: Any, transforms: list, bucket: Any) -> list:
-    """Writes one shard file as the engines' ``write_preloaded_data`` does (the same ``_write_item`` per
-    item, byte items first, in ``torch.save`` format, then fsync: the same bytes and write results), but
-    into a :class:`direct_io.DirectFile`: the tensor bytes go from the staged copies straight to the disk,
-    with no page-cache copy, while the next items are serialized."""
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-    from lightning_asyncckpt import direct_io
-
-    file_name, storage_key, (bytes_data, tensor_data) = bucket
-    regions = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for _, t in tensor_data]
-    results = []
-    with direct_io.DirectFile(str(file_name), regions) as stream:
-        for item, data in [*bytes_data, *tensor_data]:
-            results.append(write_item(transforms[0], stream, data, item, storage_key,
-                                      serialization_format=SerializationFormat.TORCH_SAVE))
     return results
 
 
