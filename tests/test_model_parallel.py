@@ -112,7 +112,8 @@ def test_fsdp2_lazy_snapshot_with_gradient_accumulation_is_exact(tmp_path):
         assert r["children_after_fit"] == []
 
 
-@pytest.mark.parametrize("edit", ["local_shard", pytest.param("dtensor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-all: make test's budget; make test proves torn detection with DDP (test_ddp.py)
+@pytest.mark.parametrize("edit", ["local_shard", "dtensor"])
 def test_fsdp2_lazy_shard_edited_after_the_save_fails_on_every_rank(tmp_path, monkeypatch, edit):
     if edit == "dtensor":
         monkeypatch.setenv("EDIT_AS_DTENSOR", "1")
