@@ -259,6 +259,9 @@ def main() -> None:
               f"{calib['fwd_bwd_s']:.3f} s ({calib['fwd_bwd_s'] / calib['floor_s']:.1f}× the floor)", file=sys.stderr)
     variants = args.variants.split(",")
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-train-", dir="/var/tmp"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     runs: list[dict] = []
     for rnd in range(args.rounds):
         order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
@@ -274,25 +277,27 @@ def main() -> None:
                 fb = ", ".join(f"N={ph['every']}: {ph['fwd_bwd_s'] / result['memcpy_floor_s']:.1f}×" for ph in result["phases"])
                 print(f"{name:>24} round {rnd}: {time.monotonic() - t0:.0f} s (forward + backward vs floor: {fb})",
                       file=sys.stderr)
+                # after every variant, so that a run cut short keeps what it measured
+                write_results(out, stamp, args, calib, runs, len(variants) * args.rounds, time.monotonic() - t_start)
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
-    rows = summarize(runs)
-    table = markdown(rows)
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    state = runs[0]["state_bytes"] / GiB if runs else 0
-    (out / f"train-{stamp}.json").write_text(json.dumps({"args": vars(args), "calibration": calib, "rows": rows,
-                                                         "runs": runs}, indent=1))
-    (out / f"train-{stamp}.md").write_text(
-        f"# bench_train_loop.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs;"
-        f" {state:.2f} GiB of state, batch {args.batch}, {time.monotonic() - t_start:.0f} s in all\n\n" + table + "\n"
-    )
+    print(markdown(summarize(runs)))
     print(f"wrote {out / f'train-{stamp}.md'}", file=sys.stderr)
     if len(runs) < len(variants) * args.rounds:
         sys.exit(1)
 
+
+def write_results(out: Path, stamp: str, args: argparse.Namespace, calib: dict | None, runs: list[dict], planned: int,
+                  elapsed: float) -> None:
+    """``train-<stamp>.json`` (everything measured) and ``.md`` (the table), rewritten as runs complete."""
+    state = runs[0]["state_bytes"] / GiB if runs else 0
+    partial = f"; partial: {len(runs)} of {planned} variant runs" if len(runs) < planned else ""
+    (out / f"train-{stamp}.json").write_text(json.dumps({"args": vars(args), "calibration": calib,
+                                                         "rows": summarize(runs), "runs": runs}, indent=1))
+    (out / f"train-{stamp}.md").write_text(
+        f"# bench_train_loop.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs;"
+        f" {state:.2f} GiB of state, batch {args.batch}, {elapsed:.0f} s{partial}\n\n" + markdown(summarize(runs)) + "\n"
+    )
 
 if __name__ == "__main__":
     main()

@@ -19,15 +19,16 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 OURS_ENGINES = ("nvrx", "mcore")
+# The peer first, the synchronous reference last: a run cut short still compares ours with the peer.
 VARIANTS = [
-    "torch_save",
     "dcp_async",
     "nvrx_persistent_eager",
     "nvrx_persistent_lazy",
-    "nvrx_fork_eager",
     "mcore_persistent_eager",
     "mcore_persistent_lazy",
+    "nvrx_fork_eager",
     "mcore_fork_eager",
+    "torch_save",
 ]
 
 

@@ -80,6 +80,7 @@ def test_sharded_example_runs(tmp_path):
 
 
 @pytest.mark.slow  # make test-all: eight variant processes, a few minutes
+@pytest.mark.timeout(960)
 def test_bench_train_loop_quick(tmp_path):
     """The Trainer-loop benchmark's smoke run: every variant runs, saves, commits, and lands in the table."""
     spec = importlib.util.spec_from_file_location("train_loop_parts", os.path.join(ROOT, "benchmarks", "train_loop_parts.py"))
