@@ -43,7 +43,8 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_save.py $(BENCH_ARGS)
 
 # a real Trainer loop with 1 GiB of state saving every 4, 8 and 16 steps, every variant and the DCP async_save peer
-# (about 15 minutes on 2 cores); writes benchmarks/results/train-<time>.{md,json}
+# (planned for about 15 minutes on 2 idle cores; the first run took 47 on a busy machine); writes
+# benchmarks/results/train-<time>.{md,json}
 bench-train: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_train_loop.py $(BENCH_TRAIN_ARGS)
 
