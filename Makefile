@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-faults test-scale test-all test-nvrx-versions test-compat bench gpu-check lint clean
+.PHONY: demo test test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train gpu-check lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ test-compat:
 # every save variant in one run, interleaved; writes benchmarks/results/bench-<time>.{md,json}
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_save.py $(BENCH_ARGS)
+
+# a real Trainer loop with 1 GiB of state saving every 4, 8 and 16 steps, every variant and the DCP async_save peer
+# (planned for about 15 minutes on 2 idle cores; the first run took 47 on a busy machine); writes
+# benchmarks/results/train-<time>.{md,json}
+bench-train: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_train_loop.py $(BENCH_TRAIN_ARGS)
 
 # on a CUDA machine: the GPU tests and the CUDA benchmark, with the machine's own CUDA torch (see the script)
 gpu-check:

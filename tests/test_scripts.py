@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import sys
 import textwrap
@@ -75,3 +77,30 @@ def test_sharded_example_runs(tmp_path):
     assert "4 sharded saves" in out  # top-2 and last at steps 20 and 40
     assert "last.ckpt: ['.asyncckpt.json', '.metadata', '__0_0.distcp', '__1_0.distcp', 'meta.pt']" in out
     assert "resumed from step 40, now at step 60" in out
+
+
+@pytest.mark.slow  # make test-all: eight variant processes, a few minutes
+@pytest.mark.timeout(960)
+def test_bench_train_loop_quick(tmp_path):
+    """The Trainer-loop benchmark's smoke run: every variant runs, saves, commits, and lands in the table."""
+    spec = importlib.util.spec_from_file_location("train_loop_parts", os.path.join(ROOT, "benchmarks", "train_loop_parts.py"))
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    VARIANTS = parts.VARIANTS
+    results = tmp_path / "results"
+    code, out = _run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train_loop.py"), "--quick", "--width", "128",
+         "--every", "2", "--saves", "2", "--baseline", "2", "--dir", str(tmp_path / "ckpts"), "--out", str(results)],
+        cwd=tmp_path, timeout=900,
+    )
+    assert code == 0, out[-3000:]
+    md, js = sorted(results.glob("train-*.md")), sorted(results.glob("train-*.json"))
+    assert len(md) == 1 and len(js) == 1, sorted(os.listdir(results))
+    for name in VARIANTS:
+        assert f"| 2 | {name} |" in md[0].read_text()
+    report = json.loads(js[0].read_text())
+    assert sorted(r["variant"] for r in report["runs"]) == sorted(VARIANTS)
+    for run in report["runs"]:
+        (phase,) = run["phases"]
+        assert [s is not None and s["commit_s"] is not None for s in phase["saves"]] == [True, True], run["variant"]
+    assert not list((tmp_path / "ckpts").glob("*/*")), "checkpoints left behind"
