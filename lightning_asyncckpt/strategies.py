@@ -157,7 +157,18 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
             metadata.read_metadata(path)  # refuses a .metadata that would run code, before stock unpickles it
         if path.is_dir() and commit.is_committed(path) and not (path / META_FILE).is_file():
             return self._load_full(io, path, weights_only)  # a full checkpoint written by AsyncCheckpointIO
-        return super().load_checkpoint(path, weights_only=weights_only)
+        return self._load_stock(path, weights_only)
+
+    def _load_stock(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """(all ranks) The stock strategy's ``load_checkpoint`` without its broadcast of the path from rank 0:
+        ``path`` may be this rank's own local copy of a remote checkpoint, and rank 0's copy is on another
+        node's disk, or already removed when rank 0's load returns (each rank reads ``meta.pt`` alone)."""
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        assert self.lightning_module is not None
+        state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
+        return _load_checkpoint(path=path, state=state, strict=self.lightning_module.strict_loading,
+                                optimizer_states_from_list=True, weights_only=weights_only)
 
     def _load_full(self, io: AsyncCheckpointIO, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """The stock strategy's loading of a full (unsharded) checkpoint, for this package's directories."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
@@ -28,6 +29,7 @@ from helpers import (  # noqa: E402
     run_job,
 )
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, commit, testing  # noqa: E402
+from lightning_asyncckpt.io import META_FILE  # noqa: E402
 
 WIDTH = 64
 DATA = dict(width=WIDTH, n=64, batch_size=4)  # 8 steps per epoch per rank on 2 ranks
@@ -82,6 +84,34 @@ class ProbedStrategy(AsyncModelParallelStrategy):
         self.complete_on_return = getattr(self, "complete_on_return", [])
         if not existed:
             self.complete_on_return.append((Path(filepath) / ".metadata").exists())
+
+
+class Rank0LoadsFirst(AsyncModelParallelStrategy):
+    """Rank 1 reads ``meta.pt`` (the last file of a sharded load, which each rank reads alone) only once
+    rank 0's ``load_checkpoint`` has returned, and with it rank 0's local copy of a remote checkpoint is
+    gone: as for ranks on different nodes, each rank must read its own copy."""
+
+    def __init__(self, signal, **kw):
+        super().__init__(**kw)
+        self.signal = Path(signal)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        load = torch.load
+
+        def after_rank0(f, *a, **k):  # a handshake: rank 0 touches the signal file when its load returns
+            deadline = time.monotonic() + 60
+            while isinstance(f, (str, os.PathLike)) and Path(f).name == META_FILE and not self.signal.exists():
+                assert time.monotonic() < deadline, "rank 0's load_checkpoint did not return within 60 s"
+                time.sleep(0.01)
+            return load(f, *a, **k)
+
+        torch.load = after_rank0 if self.global_rank == 1 else load
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        finally:
+            torch.load = load
+            if self.global_rank == 0:
+                self.signal.touch()
 
 
 def read_with_dcp(path, out):
@@ -178,7 +208,8 @@ def _resume_both_ways(args, report, ck, rec):
 
 def case_remote(args, report):
     """Sharded saves to an S3 URL (``--dir``; the endpoint comes from the environment): every committed
-    checkpoint read with plain DCP from a local copy matches its state; resume from the newest ``last``."""
+    checkpoint read with plain DCP from a local copy matches its state; resume from the newest ``last``, each
+    rank from its own local copy (rank 1 reads ``meta.pt`` after rank 0's copy is gone: ``Rank0LoadsFirst``)."""
     from lightning_asyncckpt import last_checkpoint, remote
 
     io = AsyncCheckpointIO(args.engine, worker=args.worker)
@@ -201,7 +232,8 @@ def case_remote(args, report):
     torch.distributed.barrier()
     last = last_checkpoint(args.dir)
     report["last"] = last
-    check = _resume(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), last, 10)
+    strategy = Rank0LoadsFirst(os.path.join(args.out, "rank0-loaded"), data_parallel_size=2, tensor_parallel_size=1)
+    check = _resume(args, strategy, last, 10)
     assert check.step == 8, check.step
     assert_tree_equal(check.state, rec.copies[8], "resume from S3")
     report["resume_exact"] = True
