@@ -7,6 +7,7 @@ import pytest
 from helpers import combo_params, job_script, run_ranks
 
 JOB = job_script("mp_job.py")
+LAZY_JOB = job_script("mp_lazy_job.py")
 
 
 
@@ -103,7 +104,7 @@ def test_fsdp2_a_sharded_save_in_flight_lands_when_every_rank_dies(tmp_path):
 def test_fsdp2_lazy_snapshot_with_gradient_accumulation_is_exact(tmp_path):
     """snapshot="lazy" on sharded saves: each rank's local shards are copied after the save call returned,
     while the next steps (two micro-batches each) run; every checkpoint holds the state of its step."""
-    r0, r1 = run_ranks(JOB, tmp_path, "lazy", "nvrx", "persistent")
+    r0, r1 = run_ranks(LAZY_JOB, tmp_path, "lazy", "nvrx", "persistent")
     expected = ["epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
     assert r0["files"] == r1["files"] == r0["verified"] == expected
     for r in (r0, r1):
@@ -117,7 +118,7 @@ def test_fsdp2_lazy_snapshot_with_gradient_accumulation_is_exact(tmp_path):
 def test_fsdp2_lazy_shard_edited_after_the_save_fails_on_every_rank(tmp_path, monkeypatch, edit):
     if edit == "dtensor":
         monkeypatch.setenv("EDIT_AS_DTENSOR", "1")
-    r0, r1 = run_ranks(JOB, tmp_path, "lazy_torn", "nvrx", "persistent")
+    r0, r1 = run_ranks(LAZY_JOB, tmp_path, "lazy_torn", "nvrx", "persistent")
     for r in (r0, r1):
         raised = r["raised"]
         assert raised is not None and raised["ranks"] == [1] and raised["error_type"] == "TornSnapshot", raised
