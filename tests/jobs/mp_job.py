@@ -314,22 +314,28 @@ def case_resume2(args, report):
 
 def case_fail(args, report):
     """One rank's write fails: both ranks raise, at the same step; the earlier checkpoint stays."""
+    io = AsyncCheckpointIO(args.engine, worker=args.worker)
+    failing_fit(args, report, io, FailOnRankFrom(io, 8, rank=1), WIDTH, _own_children)
+
+
+def failing_fit(args, report, io, callback, width, own_children):
+    """Fits with ``callback`` and saves every 4 steps, catching the ``CheckpointWriteError`` that must stop
+    every rank; reports it, the step reached, leftover processes and the committed checkpoints."""
     from lightning_asyncckpt import CheckpointWriteError
 
-    io = AsyncCheckpointIO(args.engine, worker=args.worker)
     dirpath = os.path.join(args.out, "c")
     ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
     t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                 [FailOnRankFrom(io, 8, rank=1), ck], plugins=[io], max_steps=40)
+                 [callback, ck], plugins=[io], max_steps=40)
     if t.strategy.launcher is not None:  # rank 0: see every rank raise by itself, not killed by rank 0
         t.strategy.launcher.kill = lambda *a, **k: None
     try:
-        t.fit(ShardedModel(width=WIDTH), loader(width=WIDTH, n=256, batch_size=4))
+        t.fit(ShardedModel(width=width), loader(width=width, n=256, batch_size=4))
         report["raised"] = None
     except CheckpointWriteError as e:
         report["raised"] = {"path": e.path, "ranks": list(e.ranks), "error_type": e.error_type, "message": str(e)}
     report["global_step"] = t.global_step
-    report["children_after_fit"] = _own_children()
+    report["children_after_fit"] = own_children()
     torch.distributed.barrier()
     report["files"] = sorted(os.listdir(dirpath))
 

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from mp_job import FullStateRecorder, _trainer, read_with_dcp  # noqa: E402
+from mp_job import FullStateRecorder, _trainer, failing_fit, read_with_dcp  # noqa: E402
 
 from helpers import ShardedModel, assert_tree_equal, loader, other_children, run_job  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
@@ -71,24 +71,8 @@ def case_lazy(args, report):
 
 def case_lazy_torn(args, report):
     """Rank 1 edits its shard of a weight while its lazy copy is held: the save fails on both ranks."""
-    from lightning_asyncckpt import CheckpointWriteError
-
     io = AsyncCheckpointIO(args.engine, worker=args.worker, snapshot="lazy")
-    dirpath = os.path.join(args.out, "c")
-    ck = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
-    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                 [EditShardAfterLazySave(io, 8, rank=1), ck], plugins=[io], max_steps=40)
-    if t.strategy.launcher is not None:  # rank 0: see every rank raise by itself, not killed by rank 0
-        t.strategy.launcher.kill = lambda *a, **k: None
-    try:
-        t.fit(ShardedModel(width=LAZY_WIDTH), loader(width=LAZY_WIDTH, n=256, batch_size=4))
-        report["raised"] = None
-    except CheckpointWriteError as e:
-        report["raised"] = {"path": e.path, "ranks": list(e.ranks), "error_type": e.error_type, "message": str(e)}
-    report["global_step"] = t.global_step
-    report["children_after_fit"] = _own_children()
-    torch.distributed.barrier()
-    report["files"] = sorted(os.listdir(dirpath))
+    failing_fit(args, report, io, EditShardAfterLazySave(io, 8, rank=1), LAZY_WIDTH, _own_children)
 
 
 def main():
