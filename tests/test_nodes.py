@@ -42,15 +42,21 @@ def _assert_every_rank_wrote_its_share(reports, name, extra):
     assert all(0 < n < nbytes for n in local), local
 
 
+def _assert_shares_written_and_resumed(reports, small_files):
+    """Every rank has its own identity, wrote its share of both checkpoints (beside ``small_files``), rank 0
+    verified them bit for bit, and every rank resumed exactly."""
+    _assert_identities(reports)
+    for name in ("epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
+        _assert_every_rank_wrote_its_share(reports, name, small_files)
+    assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
+
+
 def test_async_ddp_strategy_on_two_nodes_saves_every_share_and_resumes_exactly(tmp_path):
     """The representative case of ``make test``: AsyncDDPStrategy, 2 x 2 ranks, fit with two saves that
     rank 0 checks bit for bit, and an exact resume on 4 ranks. A rank that took its identity from
     ``LOCAL_RANK`` would write node 0's shares again on node 1 (and global ranks 2 and 3's never)."""
     reports = run_nodes(JOB, tmp_path, "ddp", timeout=240, engine="mcore", worker="fork")
-    _assert_identities(reports)
-    for name in ("epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
-        _assert_every_rank_wrote_its_share(reports, name, [".asyncckpt-skeleton.pt", ".asyncckpt.json", ".metadata"])
-    assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
+    _assert_shares_written_and_resumed(reports, [".asyncckpt-skeleton.pt", ".asyncckpt.json", ".metadata"])
 
 
 @pytest.mark.slow
@@ -66,20 +72,14 @@ def test_ddp_plugin_on_two_nodes_rank0_writes_and_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_fsdp2_over_four_ranks_on_two_nodes_saves_every_shard_and_resumes_exactly(tmp_path):
     reports = run_nodes(JOB, tmp_path, "mp", timeout=300)
-    _assert_identities(reports)
-    for name in ("epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
-        _assert_every_rank_wrote_its_share(reports, name, [".asyncckpt.json", ".metadata", "meta.pt"])
-    assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
+    _assert_shares_written_and_resumed(reports, [".asyncckpt.json", ".metadata", "meta.pt"])
 
 
 @pytest.mark.slow
 def test_tensor_parallel_within_nodes_fsdp2_across_on_two_nodes(tmp_path):
     """2 x 2: 2-way tensor parallel inside each node, FSDP2 across the nodes; exact save and resume."""
     reports = run_nodes(JOB, tmp_path, "mp", timeout=300, tp=2)
-    _assert_identities(reports)
-    for name in ("epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
-        _assert_every_rank_wrote_its_share(reports, name, [".asyncckpt.json", ".metadata", "meta.pt"])
-    assert reports[0]["verified"] and all(r["resume_exact"] for r in reports)
+    _assert_shares_written_and_resumed(reports, [".asyncckpt.json", ".metadata", "meta.pt"])
 
 
 @pytest.mark.slow
