@@ -5,10 +5,11 @@ kernel's writeback of those pages. On the machines measured (``benchmarks/profil
 and its writeback cost more CPU than everything else a checkpoint write does, and a writer sharing the
 CPU with training falls far behind the disk. Here the file is first *recorded* (:class:`Recorder`: the
 serializer writes into it; bytes inside the staged tensors are kept as references, never copied),
-and written (:class:`DirectFile`) in aligned chunks straight to the disk as soon as each chunk has been
-produced: each chunk is assembled in a small reused aligned buffer (one ``memmove`` from the staged
-tensors) and written with ``O_DIRECT`` by one of a few threads (the disk sees several requests in
-flight, and serializing, e.g. ``torch.save``'s CRC32, overlaps the writes); then the file is fsync'd.
+and written (:class:`DirectFile`) in aligned chunks straight to the disk as soon as each chunk is final:
+each chunk is assembled in a small reused aligned buffer (one ``memmove`` from the staged tensors) and
+written with ``O_DIRECT`` by one of a few threads (the disk sees several requests in flight, and
+finishing the file, e.g. computing its CRC32 with ``zip_crc``, overlaps the writes); then the file is
+fsync'd.
 
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network or FUSE filesystems), the same chunks
 are written through the page cache: the bytes of the file are the same either way.
@@ -40,6 +41,36 @@ class Recorded:
     starts: list[int] = field(default_factory=list)
     parts: list = field(default_factory=list)
     size: int = 0
+
+    def spans(self, start: int, end: int):
+        """``(address, nbytes)`` pieces of memory holding bytes ``[start, end)`` of the file, in order."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        pos = start
+        while pos < end:
+            part_start, part = self.starts[i], self.parts[i]
+            src, nbytes = (_bytes_address(part), len(part)) if isinstance(part, bytes) else part
+            take = min(end, part_start + nbytes) - pos
+            yield src + (pos - part_start), take
+            pos += take
+            i += 1
+
+    def read(self, start: int, n: int) -> bytes:
+        """A copy of bytes ``[start, start + n)`` of the file (clipped to its size)."""
+        return b"".join(ctypes.string_at(a, k) for a, k in self.spans(start, min(start + n, self.size)))
+
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrites bytes of the file at ``offset`` that the serializer wrote as small copied writes (zip
+        headers); bytes inside a reference (the caller's tensors) are never changed and raise."""
+        pos, data = offset, bytes(data)
+        while data:
+            i = bisect.bisect_right(self.starts, pos) - 1
+            part = self.parts[i]
+            if not isinstance(part, bytes):
+                raise ValueError(f"byte {pos} of the recorded file lies in a staged tensor, not in a header")
+            at = pos - self.starts[i]
+            take = min(len(data), len(part) - at)
+            self.parts[i] = part[:at] + data[:take] + part[at + take:]
+            pos, data = pos + take, data[take:]
 
 
 class Recorder:
@@ -97,20 +128,16 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+def _bytes_address(part: bytes) -> int:
+    return ctypes.cast(ctypes.c_char_p(part), ctypes.c_void_p).value
+
+
 def _fill(buf_addr: int, recorded: Recorded, start: int, end: int) -> None:
     """Copies bytes ``[start, end)`` of the recorded file to ``buf_addr``."""
-    i = bisect.bisect_right(recorded.starts, start) - 1
-    pos = start
-    while pos < end:
-        part_start, part = recorded.starts[i], recorded.parts[i]
-        if isinstance(part, bytes):
-            src, nbytes = ctypes.cast(ctypes.c_char_p(part), ctypes.c_void_p).value, len(part)
-        else:
-            src, nbytes = part
-        take = min(end, part_start + nbytes) - pos
-        ctypes.memmove(buf_addr + (pos - start), src + (pos - part_start), take)  # releases the GIL
-        pos += take
-        i += 1
+    at = buf_addr
+    for src, n in recorded.spans(start, end):
+        ctypes.memmove(at, src, n)  # releases the GIL
+        at += n
 
 
 def _open(path: str, direct: bool) -> int:
@@ -144,22 +171,26 @@ def _open_direct(path: str) -> tuple[int, bool]:
 
 class DirectFile(Recorder):
     """A file object for ``torch.save`` that writes ``path`` while the serializer runs: each ``chunk`` is
-    written (``O_DIRECT`` where the filesystem takes it) by one of ``threads`` threads as soon as the
-    serializer has produced it, so serializing (CRC32) and writing overlap.
+    written (``O_DIRECT`` where the filesystem takes it) by one of ``threads`` threads as soon as its bytes
+    are final, so producing the file and writing it overlap.
+
+    Bytes are final as soon as the serializer has written them; with ``hold=True`` only once the caller
+    says so with :meth:`release` (it patches headers first, e.g. ``zip_crc.fill``), or on exit.
 
     Use as a context manager: on a clean exit the file is complete, truncated to its size and fsync'd;
     an error of any write is raised there with its errno. ``regions``: see :class:`Recorder`.
     """
 
     def __init__(self, path: str, regions: list[tuple[int, int]], threads: int = THREADS, chunk: int = CHUNK,
-                 direct: bool = True):
+                 direct: bool = True, hold: bool = False):
         super().__init__(regions)
         if chunk % _ALIGN:
             raise ValueError(f"DirectFile(chunk={chunk}) must be a multiple of {_ALIGN}")
-        self._chunk, self._threads = chunk, max(1, threads)
+        self._chunk, self._threads, self._hold = chunk, max(1, threads), hold
         self.fd, self.direct = _open_direct(path) if direct else (_open(path, False), False)
         self._cond = threading.Condition()
-        self._done = False  # the serializer finished: the size is final
+        self._done = False  # the file is complete: every byte is final
+        self._ready = 0  # bytes before this offset are final
         self._next = 0  # the next chunk a thread takes
         self._errors: list[BaseException] = []
         self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(self._threads)]
@@ -168,13 +199,19 @@ class DirectFile(Recorder):
 
     def write(self, data: object) -> int:
         n = super().write(data)
-        if self.recorded.size >= (self._next + 1) * self._chunk:
-            with self._cond:
-                self._cond.notify_all()
+        if not self._hold:
+            self.release(self.recorded.size)
         return n  # a failed write is raised on exit, with its errno (not through the serializer's C++ caller)
 
+    def release(self, upto: int) -> None:
+        """Bytes before ``upto`` are final: the writer threads may write them."""
+        self._ready = max(self._ready, upto)
+        if self._ready >= (self._next + 1) * self._chunk:
+            with self._cond:
+                self._cond.notify_all()
+
     def _take(self) -> tuple[int, int] | None:
-        """The next chunk to write, once the serializer has produced it; None when there are no more."""
+        """The next chunk to write, once its bytes are final; None when there are no more."""
         with self._cond:
             while True:
                 if self._errors:
@@ -183,7 +220,7 @@ class DirectFile(Recorder):
                 end = start + self._chunk
                 if self._done and start >= self.recorded.size:
                     return None
-                if self._done or self.recorded.size >= end:
+                if self._done or self._ready >= end:
                     self._next += 1
                     return start, min(end, self.recorded.size)
                 self._cond.wait()
