@@ -109,12 +109,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     state = make_state(int(args.gib * (1 << 30)), args.tensors)
     nbytes = sum(t.numel() * t.element_size() for t in state["state_dict"].values())
     io = AsyncCheckpointIO(args.engine, worker=args.worker, format=args.format, max_pending=1,
-                           thread_count=args.thread_count, timeout_s=600)
+                           thread_count=args.thread_count, timeout_s=600, worker_nice=args.worker_nice)
     rows = []
     try:
         io.warmup(like=state)
         print(f"worker pids {io.worker_pids()}, state {nbytes / 1e9:.2f} GB in {args.tensors} tensors, "
-              f"{args.engine} format={args.format} load={args.load}", flush=True)
+              f"{args.engine} format={args.format} load={args.load} worker_nice={args.worker_nice}", flush=True)
         if args.pause:
             input("attach now, then press Enter: ")
         with (Load() if args.load else _Null()):
@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--worker", default="persistent", choices=("persistent", "fork"))
     ap.add_argument("--format", default="auto", choices=("auto", "dcp"))
     ap.add_argument("--thread-count", type=int, default=1)
+    ap.add_argument("--worker-nice", type=int, default=0, help="AsyncCheckpointIO(worker_nice=...), 0 by default")
     ap.add_argument("--poll-ms", type=float, default=50.0, help="interval of the non-blocking finalize (a batch)")
     ap.add_argument("--load", action="store_true", help="2 threads of matmuls in this process")
     ap.add_argument("--pause", action="store_true", help="wait for Enter after the worker starts")

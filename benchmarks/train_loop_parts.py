@@ -24,6 +24,7 @@ VARIANTS = [
     "dcp_async",
     "nvrx_persistent_eager",
     "nvrx_persistent_lazy",
+    "nvrx_persistent_lazy_nice10",  # AsyncCheckpointIO(worker_nice=10), as nvrx 0.6+ runs its worker
     "mcore_persistent_eager",
     "mcore_persistent_lazy",
     "nvrx_fork_eager",
@@ -213,8 +214,9 @@ class Saver:
         elif name.split("_")[0] in OURS_ENGINES:
             from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
 
-            engine, worker, snapshot = name.split("_")
-            self.io = AsyncCheckpointIO(engine, worker=worker, snapshot=snapshot)
+            engine, worker, snapshot, *nice = name.split("_")  # "..._nice10": worker_nice=10
+            options = {"worker_nice": int(nice[0].removeprefix("nice"))} if nice else {}
+            self.io = AsyncCheckpointIO(engine, worker=worker, snapshot=snapshot, **options)
             self._wrap_ours()
             self.plugins, self.callbacks = [self.io], [AsyncFinalizerCallback()]
         elif name != "torch_save":

@@ -155,21 +155,34 @@ def report(result_path: str, outcome: dict[str, Any], t0: float) -> None:
     os.replace(tmp, result_path)
 
 
-def run_forked(started_fd: int, fn: Any, args: tuple, kwargs: dict) -> None:
+def run_forked(started_fd: int, fn: Any, args: tuple, kwargs: dict, nice: int = 0) -> None:
     """Entry point of a fork-per-save writer: first tells the trainer it runs (it got past ``fork``),
-    then runs ``fn``."""
+    then runs ``fn`` at CPU priority ``nice`` (:func:`lower_priority`)."""
     before_start()
     os.write(started_fd, b"1")
     os.close(started_fd)
+    lower_priority(nice)
     fn(*args, **kwargs)
+
+
+def lower_priority(nice: int) -> None:
+    """(writer) Runs this process, and the threads it starts from now on, at nice value ``nice`` or lower
+    priority: where the trainer's threads keep every core busy, the scheduler gives them the CPU first,
+    and the write uses what they leave (the GPU waits, data loading, Python between kernels). A write
+    still progresses beside them (nice 10 gets about a tenth of a contended core), never stops. Nice only
+    rises here, which needs no privilege; a process already at ``nice`` or above is left as it is."""
+    current = os.nice(0)
+    if nice > current:
+        os.nice(nice - current)
 
 
 def before_start() -> None:
     """(forked writer) Nothing; a test makes it hang, as a fork of a multi-threaded process can."""
 
 
-def engine_loop(loop_fn: Any, preload: tuple, ready: Any, **kwargs: Any) -> None:
-    """Entry point of the persistent worker: the engine's own loop, made to run without CUDA.
+def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, **kwargs: Any) -> None:
+    """Entry point of the persistent worker: the engine's own loop, made to run without CUDA, at CPU
+    priority ``nice`` (:func:`lower_priority`).
 
     ``preload`` names modules the write jobs need; importing them here, while training has not
     reached its first save, keeps that cost out of the first save.
@@ -180,6 +193,7 @@ def engine_loop(loop_fn: Any, preload: tuple, ready: Any, **kwargs: Any) -> None
     # of MB of device memory per rank) when an engine's loop pins a device, and runs it the same way on
     # GPU machines as on CPU ones. CUDA reads this at its first use, which has not happened yet.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    lower_priority(nice)
     import torch
 
     for name in preload:

@@ -63,7 +63,13 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
             ``AsyncFinalizerCallback`` tracks the Trainer's) to a background copy during the next forward
             and backward, waited for by :meth:`wait_for_snapshot` before the optimizer step. A tensor that
             changes in place before its copy fails that save (see :mod:`lightning_asyncckpt.lazy`).
-            Collective, sharded and fork-per-save (``worker="fork"``) saves are always eager.
+            Fork-per-save (``worker="fork"``) saves are always eager.
+        worker_nice: the nice value of the writer processes: 0 (the default) is the trainer's own
+            priority, up to 19 the lowest. A higher value gives the CPU to whatever else competes for it
+            (data-loading workers, other jobs) first; the write is never starved (nice 10 still gets about
+            a tenth of a contended core) but commits later. nvidia-resiliency-ext 0.6+ runs its own worker
+            at 10; measured on a CPU-bound Trainer, 10 did not lower training's overhead and made commits
+            about 1.5 times later (``benchmarks/README.md``), hence 0 here.
 
     Construct it on every rank; it starts nothing until the first save, ``warmup`` or the callback's
     ``setup``. With torch, Lightning or the engine outside the supported versions it raises
@@ -73,7 +79,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def __init__(
         self, strategy: str = "auto", *, worker: str = "persistent", thread_count: int = 1, timeout_s: float = 1800.0,
         max_pending: int = 2, poll_interval_s: float = 0.02, drain_timeout_s: float = 300.0,
-        format: str = "auto", faults: FaultPolicy | None = None, snapshot: str = "eager",
+        format: str = "auto", faults: FaultPolicy | None = None, snapshot: str = "eager", worker_nice: int = 0,
     ) -> None:
         CheckpointIO.__init__(self)
         for name, ok, want in (("thread_count", thread_count >= 1, "at least 1"), ("max_pending", max_pending >= 1, "at least 1"),
@@ -82,6 +88,11 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
                 raise ValueError(f"`AsyncCheckpointIO({name}={locals()[name]})` must be {want}.")
         if format not in FORMATS:
             raise ValueError(f"`AsyncCheckpointIO(format={format!r})` is not valid; choose one of {', '.join(map(repr, FORMATS))}.")
+        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+            raise ValueError(
+                f"`AsyncCheckpointIO(worker_nice={worker_nice!r})` must be an integer nice value from 0 (the trainer's "
+                "priority) to 19 (the lowest)."
+            )
         if snapshot not in SNAPSHOTS:
             raise ValueError(
                 f"`AsyncCheckpointIO(snapshot={snapshot!r})` is not valid; choose one of {', '.join(map(repr, SNAPSHOTS))}."
@@ -90,7 +101,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         engine = engines.resolve(strategy)
         versions.check_installed(versions.ENGINE_PACKAGES[engine.value])
         SavePipeline.__init__(self, engine, engines.parse_worker(worker))
-        self.format, self.snapshot = format, snapshot
+        self.format, self.snapshot, self.worker_nice = format, snapshot, worker_nice
         self.thread_count, self.max_pending = thread_count, max_pending
         self.timeout_s, self.poll_interval_s, self.drain_timeout_s = float(timeout_s), poll_interval_s, float(drain_timeout_s)
         self.faults: FaultPolicy = faults if faults is not None else EnvironmentFaults()

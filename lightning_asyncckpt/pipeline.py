@@ -40,6 +40,7 @@ class SavePipeline:
     worker: str
     format: str
     snapshot: str
+    worker_nice: int
     drain_timeout_s: float
     faults: FaultPolicy
     write_hook: Any
@@ -226,7 +227,8 @@ class SavePipeline:
 
     def _ensure_run(self) -> Run:
         if self._run is None:
-            self._run = Run(self._engine_name, self._worker_mode, self.history, self._committed_calls)
+            self._run = Run(self._engine_name, self._worker_mode, self.history, self._committed_calls,
+                            worker_nice=self.worker_nice)
             self._run.tracked = self._tracked
             self._handling_at_start = sys.exc_info()[1]
         return self._run

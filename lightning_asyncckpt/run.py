@@ -97,6 +97,7 @@ class Run:
     removals_held: bool = False  # deferred logger calls come first (see logger_relay)
     doomed: list[Path] = field(default_factory=list)  # partial dirs of failed collective saves (coordinator)
     engine: engines.Engine | None = None
+    worker_nice: int = 0  # the writer processes' CPU priority
     results_dir: Path | None = None
     cleaned_dirs: set[Path | str] = field(default_factory=set)
     stager: Stager = field(init=False)
@@ -116,7 +117,7 @@ class Run:
         directory, and for rank 0 the leftovers of dead saves in ``dirpath`` removed, once per directory.
         A remote ``dirpath`` is checked instead (a missing bucket is an error here, at save time)."""
         if self.engine is None:
-            self.engine = engines.create(self.engine_name, self.worker_mode, rank)
+            self.engine = engines.create(self.engine_name, self.worker_mode, rank, self.worker_nice)
         if self.results_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             self.results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))

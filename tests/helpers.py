@@ -411,3 +411,14 @@ def assert_user_error(code: int, err: str, expected_code: int, *fragments: str) 
     assert len(lines) == 1 and lines[0].startswith("lightning-asyncckpt: error: "), err
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+class RecordPriority:
+    """A write hook (picklable) that appends ``<pid> <nice>`` of the process running the write to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, buckets: list) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {os.nice(0)}\n")

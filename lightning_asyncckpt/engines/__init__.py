@@ -76,11 +76,12 @@ def parse_worker(worker: str) -> WorkerMode:
     return _parse(worker, WorkerMode, "worker")
 
 
-def create(name: EngineName, worker: WorkerMode, rank: int) -> Engine:
+def create(name: EngineName, worker: WorkerMode, rank: int, nice: int = 0) -> Engine:
+    """The engine, its writer processes to run at CPU priority ``nice``."""
     if name is EngineName.NVRX:
         from lightning_asyncckpt.engines.nvrx import NvrxEngine
 
-        return NvrxEngine(worker.value, rank)
+        return NvrxEngine(worker.value, rank, nice)
     from lightning_asyncckpt.engines.mcore import McoreEngine
 
-    return McoreEngine(worker.value, rank)
+    return McoreEngine(worker.value, rank, nice)

@@ -48,12 +48,12 @@ class Engine:
     pip_extra: str = ""
     version: str | None = None  # set by the subclass
 
-    def __init__(self, core: ModuleType, filesystem: ModuleType, worker: str, rank: int = 0):
+    def __init__(self, core: ModuleType, filesystem: ModuleType, worker: str, rank: int = 0, nice: int = 0):
         self.core = core
         self.writer_cls = filesystem.FileSystemWriterAsync
         self.split_by_size = filesystem._split_by_size_and_type
         self.persistent = worker == "persistent"
-        self.rank = rank
+        self.rank, self.nice = rank, nice  # nice: the writer processes' CPU priority
         self._caller: Any = None
         self._next_idx = 0
 
@@ -151,7 +151,7 @@ class Engine:
                 "torch.distributed.checkpoint.planner",
                 self.writer_cls.__module__,
             )
-            self._caller.rank = self.rank
+            self._caller.rank, self._caller.nice = self.rank, self.nice
             self._caller._started_tracker = started_tracker
         return self._caller
 
@@ -159,6 +159,7 @@ class Engine:
         if self._caller is None:
             cls = type(f"{self.name.title()}TemporalCaller", (TemporalMixin, self.core.TemporalAsyncCaller), {})
             self._caller = cls()
+            self._caller.nice = self.nice
         return self._caller
 
 

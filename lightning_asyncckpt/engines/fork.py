@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 class TemporalMixin:
     """Fork per save: a copy-on-write snapshot of the trainer for the cost of a ``fork``."""
 
+    nice: int = 0  # the writer's CPU priority (``AsyncCheckpointIO(worker_nice=...)``)
+
     def schedule_fork(self, async_req: Any, start_s: float, attempts: int) -> Any:
         """Forks the writer and returns once it runs (inside the save, so the snapshot is still this step's).
 
@@ -33,7 +35,7 @@ class TemporalMixin:
             proc = ctx.Process(
                 target=_worker.run_forked,
                 args=(started_w, async_req.async_fn, tuple(async_req.async_fn_args),
-                      dict(async_req.async_fn_kwargs or {})),  # None in nvrx 0.7
+                      dict(async_req.async_fn_kwargs or {}), self.nice),  # kwargs: None in nvrx 0.7
                 daemon=True,
                 name="asyncckpt-fork",
             )

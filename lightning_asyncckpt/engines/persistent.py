@@ -85,6 +85,7 @@ class PersistentMixin:
     preload_q: Any
     comp_q: Any
     process: Any
+    nice: int = 0  # the worker's CPU priority (``AsyncCheckpointIO(worker_nice=...)``)
 
     def start_worker(self, rank: int) -> None:
         if self.process is not None:
@@ -99,6 +100,8 @@ class PersistentMixin:
             # nvrx >= 0.6: the requests hold host (shared-memory) tensors only, so the worker needs no
             # CUDA device (without it, the loop pins one and creates a context)
             "cpu_shm_mode": True,
+            # nvrx >= 0.6 renices its worker to this (default 10): the same value as ours
+            "cpu_priority": self.nice,
         }
         # by keyword: versions add parameters with defaults between the ones we pass (nvrx 0.6:
         # cpu_priority and io_priority before cpu_shm_mode)
@@ -113,7 +116,7 @@ class PersistentMixin:
         with _no_main_reimport():
             self.process = ctx.Process(
                 target=_worker.engine_loop,
-                args=(loop, self._preload_modules, self._ready),
+                args=(loop, self._preload_modules, self._ready, self.nice),
                 kwargs=kwargs,
                 daemon=True,
                 name="asyncckpt-worker",

@@ -1,0 +1,56 @@
+"""``AsyncCheckpointIO(worker_nice=...)``: the writer processes (persistent worker, forked writer) run at
+that nice value, seen from inside the real write; the trainer's own priority never changes."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, TESTS, RecordPriority
+from lightning_asyncckpt import AsyncCheckpointIO
+
+
+def _written_at(tmp_path, **options) -> list[tuple[int, int]]:
+    record = tmp_path / "priority.txt"
+    with AsyncCheckpointIO("nvrx", **options) as io:
+        io.write_hook = RecordPriority(str(record))
+        for i in range(2):
+            io.save_checkpoint({"w": torch.randn(1000), "step": i}, tmp_path / f"s{i}.ckpt")
+            io.finalize(blocking=True)
+    assert torch.load(tmp_path / "s1.ckpt", weights_only=True)["step"] == 1
+    return [tuple(map(int, line.split())) for line in record.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("worker", ["persistent", "fork"])
+@pytest.mark.parametrize("nice", [None, 0, 19], ids=["default", "0", "19"])
+def test_writers_run_at_the_nice_value_given(tmp_path, worker, nice):
+    before = os.nice(0)
+    options = {} if nice is None else {"worker_nice": nice}
+    seen = _written_at(tmp_path, worker=worker, **options)
+    assert len(seen) == 2 and all(pid != os.getpid() for pid, _ in seen)
+    assert {n for _, n in seen} == {max(before, 0 if nice is None else nice)}
+    assert os.nice(0) == before  # the trainer's priority is left alone
+
+
+def test_a_trainer_already_at_lower_priority_keeps_its_writers_there(tmp_path):
+    """Nice only rises: writers of a trainer started with ``nice -n 15`` stay at 15, not 10."""
+    code = (
+        "import os, sys, pathlib; os.nice(15); sys.path.insert(0, sys.argv[1]);"
+        "import test_worker_priority as t; print(t._written_at(pathlib.Path(sys.argv[2]), worker='persistent', worker_nice=10))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, TESTS, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = ast.literal_eval(out.stdout.strip().splitlines()[-1])  # the (pid, nice) pairs the child printed
+    assert [n for _, n in seen] == [15, 15]
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.5, True, "10"])
+def test_a_bad_nice_value_is_refused_at_construction(bad):
+    with pytest.raises(ValueError, match=r"AsyncCheckpointIO\(worker_nice=.*from 0 .* to 19"):
+        AsyncCheckpointIO("nvrx", worker_nice=bad)
