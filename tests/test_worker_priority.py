@@ -26,8 +26,10 @@ def _written_at(tmp_path, **options) -> list[tuple[int, int]]:
     return [tuple(map(int, line.split())) for line in record.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("worker", ["persistent", "fork"])
-@pytest.mark.parametrize("nice", [None, 0, 19], ids=["default", "0", "19"])
+@pytest.mark.parametrize("worker, nice", [("persistent", None), ("persistent", 19), ("fork", 19),
+                                          pytest.param("fork", None, marks=pytest.mark.slow),
+                                          pytest.param("persistent", 0, marks=pytest.mark.slow)],
+                         ids=["persistent-default", "persistent-19", "fork-19", "fork-default", "persistent-0"])
 def test_writers_run_at_the_nice_value_given(tmp_path, worker, nice):
     before = os.nice(0)
     options = {} if nice is None else {"worker_nice": nice}
@@ -37,6 +39,7 @@ def test_writers_run_at_the_nice_value_given(tmp_path, worker, nice):
     assert os.nice(0) == before  # the trainer's priority is left alone
 
 
+@pytest.mark.slow
 def test_a_trainer_already_at_lower_priority_keeps_its_writers_there(tmp_path):
     """Nice only rises: writers of a trainer started with ``nice -n 15`` stay at 15, not 10."""
     code = (

@@ -126,3 +126,25 @@ def test_filled_file_written_with_o_direct_holds_the_patched_bytes(tmp_path):
             torch.save(state, f, pickle_protocol=2)
         zip_crc.fill(f.recorded, f.release)
     assert path.read_bytes() == _stock(state)
+
+
+@pytest.mark.slow
+def test_zip64_records_over_4_gib_are_filled_as_torch_writes_them(tmp_path):
+    """A record larger than 4 GiB and records past byte 2**32 take zip64 fields (sizes and offsets in
+    extras, 8-byte sizes in the data descriptor): the filled file is still torch.save's own, byte for byte.
+    About 9 GiB of disk and 5 GiB of memory."""
+    big = torch.empty((4 << 30) + 4096 * 3 + 5, dtype=torch.uint8)
+    big[:: 1 << 20] = 7  # not all zeros: a wrong CRC32 range would show
+    state = {"big": big, "after": torch.arange(1000), "meta": {"step": 1}}
+    skeleton, tensors = staging.split(state)
+    ours, stock = tmp_path / "ours.ckpt", tmp_path / "stock.ckpt"
+    torch_file.write_file(skeleton, tensors, ours)
+    with open(stock, "wb") as f:  # a file object, as stock Lightning's writer: records named "archive/..."
+        torch.save(state, f, pickle_protocol=2)  # torch's own writer, CRC32 on
+    assert ours.stat().st_size == stock.stat().st_size > 1 << 32
+    with open(ours, "rb") as a, open(stock, "rb") as b:
+        while True:
+            x, y = a.read(64 << 20), b.read(64 << 20)
+            assert x == y
+            if not x:
+                break
