@@ -210,6 +210,11 @@ class DirectFile(Recorder):
             with self._cond:
                 self._cond.notify_all()
 
+    def fileno(self) -> int:
+        """The file's descriptor (an ``os.fsync`` of it before the exit is harmless: the exit fsyncs again
+        once every chunk is written)."""
+        return self.fd
+
     def _take(self) -> tuple[int, int] | None:
         """The next chunk to write, once its bytes are final; None when there are no more."""
         with self._cond:
@@ -272,3 +277,19 @@ class DirectFile(Recorder):
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
+
+
+class Opener:
+    """An ``open`` for a writer that writes files whose tensor bytes lie in known memory (a DCP shard's
+    staged tensors): ``opener(path, "wb")`` for a path in ``regions_by_path`` is a :class:`DirectFile` with
+    those regions; any other call is the builtin ``open``. The engines' ``write_preloaded_data`` takes one
+    as its ``open_file`` (nvidia-resiliency-ext 0.5+), or finds it as its module's ``open``."""
+
+    def __init__(self, regions_by_path: dict[str, list[tuple[int, int]]]):
+        self._regions = {os.path.abspath(p): r for p, r in regions_by_path.items()}
+
+    def __call__(self, path: object, mode: str = "r", *args: object, **kwargs: object) -> object:
+        regions = self._regions.get(os.path.abspath(os.fspath(path))) if isinstance(path, (str, os.PathLike)) else None
+        if regions is None or mode != "wb" or args or kwargs:
+            return open(path, mode, *args, **kwargs)  # noqa: SIM115 - the caller's with closes it
+        return DirectFile(os.fspath(path), regions)
