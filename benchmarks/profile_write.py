@@ -14,7 +14,8 @@ stricter floor). Per save it reports:
 - **commit s**: from the save call's return to the commit seen by ``finalize`` (durable, published);
 - **vs floor**: commit s / (state bytes / probe bandwidth); the target is at most 2;
 - **worker CPU s**: user + system seconds of the trainer's child processes (the worker tree), all
-  threads, from the save's return to the commit, and **GB / CPU s** (robust to a noisy machine);
+  threads, from the save's return to the commit, its **system** part (the kernel's: page-cache copies and
+  writeback land here), and **GB / CPU s** (robust to a noisy machine);
 - **trainer CPU s** spent in the same interval by this process beyond the load threads' own
   (the save call is not counted: it returns first).
 
@@ -68,15 +69,16 @@ def probe(directory: Path, nbytes: int, direct: bool = False) -> float:
     return written / elapsed
 
 
-def tree_cpu() -> float:
-    total = 0.0
+def tree_cpu() -> tuple[float, float]:
+    """(user + system, system) CPU seconds of this process's children, all threads."""
+    total = system = 0.0
     for c in psutil.Process().children(recursive=True):
         try:
             t = c.cpu_times()
-            total += t.user + t.system
+            total, system = total + t.user + t.system, system + t.system
         except psutil.NoSuchProcess:
             pass
-    return total
+    return total, system
 
 
 class Load:
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 t_save = time.perf_counter()
                 io.save_checkpoint(state, path)
                 t0 = time.perf_counter()
-                cpu0, me0 = tree_cpu(), time.process_time()
+                (cpu0, sys0), me0 = tree_cpu(), time.process_time()
                 t_done = None
                 while io.num_pending:
                     time.sleep(args.poll_ms / 1000)
@@ -132,15 +134,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                     if io.num_pending == 0:
                         t_done = time.perf_counter()
                 t_done = t_done or time.perf_counter()
-                cpu = tree_cpu() - cpu0
+                cpu, sys_s = (now - before for now, before in zip(tree_cpu(), (cpu0, sys0)))
                 rec = io.history[-1]
                 floor = nbytes / bw
                 row = {"probe_gbps": bw / 1e9, "floor_s": floor, "stall_s": t0 - t_save, "commit_s": t_done - t0,
-                       "ratio": (t_done - t0) / floor, "worker_cpu_s": cpu, "gb_per_cpu_s": nbytes / 1e9 / max(cpu, 1e-9),
+                       "ratio": (t_done - t0) / floor, "worker_cpu_s": cpu, "worker_sys_s": sys_s, "gb_per_cpu_s": nbytes / 1e9 / max(cpu, 1e-9),
                        "worker_s": rec.worker_s, "trainer_cpu_s": time.process_time() - me0, "file_nbytes": rec.nbytes}
                 rows.append(row)
                 print(f"  save {n}: probe {row['probe_gbps']:.2f} GB/s floor {floor:.2f}s commit {row['commit_s']:.2f}s "
-                      f"({row['ratio']:.2f}x floor) worker {rec.worker_s:.2f}s cpu {cpu:.2f}s "
+                      f"({row['ratio']:.2f}x floor) worker {rec.worker_s:.2f}s cpu {cpu:.2f}s (system {sys_s:.2f}s) "
                       f"({row['gb_per_cpu_s']:.2f} GB/cpu-s) stall {row['stall_s']:.2f}s", flush=True)
                 if n:  # keep one checkpoint for a load check; the disk is shared
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
@@ -184,7 +186,7 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"| {args.engine} | {args.format} | {'load' if args.load else 'idle'} | {med['probe_gbps']:.2f} | "
           f"{med['floor_s']:.2f} | {med['commit_s']:.2f} | {med['ratio']:.2f} | {med['worker_cpu_s']:.2f} | "
-          f"{med['gb_per_cpu_s']:.2f} | {med['trainer_cpu_s']:.2f} |")
+          f"{med['worker_sys_s']:.2f} | {med['gb_per_cpu_s']:.2f} | {med['trainer_cpu_s']:.2f} |")
 
 
 if __name__ == "__main__":
