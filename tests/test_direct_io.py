@@ -132,7 +132,8 @@ def _resident_fraction(path: str) -> float:
         mm.close()
 
 
-@pytest.mark.parametrize("engine, fmt", [("nvrx", "auto"), ("nvrx", "dcp"), ("mcore", "dcp")],
+@pytest.mark.parametrize("engine, fmt", [("nvrx", "auto"), pytest.param("nvrx", "dcp", marks=pytest.mark.slow),
+                                         ("mcore", "dcp")],
                          ids=["nvrx-file", "nvrx-dcp-shards", "mcore-dcp-shards"])
 def test_checkpoint_bytes_go_to_the_disk_around_the_page_cache(tmp_path, engine, fmt):
     """Both formats' tensor bytes are written with O_DIRECT from the staged copies (the DCP shards through
