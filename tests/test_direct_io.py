@@ -157,3 +157,21 @@ def test_checkpoint_bytes_go_to_the_disk_around_the_page_cache(tmp_path, engine,
     assert _resident_fraction(str(cold)) > 0.9  # the measure sees a buffered write
     loaded = AsyncCheckpointIO("nvrx").load_checkpoint(path)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["m"], state["m"]) and loaded["step"] == 3
+
+
+def test_the_opener_writes_only_the_shards_it_knows_directly(tmp_path):
+    """What the engines' writers get as ``open``: a DirectFile for a known shard opened ``"wb"`` (relative or
+    absolute path alike); the builtin ``open`` for every other file and mode."""
+    shard, other = tmp_path / "__0_0.distcp", tmp_path / "notes.txt"
+    opener = direct_io.Opener({str(shard): []})
+    with opener(os.path.relpath(shard), "wb") as f:
+        assert isinstance(f, direct_io.DirectFile)
+        f.write(b"x" * 10_000)
+        os.fsync(f.fileno())  # as the engines do before closing: harmless
+    assert shard.read_bytes() == b"x" * 10_000
+    with opener(other, "w") as f:
+        assert not isinstance(f, direct_io.DirectFile)
+        f.write("plain")
+    with opener(shard, "rb") as f:
+        assert f.read(3) == b"xxx"
+    assert other.read_text() == "plain"
