@@ -12,12 +12,12 @@ Variants, in rotating order:
 - ``dcp``: ``_worker.write_job`` with the engine's ``FileSystemWriterAsync``'s plan (each shard file
   through ``direct_io.DirectFile``; ``--threads`` shard files), then the coordinator's ``.metadata``
   (timed in the parent, added);
-- ``file``: ``torch_file.write_file`` (``torch.save`` into ``direct_io.DirectFile``: O_DIRECT chunks from
-  the staged copies, written while torch.save runs);
+- ``file``: ``torch_file.write_file`` (``torch.save`` recorded into ``direct_io.DirectFile`` with CRC32 off,
+  ``zip_crc.fill`` with ISA-L, O_DIRECT chunks from the staged copies written as each part is final);
+- ``file_torch_crc``: the writer before ``zip_crc``: ``torch.save`` into a ``DirectFile`` with torch's own
+  CRC32 computed while it serializes (same bytes);
 - ``file_path``: ``torch.save`` to the path (torch's C++ file writer), then an fsync (to a visible
   name: that writer refuses a file name starting with ``.``, such as ``commit.tmp_for``'s);
-- ``file_nocrc``: as ``file``, with torch's per-record CRC32 switched off
-  (``torch.utils.serialization.config.save.compute_crc32 = False``).
 Reports the median over ``--runs`` of each.
 """
 
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_asyncckpt import _worker, commit, dcp_format, staging, torch_file
+from lightning_asyncckpt import _worker, commit, dcp_format, direct_io, staging, torch_file
 from lightning_asyncckpt.units import human_bytes
 
-VARIANTS = ("dcp", "file", "file_path", "file_nocrc")
+VARIANTS = ("dcp", "file", "file_torch_crc", "file_path")
 
 
 def make_checkpoint(nbytes: int, count: int) -> dict:
@@ -81,11 +81,12 @@ def _child(variant: str, snap: staging.Snapshot, target: str, report: str, engin
         fd = os.open(target, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
+    elif variant == "file_torch_crc":
+        checkpoint, used = torch_file.rebuild(snap.skeleton, snap.tensors)
+        regions = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in used.values()]
+        with direct_io.DirectFile(target, regions) as f:
+            torch.save(checkpoint, f, pickle_protocol=2)
     else:
-        if variant == "file_nocrc":
-            from torch.utils.serialization import config
-
-            config.save.compute_crc32 = False
         torch_file.write_file(snap.skeleton, snap.tensors, target)
     wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
     with open(report, "wb") as f:
