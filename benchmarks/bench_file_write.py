@@ -83,8 +83,7 @@ def _child(variant: str, snap: staging.Snapshot, target: str, report: str, engin
         os.close(fd)
     elif variant == "file_torch_crc":
         checkpoint, used = torch_file.rebuild(snap.skeleton, snap.tensors)
-        regions = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in used.values()]
-        with direct_io.DirectFile(target, regions) as f:
+        with direct_io.DirectFile(target, direct_io.storage_regions(used.values())) as f:
             torch.save(checkpoint, f, pickle_protocol=2)
     else:
         torch_file.write_file(snap.skeleton, snap.tensors, target)

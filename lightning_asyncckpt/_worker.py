@@ -83,13 +83,6 @@ def write_call_kwargs(params: Any, transforms: list, idx: int, bucket: Any, outc
     return kwargs
 
 
-def _shard_regions(bucket: Any) -> list[tuple[int, int]]:
-    """The host memory of a bucket's ``(file, key, (bytes_data, tensor_data))`` staged tensors."""
-    tensors = [t for _, t in bucket[2][1]]
-    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors
-            if t.device.type == "cpu" and t.untyped_storage().nbytes() > 0]
-
-
 @contextlib.contextmanager
 def _engine_open(writer_cls: type, params: Any, opener: Any) -> Iterator[None]:
     """Engines whose ``write_preloaded_data`` takes no ``open_file`` (nvrx 0.4.1, Megatron-Core) open the
@@ -117,7 +110,8 @@ def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
 
     outcomes: queue.Queue[tuple[int, Any]] = queue.Queue()
     params = inspect.signature(writer_cls.write_preloaded_data).parameters
-    opener = direct_io.Opener({b[0]: _shard_regions(b) for b in buckets})
+    # a bucket is (file, storage key, (bytes_data, tensor_data)); its tensors are the staged copies
+    opener = direct_io.Opener({b[0]: direct_io.storage_regions(t for _, t in b[2][1]) for b in buckets})
 
     def run(i: int, bucket: Any) -> None:
         count: queue.Queue = queue.Queue()

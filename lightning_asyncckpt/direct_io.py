@@ -128,6 +128,17 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+def storage_regions(tensors: object) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of the host storages of ``tensors`` (an iterable of torch tensors; other devices
+    and empty storages left out): the regions a :class:`Recorder` may keep references into."""
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if t.device.type == "cpu" and storage.nbytes() > 0:
+            out.append((storage.data_ptr(), storage.nbytes()))
+    return out
+
+
 def _bytes_address(part: bytes) -> int:
     return ctypes.cast(ctypes.c_char_p(part), ctypes.c_void_p).value
 
@@ -186,7 +197,7 @@ class DirectFile(Recorder):
         super().__init__(regions)
         if chunk % _ALIGN:
             raise ValueError(f"DirectFile(chunk={chunk}) must be a multiple of {_ALIGN}")
-        self._chunk, self._threads, self._hold = chunk, max(1, threads), hold
+        self.path, self._chunk, self._threads, self._hold = path, chunk, max(1, threads), hold
         self.fd, self.direct = _open_direct(path) if direct else (_open(path, False), False)
         self._cond = threading.Condition()
         self._done = False  # the file is complete: every byte is final
@@ -272,7 +283,10 @@ class DirectFile(Recorder):
             self._finish()
             if exc_type is None:
                 if self._errors:
-                    raise self._errors[0]
+                    error = self._errors[0]
+                    if isinstance(error, OSError) and error.filename is None:  # name the file, as open() does
+                        raise OSError(error.errno, error.strerror, self.path) from error
+                    raise error
                 os.ftruncate(self.fd, self.recorded.size)
                 os.fsync(self.fd)
         finally:

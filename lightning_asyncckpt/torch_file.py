@@ -168,9 +168,7 @@ def write_file(
         # copy. torch.save records the file with CRC32 off (milliseconds), ``zip_crc`` fills in each
         # record's CRC32 at several times torch's speed, and the writes start behind it. The file's bytes
         # are what torch.save writes with CRC32 on.
-        regions = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in used.values()
-                   if t.device.type == "cpu"]
-        with direct_io.DirectFile(str(tmp_path), regions, hold=True) as f:
+        with direct_io.DirectFile(str(tmp_path), direct_io.storage_regions(used.values()), hold=True) as f:
             with zip_crc.crc32_off():
                 torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL)
             zip_crc.fill(f.recorded, f.release)

@@ -53,6 +53,7 @@ def test_a_failed_write_is_raised_with_its_errno(tmp_path):
         with direct_io.DirectFile("/dev/full", [], chunk=8192) as f:
             f.write(b"x" * 100_000)
     assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == "/dev/full"  # the message names the file
 
 
 def test_an_error_in_the_serializer_propagates_and_stops_the_writers(tmp_path):

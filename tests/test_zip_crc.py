@@ -32,8 +32,7 @@ def _states() -> dict[str, dict]:
 
 def _recorded(state: dict) -> direct_io.Recorded:
     _, tensors = staging.split(state)
-    recorder = direct_io.Recorder([(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                                   for t in tensors.values() if t.numel()])
+    recorder = direct_io.Recorder(direct_io.storage_regions(tensors.values()))
     with zip_crc.crc32_off():
         torch.save(state, recorder, pickle_protocol=2)
     return recorder.recorded
@@ -119,7 +118,7 @@ def test_filled_file_written_with_o_direct_holds_the_patched_bytes(tmp_path):
     release reach the disk (small chunks: many chunks, written while fill runs)."""
     state = _states()["many-small"] | {"big": torch.randn(200_000)}
     _, tensors = staging.split(state)
-    regions = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors.values()]
+    regions = direct_io.storage_regions(tensors.values())
     path = Path(tmp_path / "f.pt")
     with direct_io.DirectFile(str(path), regions, threads=3, chunk=8192, hold=True) as f:
         with zip_crc.crc32_off():
