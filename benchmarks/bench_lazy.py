@@ -16,6 +16,12 @@ does (and as the Trainer's hooks do):
 4. ``optimizer.step()``, then a blocking finalize (untimed), so that the next save starts with no write in
    flight.
 
+``--overlap`` saves after every step instead and finalizes without blocking, so that saves come faster
+than the disk takes them: each save finds the previous write in flight. With ``max_pending=2`` (the
+default) eager takes a second staging copy and waits in the save call once two writes are in flight;
+lazy follows the write in flight into its one copy and waits before the optimizer step. **staged** is
+the most host staging memory seen (``staging_buffers()``), against the state's size.
+
 Figures are medians over the saves after the first. **blocked** = save + wait: what training stops for.
 **floor**: one blocking copy of the whole state into buffers that already exist (on CPU a memcpy; with
 ``--device cuda`` the device-to-host copy into pinned buffers), measured in the same process; the target
@@ -53,7 +59,8 @@ def floor_s(tensors: list, device: str, repeats: int = 3) -> float:
     return statistics.median(times[1:])
 
 
-def one(mode: str, size_gib: float, saves: int, batch: int, width: int, device: str = "cpu") -> dict:
+def one(mode: str, size_gib: float, saves: int, batch: int, width: int, device: str = "cpu",
+        overlap: bool = False) -> dict:
     import torch
 
     from lightning_asyncckpt import AsyncCheckpointIO
@@ -83,7 +90,7 @@ def one(mode: str, size_gib: float, saves: int, batch: int, width: int, device: 
     tensors = [t for t in [*model.parameters(), *(v for st in opt.state.values() for v in st.values())] if t.dim()]
     out = {"mode": mode, "size_gib": size_gib, "device": device, "floor_s": floor_s(tensors, device), "state_mib": sum(t.numel() * 4 for t in model.parameters()) * 3 / MiB,
            "layers": layers, "width": width, "fwd_bwd_plain_s": statistics.median(plain),
-           "save_s": [], "wait_s": [], "fwd_bwd_s": [], "lazy_mib": []}
+           "save_s": [], "wait_s": [], "fwd_bwd_s": [], "lazy_mib": [], "staged_mib": 0.0, "overlap": overlap}
     with tempfile.TemporaryDirectory(dir=".") as tmp, AsyncCheckpointIO("nvrx", snapshot=mode) as io:
         io.track_optimizers([opt])
         io.warmup(like=state(0))
@@ -97,8 +104,11 @@ def one(mode: str, size_gib: float, saves: int, batch: int, width: int, device: 
             io.wait_for_snapshot()
             t3 = time.perf_counter()
             opt.step()
-            io.finalize(blocking=True)
-            path.unlink()
+            staged = sum(b.numel() * b.element_size() for b in io.staging_buffers()) / MiB
+            out["staged_mib"] = max(out["staged_mib"], staged)
+            io.finalize(blocking=not overlap)
+            if not overlap:
+                path.unlink()
             out["save_s"].append(t1 - t0)
             out["fwd_bwd_s"].append(fb)
             out["wait_s"].append(t3 - t2)
@@ -115,25 +125,28 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--one", nargs=2, metavar=("MODE", "SIZE"), help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--overlap", action="store_true", help="save after every step without waiting for the writes")
     p.add_argument("--out", default=None, help="write every figure as JSON here")
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], float(args.one[1]), args.saves, args.batch, args.width, args.device)))
+        print(json.dumps(one(args.one[0], float(args.one[1]), args.saves, args.batch, args.width, args.device,
+                             args.overlap)))
         return
     runs = []
     for size in args.sizes:
         for r in range(args.rounds):
             for mode in (("eager", "lazy") if r % 2 == 0 else ("lazy", "eager")):
                 cmd = [sys.executable, __file__, "--one", mode, str(size), "--saves", str(args.saves),
-                       "--batch", str(args.batch), "--width", str(args.width), "--device", args.device]
+                       "--batch", str(args.batch), "--width", str(args.width), "--device", args.device,
+                       *(["--overlap"] if args.overlap else [])]
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
     if args.out:
         Path(args.out).write_text(json.dumps(runs, indent=1))
-    print(f"device: {args.device}")
+    print(f"device: {args.device}{', a save after every step, writes overlapping' if args.overlap else ''}")
     print("| state | mode | save (s) | wait (s) | blocked = save + wait (s) | floor (s) | blocked / floor | fwd/bwd (s) |"
-          " fwd/bwd, no save (s) | copied lazily (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " fwd/bwd, no save (s) | copied lazily (MiB) | staged / state |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         for mode in ("eager", "lazy"):
             rs = [r for r in runs if r["size_gib"] == size and r["mode"] == mode]
@@ -141,8 +154,10 @@ def main() -> None:
             blocked = statistics.median(s + w for r in rs for s, w in zip(r["save_s"][1:], r["wait_s"][1:]))
             plain = statistics.median(r["fwd_bwd_plain_s"] for r in rs)
             floor = statistics.median(r["floor_s"] for r in rs)
+            staged = max(r["staged_mib"] for r in rs) / rs[0]["state_mib"]
             print(f"| {rs[0]['state_mib']:.0f} MiB | {mode} | {med['save_s']:.4f} | {med['wait_s']:.4f} | {blocked:.4f} |"
-                  f" {floor:.4f} | {blocked / floor:.3f}x | {med['fwd_bwd_s']:.3f} | {plain:.3f} | {med['lazy_mib']:.0f} |")
+                  f" {floor:.4f} | {blocked / floor:.3f}x | {med['fwd_bwd_s']:.3f} | {plain:.3f} | {med['lazy_mib']:.0f} |"
+                  f" {staged:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ forward and backward (a CPU ``copy_`` releases the GIL). The pipeline waits for 
 the state changes (the callback's ``on_before_optimizer_step``, the next save, finalize, load, teardown,
 abort) and only then hands the write to the worker.
 
+When the previous save's write still reads the only staging copy, a lazy save follows it into that copy
+(:mod:`lightning_asyncckpt.buffer_pool`) instead of taking a second one: its background copy first waits
+for that write to end (:func:`after_write`), so training waits for it only before the optimizer step.
+
 The rule (:class:`TrackedState`): a tensor of the checkpoint is copied lazily when it holds at least
 :data:`LAZY_MIN_BYTES` and is exactly (same storage, offset, shape, stride, dtype) a parameter of a
 tracked optimizer's ``param_groups`` or a tensor of its ``state``. Anything else, and everything when no
@@ -29,8 +33,10 @@ that way between a save and the next optimizer step needs ``snapshot="eager"``.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,17 +104,22 @@ class BackgroundCopy:
 
     Made on the training thread at save time, which is when the watched tensors' versions are read. CUDA sources
     are copied on a side stream ordered after the work queued before the save (an event recorded now).
-    ``hook`` (tests: :class:`lightning_asyncckpt.testing.HoldCopy`) runs in the thread before it copies.
+    ``before`` runs first in the thread and returns why the copy cannot run, or ``None`` once it may
+    (:func:`after_write`: the buffers are still read by the write before this save). ``hook`` (tests:
+    :class:`lightning_asyncckpt.testing.HoldCopy`) runs next, before it copies.
     """
 
-    def __init__(self, items: list[Any], hook: Callable[[], None] | None = None):
+    def __init__(self, items: list[Any], hook: Callable[[], None] | None = None,
+                 before: Callable[[threading.Event], str | None] | None = None):
         self.items = items
-        self.nbytes = sum(d.source.numel() * d.source.element_size() for d in items)
+        # what is copied after the save call returned (items without a watch were copied privately at save time)
+        self.nbytes = sum(d.source.numel() * d.source.element_size() for d in items if d.watch)
         self._versions = [[w._version for w in d.watch] for d in items]
         devices = {d.source.device for d in items if d.source.device.type == "cuda"}
         # the kernels that produced the sources are queued on the training thread's current stream
         self._events = {d: torch.cuda.current_stream(d).record_event() for d in devices}
-        self._hook = hook
+        self._hook, self._before = hook, before
+        self._cancelled = threading.Event()
         self._problem: str | None = None
         self._thread = threading.Thread(target=self._run, name="asyncckpt-lazy-copy", daemon=True)
         self._thread.start()
@@ -127,6 +138,10 @@ class BackgroundCopy:
 
     def _run(self) -> None:
         try:
+            if self._before is not None:
+                self._problem = self._before(self._cancelled)
+                if self._problem is not None:
+                    return
             if self._hook is not None:
                 self._hook()
             streams = {d: torch.cuda.Stream(device=d) for d in self._events}
@@ -158,3 +173,32 @@ class BackgroundCopy:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def cancel(self) -> None:
+        """(the training thread, on the way out) A copy still waiting in ``before`` gives up (its save is
+        dropped); one already copying finishes."""
+        self._cancelled.set()
+
+
+FOLLOW_POLL_S = 0.005  # how often a copy waiting for the write before it looks for that write's report
+
+
+def after_write(ready: threading.Event, report: Path, timeout_s: float) -> Callable[[threading.Event], str | None]:
+    """A ``before`` for :class:`BackgroundCopy` whose buffers the write before it still reads
+    (:mod:`lightning_asyncckpt.buffer_pool`): it waits until that write's lease is released (``ready``, set
+    on the training thread) or its worker has reported (``report`` exists: the worker reports only once it
+    no longer reads the buffers), so that the copy starts as soon as the write ends, during the next
+    forward and backward. Bounded by ``timeout_s``; a cancelled wait returns at once."""
+
+    def wait(cancelled: threading.Event) -> str | None:
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(FOLLOW_POLL_S):
+            if report.exists():
+                return None
+            if cancelled.is_set():
+                return "the save was dropped while its lazy snapshot waited for the write before it"
+            if time.monotonic() > deadline:
+                return f"the write before this save did not end within timeout_s={timeout_s:g}s"
+        return None
+
+    return wait

@@ -172,7 +172,8 @@ class SavePipeline:
         stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
         if self._run is not None and not self._closed:
             try:
-                self.wait_for_snapshot()  # a clean lazy snapshot is handed over, to land like the others
+                if self._run.copying is not None:  # a clean lazy snapshot is handed over, to land like the others
+                    scheduler.finish_copy(self._run, self._agreement, self, within_s=self.drain_timeout_s)
             except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
                 log.exception("lightning-asyncckpt: the lazy snapshot in flight failed")
             try:

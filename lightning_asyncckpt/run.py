@@ -175,6 +175,7 @@ class Run:
         """(this rank) Stops the worker, drops what is still pending (only left when aborting), runs the
         removals that were waiting for committed saves, and frees every buffer."""
         if self.copying is not None:  # every way out waits for it first: a last resort, the save is dropped
+            self.copying.copy.cancel()  # one still waiting for the write before it never starts
             self.copying.copy.wait(COPY_AT_CLOSE_S)  # its thread writes into buffers that go now
             self.copying = None
         if self.engine is not None:

@@ -106,13 +106,22 @@ def _failed_at_save_time(run: Run, agreement: Agreement, request: SaveRequest, e
 def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest,
                   defer: staging.Defer | None = None) -> staging.Snapshot:
     """Copies the state into reused host buffers (this rank's shards or share when collective), but for
-    the tensors that ``defer`` leaves to a lazy copy."""
+    the tensors that ``defer`` leaves to a lazy copy. A lazy snapshot that finds no free buffers follows
+    the newest write in flight into its buffers (:mod:`lightning_asyncckpt.buffer_pool`)."""
     request.faults.check(request.faults.at_snapshot, request.path)
+    newest = _newest_write(run)
+    after = newest.buffer_set if newest is not None else None
     if request.layout is Layout.SHARDED:
-        return run.stager.snapshot_tree(request.checkpoint, defer=defer)
+        return run.stager.snapshot_tree(request.checkpoint, defer=defer, after=after)
     if request.collective:  # replicated state: this rank copies and writes its share only
-        return run.stager.snapshot(request.checkpoint, rank=agreement.rank, world_size=agreement.world_size, defer=defer)
-    return run.stager.snapshot(request.checkpoint, defer=defer)
+        return run.stager.snapshot(request.checkpoint, rank=agreement.rank, world_size=agreement.world_size,
+                                   defer=defer, after=after)
+    return run.stager.snapshot(request.checkpoint, defer=defer, after=after)
+
+
+def _newest_write(run: Run) -> PendingSave | None:
+    unwritten = run.pending.unwritten()
+    return unwritten[-1] if unwritten else None
 
 
 def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_collective: Callable[[], None]) -> Path | str:
@@ -149,6 +158,7 @@ class HandOver:
     write_hook: Any
     stall_s: float = 0.0  # how long the save call held training
     copy: lazy.BackgroundCopy | None = None  # a lazy snapshot's copy in flight
+    follows: int | None = None  # the order of the write whose buffers the copy waits for
     planned: DcpPlan | None = None  # a DCP save planned at save time, while its lazy copy runs
 
 
@@ -182,7 +192,7 @@ def schedule(
         if snapshot.deferred:
             if not request.writes_file:  # planning reads shapes, not values: now, while every rank is here
                 ready.planned = _plan_dcp(run, agreement, settings, ready)
-            ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook)
+            ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook, _before_copy(run, settings, ready))
             ready.stall_s = time.perf_counter() - request.started
             run.copying = ready
             log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", request.path, ready.copy.nbytes)
@@ -191,6 +201,17 @@ def schedule(
         _drop(run, request, tmp, snapshot)
         raise
     hand_over(run, agreement, settings, ready, time.perf_counter() - request.started)
+
+
+def _before_copy(run: Run, settings: Settings, ready: HandOver) -> Any:
+    """What the lazy copy waits for first: nothing, or the write whose buffers it follows into."""
+    lease = ready.snapshot.buffer_set
+    if lease is None or lease.ready.is_set():
+        return None
+    newest = _newest_write(run)
+    assert newest is not None and newest.buffer_set.buffer_set is lease.buffer_set
+    ready.follows = newest.order
+    return lazy.after_write(lease.ready, newest.result_path, settings.timeout_s)
 
 
 def _lazy_rule(run: Run, settings: Settings) -> staging.Defer | None:
@@ -241,16 +262,21 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
     return save
 
 
-def finish_copy(run: Run, agreement: Agreement, settings: Settings) -> None:
+def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: float | None = None) -> None:
     """(the saving rank, on the training thread, before the state may change) Waits for the lazy snapshot
     in flight, if any, then hands its write over. A snapshot that changed while it was copied is never
     written: alone (no process group) :class:`CheckpointWriteError` is raised here; with one, the failure
-    is recorded and the next finalize raises it on every rank."""
+    is recorded and the next finalize raises it on every rank. A copy that follows a write into its
+    buffers waits for that write first, at most ``within_s`` (default ``timeout_s``; the exit drain's
+    bound on the way out), polling it meanwhile so that a dead or hung worker is seen; past that the save
+    is dropped."""
     ready, run.copying = run.copying, None
     if ready is None:
         return
     assert ready.copy is not None
     request, waited = ready.request, time.perf_counter()
+    if ready.follows is not None and ready.snapshot.buffer_set is not None:
+        _wait_for_buffers(run, settings, agreement.rank, ready, settings.timeout_s if within_s is None else within_s)
     problem = ready.copy.wait(settings.timeout_s)
     if problem is None:
         try:
@@ -265,6 +291,18 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings) -> None:
     if not agreement.active:
         raise CheckpointWriteError(str(request.path), [failure])
     run.failures.record(Failed(ready.order, str(request.path), failure, request.seq))
+
+
+def _wait_for_buffers(run: Run, settings: Settings, rank: int, ready: HandOver, within_s: float) -> None:
+    # the copy starts by itself when the write before it reports; polling here commits that write and
+    # notices a worker that died (its lease is then released too)
+    assert ready.copy is not None and ready.snapshot.buffer_set is not None
+    lease, deadline = ready.snapshot.buffer_set, time.monotonic() + within_s
+    while not lease.ready.is_set() and not ready.copy.done() and time.monotonic() < deadline:
+        poller.settle_local(run, settings, rank, blocking=False)
+        lease.ready.wait(settings.poll_interval_s)
+    if not lease.ready.is_set():
+        ready.copy.cancel()  # one that has not started gives up; one that has finishes
 
 
 def _hand_over_file(run: Run, ready: HandOver, result_path: Path) -> Any:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_asyncckpt.buffer_pool import BufferPool, Lease
 from lightning_asyncckpt.tree import SKELETON_KEY, FqnNamer, join, partition, share, split, walk
 
 __all__ = ["SKELETON_KEY", "Deferred", "Snapshot", "Stager", "dequantized", "is_quantized", "join", "partition", "split"]
@@ -103,17 +104,6 @@ def _rewrap(dt: Any, local: torch.Tensor) -> Any:
                                   stride=dt.stride())
 
 
-@dataclass
-class BufferSet:
-    """Host buffers for one in-flight save, reused by a later save once this one is written."""
-
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    busy: bool = False
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-
 # a lazy snapshot's rule: the tensors that prove a checkpoint tensor unchanged, or None to copy it now
 Defer = Callable[[torch.Tensor], "list[torch.Tensor] | None"]
 
@@ -132,7 +122,7 @@ class Snapshot:
     skeleton: Any
     tensors: dict[str, torch.Tensor]
     nbytes: int
-    buffer_set: BufferSet | None
+    buffer_set: Lease | None  # this save's hold on its buffers, released when its write ends
     # tensors left for a lazy copy (``snapshot(defer=...)``); their buffers in ``tensors`` hold nothing yet
     deferred: list[Deferred] = field(default_factory=list)
 
@@ -150,33 +140,24 @@ class Stager:
     def __init__(self, shared: bool, copy_cpu: bool):
         self.shared = shared
         self.copy_cpu = copy_cpu
-        self._sets: list[BufferSet] = []
+        self._pool = BufferPool()
         self._streams: dict[torch.device, Any] = {}  # one side stream per CUDA device, for the copies
         self._in_flight: list[torch.Tensor] = []  # sources of copies still running on a side stream
         self._ordered: set[torch.device] = set()  # side streams already after the current stream's work
 
-    def _acquire(self) -> BufferSet:
-        for s in self._sets:
-            if not s.busy:
-                s.busy = True
-                return s
-        s = BufferSet(busy=True)
-        self._sets.append(s)
-        return s
-
-    def release(self, buffer_set: BufferSet | None) -> None:
-        """The write that used ``buffer_set`` finished: a later save may overwrite it."""
-        if buffer_set is not None:
-            buffer_set.busy = False
+    def release(self, lease: Lease | None) -> None:
+        """The write that used ``lease``'s buffers ended (or its save was dropped): the save following it,
+        or a later one, may overwrite them."""
+        self._pool.release(lease)
 
     def clear(self) -> None:
-        self._sets = [s for s in self._sets if s.busy]
+        self._pool.clear()
 
     def buffers(self) -> list[torch.Tensor]:
         """Every host buffer held for reuse, busy or not (what staging costs in host memory)."""
-        return [b for s in self._sets for b in s.buffers.values()]
+        return self._pool.buffers()
 
-    def _buffer(self, bs: BufferSet, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, bs: Lease, name: str, t: torch.Tensor) -> torch.Tensor:
         buf = bs.buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             cuda = t.device.type == "cuda"
@@ -194,7 +175,7 @@ class Stager:
         that the first save costs what later ones do. Returns the bytes prepared."""
         _, tensors = split(checkpoint)
         tensors = share(tensors, rank, world_size)
-        bs = self._acquire()
+        bs = self._pool.acquire()
         nbytes = 0
         for name, t in tensors.items():
             t = dequantized(t)  # a buffer for what will be copied: the dequantized values
@@ -205,7 +186,7 @@ class Stager:
         self.release(bs)
         return nbytes
 
-    def _stage(self, bs: BufferSet, name: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def _stage(self, bs: Lease, name: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Copies ``t`` into ``bs`` (or keeps it, when fork's copy-on-write is the snapshot).
         Returns the staged tensor and whether a CUDA copy is still in flight."""
         quantized = is_quantized(t)
@@ -233,20 +214,20 @@ class Stager:
         return buf, True
 
     @staticmethod
-    def _drop_unused(bs: BufferSet, used: set[str]) -> None:
+    def _drop_unused(bs: Lease, used: set[str]) -> None:
         # drop buffers of tensors that are gone, so that memory does not grow with changing states
         for name in list(bs.buffers):
             if name not in used:
                 del bs.buffers[name]
 
-    def snapshot_tree(self, state: dict[str, Any], defer: Defer | None = None) -> Snapshot:
+    def snapshot_tree(self, state: dict[str, Any], defer: Defer | None = None, after: Lease | None = None) -> Snapshot:
         """Copies every tensor of ``state`` in place of the original, keeping the structure (for a save
         that DCP plans as is, e.g. a sharded model's state). A ``DTensor`` keeps its mesh, placements and
-        global shape; only its local shard is copied. ``skeleton`` is the copied tree. ``defer`` as in
-        :meth:`snapshot`, asked about each local shard."""
+        global shape; only its local shard is copied. ``skeleton`` is the copied tree. ``defer`` and
+        ``after`` as in :meth:`snapshot`; ``defer`` is asked about each local shard."""
         from torch.distributed.tensor import DTensor
 
-        bs = self._acquire()
+        bs = self._pool.acquire(after=after if defer is not None else None)
         namer = FqnNamer()
         staged: dict[str, torch.Tensor] = {}
         deferred: list[Deferred] = []
@@ -261,13 +242,8 @@ class Stager:
             if local.device.type == "meta":
                 return t
             nbytes += local.numel() * local.element_size()
-            watch = self._deferred(defer, local)
-            if watch is not None:
-                copy = self._buffer(bs, name, local)
-                deferred.append(Deferred(name, local, copy, watch))
-            else:
-                copy, in_flight = self._stage(bs, name, local)
-                pending_cuda |= in_flight
+            copy, in_flight = self._take(bs, name, local, defer, deferred)
+            pending_cuda |= in_flight
             staged[name] = copy
             if isinstance(t, DTensor):
                 return _rewrap(t, copy)
@@ -285,16 +261,22 @@ class Stager:
             raise
 
     def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1,
-                 defer: Defer | None = None) -> Snapshot:
+                 defer: Defer | None = None, after: Lease | None = None) -> Snapshot:
         """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete.
 
         With ``world_size > 1`` only this rank's share of the (replicated) tensors is copied. ``defer``
         (the lazy snapshot, :mod:`lightning_asyncckpt.lazy`) picks plain tensors whose buffers are
         allocated but left empty, listed in ``Snapshot.deferred`` for the caller to fill.
+
+        ``after`` (with ``defer``): the lease of the newest write in flight. When no set is free, this
+        snapshot follows it into its set instead of making a second copy of the state
+        (:mod:`lightning_asyncckpt.buffer_pool`); the set is not ready (``buffer_set.ready``) until that
+        write ends, so every tensor is then left to the caller's background copy, those copied at save
+        time as private copies (no version to watch: they are ours).
         """
         skeleton, tensors = split(checkpoint)
         tensors = share(tensors, rank, world_size)
-        bs = self._acquire()
+        bs = self._pool.acquire(after=after if defer is not None else None)
         staged: dict[str, torch.Tensor] = {}
         deferred: list[Deferred] = []
         nbytes = 0
@@ -302,12 +284,7 @@ class Stager:
         try:
             for name, t in tensors.items():
                 nbytes += t.numel() * t.element_size()
-                watch = self._deferred(defer, t)
-                if watch is not None:
-                    staged[name] = self._buffer(bs, name, t)
-                    deferred.append(Deferred(name, t, staged[name], watch))
-                    continue
-                staged[name], in_flight = self._stage(bs, name, t)
+                staged[name], in_flight = self._take(bs, name, t, defer, deferred)
                 pending_cuda |= in_flight
             snap = self._finish(bs, skeleton, staged, nbytes, pending_cuda)
             snap.deferred = deferred
@@ -317,6 +294,21 @@ class Stager:
                 self._wait_copies()
             self.release(bs)
             raise
+
+    def _take(self, bs: Lease, name: str, t: torch.Tensor, defer: Defer | None,
+              deferred: list[Deferred]) -> tuple[torch.Tensor, bool]:
+        """Stages ``t`` (see :meth:`_stage`), or leaves it to the background copy (listed in ``deferred``):
+        a tensor that ``defer`` picks, and, while ``bs`` is still read by the write before it, every other
+        tensor as a private copy taken now."""
+        watch = self._deferred(defer, t)
+        if watch is None and bs.ready.is_set():
+            return self._stage(bs, name, t)
+        buf = self._buffer(bs, name, t)
+        if watch is None:  # it may change before the optimizer step (a buffer, a scalar): copied now
+            with torch.no_grad():
+                t, watch = dequantized(t).detach().to("cpu", copy=True), []
+        deferred.append(Deferred(name, t, buf, watch))
+        return buf, False
 
     def _deferred(self, defer: Defer | None, t: torch.Tensor) -> list[torch.Tensor] | None:
         # a fork writer's snapshot is the fork; a quantized tensor is dequantized, a new tensor, at save time
@@ -331,7 +323,7 @@ class Stager:
         self._in_flight.clear()
         self._ordered.clear()
 
-    def _finish(self, bs: BufferSet, skeleton: Any, staged: dict, nbytes: int, pending_cuda: bool) -> Snapshot:
+    def _finish(self, bs: Lease, skeleton: Any, staged: dict, nbytes: int, pending_cuda: bool) -> Snapshot:
         if pending_cuda:
             self._wait_copies()
         self._drop_unused(bs, set(staged))

@@ -165,6 +165,19 @@ def test_ddp_lazy_snapshot_from_rank0_and_from_every_rank_is_exact(tmp_path):
         assert r["ddp_children_after_fit"] == [] and r["parallel_children_after_fit"] == []
 
 
+@pytest.mark.slow  # make test-all
+def test_ddp_lazy_save_behind_a_write_in_flight_follows_it_on_every_rank(tmp_path):
+    """AsyncDDPStrategy: the step-6 save is made while every rank's step-4 write is held; it takes no second
+    staging copy anywhere, and both checkpoints (and the rest) are exact."""
+    r0, r1 = run_job(tmp_path, "lazy_follow", "nvrx", "persistent", timeout=180)
+    files = ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
+    assert r0["files"] == r1["files"] == r0["verified"] == files  # bit-exact against save-time copies
+    for r in (r0, r1):
+        assert r["staged"]["pending"] == 2 and r["staged"]["both"] == r["staged"]["one"] > 0, r["staged"]
+        assert len(r["lazy_bytes"]) == 4 and all(r["lazy_bytes"]), r["lazy_bytes"]
+        assert r["children_after_fit"] == []
+
+
 @pytest.mark.parametrize("case", ["lazy_torn", pytest.param("lazy_torn_parallel", marks=pytest.mark.slow)])
 def test_ddp_lazy_snapshot_edited_after_the_save_fails_on_every_rank(tmp_path, case):
     r0, r1 = run_job(tmp_path, case, "nvrx", "persistent", timeout=120)

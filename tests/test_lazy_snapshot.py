@@ -259,3 +259,70 @@ def test_lazy_staging_is_one_copy_of_the_state_and_does_not_grow(tmp_path):
             held.append(sum(b.numel() * b.element_size() for b in io.staging_buffers()))
     assert all(r.lazy_nbytes > 0 for r in io.history)
     assert held == [state_bytes] * 4, (held, state_bytes)
+
+
+def _staged_bytes(io):
+    return sum(b.numel() * b.element_size() for b in io.staging_buffers())
+
+
+def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path):
+    """A lazy save that finds the only staging copy still being written takes no second copy: its copy waits
+    for that write, off the save call, and neither checkpoint is torn (the first holds its own step's values,
+    not the second's; the second its own step's, not the step after the wait)."""
+    model, opt, forward_backward = _fabric_loop_parts()
+    forward_backward()
+    opt.step()
+    _, tensors = staging.split(_torch_state(model, opt, 0))
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "started"))
+    with _lazy_io() as io:
+        io.track_optimizers([opt])
+        io.write_hook = hold
+        first = clone_tree(_torch_state(model, opt, 1))
+        io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "c" / "a")
+        io.wait_for_snapshot()  # a's copy is done and its write handed over: held at the writer
+        hold.wait_started()
+        forward_backward()
+        opt.step()
+        second = clone_tree(_torch_state(model, opt, 2))
+        io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")  # returns: its copy waits for a's write
+        assert io.num_pending == 2 and _staged_bytes(io) == state_bytes
+        forward_backward()
+        hold.release()
+        io.wait_for_snapshot()  # a's write ends, then b's copy runs
+        opt.step()  # changes nothing b holds
+        io.finalize(blocking=True)
+        assert _staged_bytes(io) == state_bytes
+    for name, expected in (("a", first), ("b", second)):
+        assert_tree_equal(io.load_checkpoint(tmp_path / "c" / name, weights_only=False), expected, name)
+    assert [r.lazy_nbytes > 0 for r in io.history] == [True, True]
+
+
+def test_a_lazy_save_following_a_write_whose_worker_dies_still_commits(tmp_path):
+    """The write before it fails (its worker dies mid-write): the follower's buffers are free, its copy runs,
+    and it commits with a new worker; the failed save is raised, nothing of it is left."""
+    model, opt, forward_backward = _fabric_loop_parts()
+    forward_backward()
+    opt.step()
+    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "started"))
+    with _lazy_io() as io:
+        io.track_optimizers([opt])
+        io.write_hook = testing.Hooks((hold, testing.CrashWrite()))
+        io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "c" / "a")
+        io.wait_for_snapshot()
+        hold.wait_started()
+        forward_backward()
+        opt.step()
+        second = clone_tree(_torch_state(model, opt, 2))
+        io.write_hook = None  # b's write is clean
+        io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")
+        assert io.num_pending == 2
+        hold.release()
+        io.wait_for_snapshot()  # sees a's worker die, then copies b
+        with pytest.raises(CheckpointWriteError) as info:
+            io.finalize(blocking=True)
+        assert info.value.path == str(tmp_path / "c" / "a") and info.value.error_type == "WorkerDied"
+        io.finalize(blocking=True)
+    assert dir_entries(tmp_path / "c") == ["b"]
+    assert_tree_equal(io.load_checkpoint(tmp_path / "c" / "b", weights_only=False), second, "b")
+    assert live_children() == []

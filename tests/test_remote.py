@@ -161,6 +161,7 @@ def test_ddp_save_to_s3(tmp_path, s3):
     assert r0["last_step"] == 8
 
 
+@pytest.mark.slow  # make test-all: every rank's spooled upload runs in make test too, in the sharded case below
 def test_async_ddp_strategy_every_rank_writes_to_s3(tmp_path, s3):
     r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "remote_dcp", "nvrx", "persistent", dir=URL)
     assert r0["objects"] == r1["objects"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]

@@ -388,6 +388,56 @@ def case_lazy(args, report):
             report[f"{name}_verified"] = report[f"{name}_files"]
 
 
+class HoldWriteAt(L.Callback):
+    """Holds every rank's write of the save at ``step`` until the save at ``step + 2`` was made (a slow disk:
+    that save finds the write in flight), and records the staging memory with one and with both in flight."""
+
+    def __init__(self, io, out, step):
+        self.io, self.step, self.staged = io, step, {}
+        self.hold = testing.HoldWrite(os.path.join(out, f"release-{os.environ.get('LOCAL_RANK', '0')}"))
+
+    def _staged(self):
+        return sum(b.numel() * b.element_size() for b in self.io.staging_buffers())
+
+    def on_train_batch_end(self, trainer, *a):  # runs before ModelCheckpoint's save of this step
+        if trainer.global_step == self.step - 1:
+            self.staged["one"] = self._staged()
+            self.io.write_hook = self.hold
+        elif trainer.global_step == self.step + 1:
+            self.io.write_hook = None
+
+    def on_train_batch_start(self, trainer, *a):
+        if trainer.global_step == self.step + 2:  # both saves made: the second one follows the held write
+            self.staged["both"], self.staged["pending"] = self._staged(), self.io.num_pending
+            self.hold.release()
+
+
+def case_lazy_follow(args, report):
+    """AsyncDDPStrategy, snapshot="lazy": a save made while the previous write is in flight follows it into
+    the one staging copy on every rank; every checkpoint is exact."""
+    from lightning_asyncckpt import AsyncDDPStrategy
+
+    data = dict(width=160, n=64, batch_size=4)
+    io = AsyncCheckpointIO(args.engine, worker=args.worker, snapshot="lazy")
+    rec, hold = SnapshotRecorder(), HoldWriteAt(io, args.out, 4)
+    dirpath = os.path.join(args.out, "ckpts")
+    ck = ModelCheckpoint(dirpath=dirpath, save_top_k=-1, every_n_train_steps=2)
+    L.seed_everything(1)
+    t = _trainer(args, [io], [AsyncFinalizerCallback(), rec, hold, ck], max_steps=8, strategy=AsyncDDPStrategy())
+    t.fit(TinyModel(width=160), loader(**data))
+    torch.distributed.barrier()
+    report["files"] = sorted(os.listdir(dirpath))
+    report["staged"] = hold.staged
+    report["lazy_bytes"] = [r.lazy_nbytes for r in io.history]
+    report["children_after_fit"] = _own_children(t)
+    if t.global_rank == 0:
+        for f in report["files"]:
+            loaded = io.load_checkpoint(os.path.join(dirpath, f), weights_only=False)
+            got = {"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]}
+            assert_tree_equal(got, rec.copies[loaded["global_step"]], f)
+        report["verified"] = report["files"]
+
+
 def case_auto(args, report):
     _failing_run(args, report, [lambda io: FailWritesFrom(io, 8)], explicit_callback=False)
 
