@@ -298,6 +298,7 @@ def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path)
     assert [r.lazy_nbytes > 0 for r in io.history] == [True, True]
 
 
+@pytest.mark.slow  # make test-all
 def test_a_lazy_save_following_a_write_whose_worker_dies_still_commits(tmp_path):
     """The write before it fails (its worker dies mid-write): the follower's buffers are free, its copy runs,
     and it commits with a new worker; the failed save is raised, nothing of it is left."""
