@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from lightning_asyncckpt import direct_io, remote
+from lightning_asyncckpt import direct_io, remote, shard_file
 from lightning_asyncckpt.errors import RankFailure
 
 
@@ -102,22 +102,25 @@ def _engine_open(writer_cls: type, params: Any, opener: Any) -> Iterator[None]:
 def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
     """Writes every bucket with the engine's ``write_preloaded_data``, one thread per shard file.
 
-    The engine writes each shard through a :class:`direct_io.DirectFile`: its tensor bytes go from the
+    The engine writes each shard through a :class:`shard_file.ShardFile`: its tensor bytes go from the
     staged copies to the disk with ``O_DIRECT``, never through the page cache (whose copy and writeback
-    cost 1.5 to 3.5 CPU-seconds per GiB on the machines measured; ``benchmarks/README.md``). The engine's
-    code, items, offsets and results are its own; only the file object is ours."""
+    cost 1.5 to 3.5 CPU-seconds per GiB on the machines measured; ``benchmarks/README.md``), and each
+    item's CRC32 is computed by ISA-L rather than inside ``torch.save``. The engine's code, items, offsets
+    and results are its own; only the file object is ours."""
     import inspect
 
     outcomes: queue.Queue[tuple[int, Any]] = queue.Queue()
     params = inspect.signature(writer_cls.write_preloaded_data).parameters
     # a bucket is (file, storage key, (bytes_data, tensor_data)); its tensors are the staged copies
-    opener = direct_io.Opener({b[0]: direct_io.storage_regions(t for _, t in b[2][1]) for b in buckets})
+    opener = direct_io.Opener({b[0]: direct_io.storage_regions(t for _, t in b[2][1]) for b in buckets},
+                              shard_file.ShardFile)
 
     def run(i: int, bucket: Any) -> None:
         count: queue.Queue = queue.Queue()
         count.put(i)
-        try:
-            writer_cls.write_preloaded_data(**write_call_kwargs(params, transforms, i, bucket, outcomes, count, opener))
+        try:  # torch.save's CRC32 off (a per-thread setting): each archive gets its CRC32 from ShardFile
+            with shard_file.crc32_off_for(transforms):
+                writer_cls.write_preloaded_data(**write_call_kwargs(params, transforms, i, bucket, outcomes, count, opener))
         except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
             outcomes.put((i, e))
 
