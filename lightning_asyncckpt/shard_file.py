@@ -23,8 +23,6 @@ import contextlib
 import struct
 from collections.abc import Iterator
 
-import torch
-
 from lightning_asyncckpt import zip_crc
 from lightning_asyncckpt.direct_io import DirectFile, Recorded
 
@@ -92,14 +90,4 @@ def crc32_off_for(transforms: list) -> contextlib.AbstractContextManager:
     never wrong, since :class:`ShardFile` writes every archive's CRC32 itself."""
     if any(getattr(t, "extensions", None) for t in transforms):
         return contextlib.nullcontext()
-    return _crc32_off()
-
-
-@contextlib.contextmanager
-def _crc32_off() -> Iterator[None]:
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
+    return zip_crc.crc32_off_here()

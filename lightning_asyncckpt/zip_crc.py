@@ -59,15 +59,21 @@ _off_lock = threading.Lock()
 
 @contextlib.contextmanager
 def crc32_off() -> Iterator[None]:
-    """``torch.save`` without CRC32 inside this block. The setting is process-wide: the writer process runs
-    one write at a time, and the lock keeps this library's own writes from overlapping."""
-    with _off_lock:
-        before = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            yield
-        finally:
-            torch.serialization.set_crc32_options(before)
+    """``torch.save`` without CRC32 inside this block. Where torch keeps the setting per process, the lock
+    keeps this library's own file writes from overlapping (the writer process runs one write at a time)."""
+    with _off_lock, crc32_off_here():
+        yield
+
+
+@contextlib.contextmanager
+def crc32_off_here() -> Iterator[None]:
+    """``torch.save`` without CRC32 inside this block, with no lock (torch 2.13 keeps the setting per thread)."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 @dataclass(frozen=True)
