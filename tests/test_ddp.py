@@ -86,7 +86,9 @@ def test_ddp_bad_input_on_rank0_raises_on_every_rank(tmp_path):
     assert "pickle" in r0["raised"]["message"]
 
 
-@pytest.mark.parametrize(("engine", "worker"), combo_params(fast={("mcore", "fork")}))
+# make test-all only (make test's time): in make test, AsyncDDPStrategy's every-rank writes are saved and resumed
+# exactly on two simulated nodes (test_nodes.py), and one failing rank is raised on both (below)
+@pytest.mark.parametrize(("engine", "worker"), combo_params(fast=set()))
 def test_async_ddp_strategy_writes_on_every_rank(tmp_path, engine, worker):
     r0, r1 = run_job(tmp_path, "parallel", engine, worker)
     assert r0["files"] == r1["files"] == ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]

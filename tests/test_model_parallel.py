@@ -113,6 +113,19 @@ def test_fsdp2_lazy_snapshot_with_gradient_accumulation_is_exact(tmp_path):
         assert r["children_after_fit"] == []
 
 
+@pytest.mark.slow  # make test-all
+def test_fsdp2_lazy_save_behind_a_write_in_flight_follows_it_on_every_rank(tmp_path):
+    """Sharded saves: the step-6 save is made while every rank's step-4 write is held; no rank takes a second
+    staging copy, and every checkpoint (read with plain DCP) holds its own step's state."""
+    r0, r1 = run_ranks(LAZY_JOB, tmp_path, "lazy_follow", "nvrx", "persistent")
+    expected = ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
+    assert r0["files"] == r1["files"] == r0["verified"] == expected
+    for r in (r0, r1):
+        assert r["staged"]["pending"] == 2 and r["staged"]["both"] == r["staged"]["one"] > 0, r["staged"]
+        assert r["lazy_bytes"] == [2 * 3 * 128 * 256 * 4] * 4, r["lazy_bytes"]
+        assert r["children_after_fit"] == []
+
+
 @pytest.mark.slow  # make test-all: make test's budget; make test proves torn detection with DDP (test_ddp.py)
 @pytest.mark.parametrize("edit", ["local_shard", "dtensor"])
 def test_fsdp2_lazy_shard_edited_after_the_save_fails_on_every_rank(tmp_path, monkeypatch, edit):

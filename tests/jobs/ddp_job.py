@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from helpers import (  # noqa: E402
     FailOnRankFrom,
+    HoldWriteAt,
     SlowSteps,
     SnapshotRecorder,
     TinyModel,
@@ -386,30 +387,6 @@ def case_lazy(args, report):
                 got = {"state_dict": loaded["state_dict"], "optimizer_states": loaded["optimizer_states"]}
                 assert_tree_equal(got, rec.copies[loaded["global_step"]], f"{name} {f}")
             report[f"{name}_verified"] = report[f"{name}_files"]
-
-
-class HoldWriteAt(L.Callback):
-    """Holds every rank's write of the save at ``step`` until the save at ``step + 2`` was made (a slow disk:
-    that save finds the write in flight), and records the staging memory with one and with both in flight."""
-
-    def __init__(self, io, out, step):
-        self.io, self.step, self.staged = io, step, {}
-        self.hold = testing.HoldWrite(os.path.join(out, f"release-{os.environ.get('LOCAL_RANK', '0')}"))
-
-    def _staged(self):
-        return sum(b.numel() * b.element_size() for b in self.io.staging_buffers())
-
-    def on_train_batch_end(self, trainer, *a):  # runs before ModelCheckpoint's save of this step
-        if trainer.global_step == self.step - 1:
-            self.staged["one"] = self._staged()
-            self.io.write_hook = self.hold
-        elif trainer.global_step == self.step + 1:
-            self.io.write_hook = None
-
-    def on_train_batch_start(self, trainer, *a):
-        if trainer.global_step == self.step + 2:  # both saves made: the second one follows the held write
-            self.staged["both"], self.staged["pending"] = self._staged(), self.io.num_pending
-            self.hold.release()
 
 
 def case_lazy_follow(args, report):

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from mp_job import FullStateRecorder, _trainer, failing_fit, read_with_dcp  # noqa: E402
 
-from helpers import ShardedModel, assert_tree_equal, loader, other_children, run_job  # noqa: E402
+from helpers import HoldWriteAt, ShardedModel, assert_tree_equal, loader, other_children, run_job  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
 
 
@@ -57,6 +57,29 @@ def case_lazy(args, report):
     t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), [rec, ck],
                  plugins=[io], max_steps=6, accumulate_grad_batches=2)
     t.fit(ShardedModel(width=LAZY_WIDTH), loader(width=LAZY_WIDTH, n=64, batch_size=4))
+    report["lazy_bytes"] = [r.lazy_nbytes for r in io.history]
+    report["children_after_fit"] = _own_children()
+    torch.distributed.barrier()
+    report["files"] = sorted(os.listdir(ck.dirpath))
+    if t.global_rank == 0:
+        for name in report["files"]:
+            path = os.path.join(ck.dirpath, name)
+            meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+            assert_tree_equal(read_with_dcp(path, args.out), rec.copies[meta["global_step"]], name)
+        report["verified"] = report["files"]
+
+
+def case_lazy_follow(args, report):
+    """Sharded saves, snapshot="lazy": the step-6 save is made while every rank's step-4 write is held; it
+    follows that write into the one staging copy; every checkpoint is exact."""
+    io = AsyncCheckpointIO(args.engine, worker=args.worker, snapshot="lazy")
+    rec, hold = FullStateRecorder(), HoldWriteAt(io, args.out, 4)
+    ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), save_top_k=-1, every_n_train_steps=2)
+    L.seed_everything(1)
+    t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), [rec, hold, ck],
+                 plugins=[io], max_steps=8)
+    t.fit(ShardedModel(width=LAZY_WIDTH), loader(width=LAZY_WIDTH, n=64, batch_size=4))
+    report["staged"] = hold.staged
     report["lazy_bytes"] = [r.lazy_nbytes for r in io.history]
     report["children_after_fit"] = _own_children()
     torch.distributed.barrier()
