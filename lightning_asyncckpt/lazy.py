@@ -121,6 +121,7 @@ class BackgroundCopy:
         self._hook, self._before = hook, before
         self._cancelled = threading.Event()
         self._problem: str | None = None
+        self.problem_type = "TornSnapshot"  # the error type of ``wait``'s problem
         self._thread = threading.Thread(target=self._run, name="asyncckpt-lazy-copy", daemon=True)
         self._thread.start()
 
@@ -141,6 +142,7 @@ class BackgroundCopy:
             if self._before is not None:
                 self._problem = self._before(self._cancelled)
                 if self._problem is not None:
+                    self.problem_type = "TimeoutError"  # the write before it never ended (or the save was dropped)
                     return
             if self._hook is not None:
                 self._hook()

@@ -286,7 +286,7 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: fl
         return
     # the buffers are released only once the thread is done writing into them (else never reused)
     _drop(run, request, ready.tmp, ready.snapshot if ready.copy.done() else None)
-    failure = RankFailure(agreement.rank, "TornSnapshot", problem)
+    failure = RankFailure(agreement.rank, ready.copy.problem_type, problem)
     log.error("lightning-asyncckpt: save to %s failed: %s", request.path, problem)
     if not agreement.active:
         raise CheckpointWriteError(str(request.path), [failure])
