@@ -46,6 +46,21 @@ class EditShardAfterLazySave(L.Callback):
             self.hold.release()
 
 
+def _report_and_verify(args, report, t, io, ck, rec):
+    """After ``fit``: what each rank copied lazily and left behind; rank 0 reads every checkpoint with plain
+    DCP and compares it with the state recorded at its step."""
+    report["lazy_bytes"] = [r.lazy_nbytes for r in io.history]
+    report["children_after_fit"] = _own_children()
+    torch.distributed.barrier()
+    report["files"] = sorted(os.listdir(ck.dirpath))
+    if t.global_rank == 0:
+        for name in report["files"]:
+            path = os.path.join(ck.dirpath, name)
+            meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+            assert_tree_equal(read_with_dcp(path, args.out), rec.copies[meta["global_step"]], name)
+        report["verified"] = report["files"]
+
+
 def case_lazy(args, report):
     """snapshot="lazy" with sharded saves and gradient accumulation: each rank copies its local shards of the
     parameters and optimizer state after the save call returned; every checkpoint is exact."""
@@ -57,16 +72,7 @@ def case_lazy(args, report):
     t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), [rec, ck],
                  plugins=[io], max_steps=6, accumulate_grad_batches=2)
     t.fit(ShardedModel(width=LAZY_WIDTH), loader(width=LAZY_WIDTH, n=64, batch_size=4))
-    report["lazy_bytes"] = [r.lazy_nbytes for r in io.history]
-    report["children_after_fit"] = _own_children()
-    torch.distributed.barrier()
-    report["files"] = sorted(os.listdir(ck.dirpath))
-    if t.global_rank == 0:
-        for name in report["files"]:
-            path = os.path.join(ck.dirpath, name)
-            meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
-            assert_tree_equal(read_with_dcp(path, args.out), rec.copies[meta["global_step"]], name)
-        report["verified"] = report["files"]
+    _report_and_verify(args, report, t, io, ck, rec)
 
 
 def case_lazy_follow(args, report):
@@ -80,16 +86,7 @@ def case_lazy_follow(args, report):
                  plugins=[io], max_steps=8)
     t.fit(ShardedModel(width=LAZY_WIDTH), loader(width=LAZY_WIDTH, n=64, batch_size=4))
     report["staged"] = hold.staged
-    report["lazy_bytes"] = [r.lazy_nbytes for r in io.history]
-    report["children_after_fit"] = _own_children()
-    torch.distributed.barrier()
-    report["files"] = sorted(os.listdir(ck.dirpath))
-    if t.global_rank == 0:
-        for name in report["files"]:
-            path = os.path.join(ck.dirpath, name)
-            meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
-            assert_tree_equal(read_with_dcp(path, args.out), rec.copies[meta["global_step"]], name)
-        report["verified"] = report["files"]
+    _report_and_verify(args, report, t, io, ck, rec)
 
 
 def case_lazy_torn(args, report):
