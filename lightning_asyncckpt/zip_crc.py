@@ -147,7 +147,10 @@ def records(recorded: Recorded) -> list[Record]:
             crc_at = data + info.compress_size + _DESCRIPTOR_CRC
         out.append(Record(info.filename, info.header_offset, data, info.compress_size, (crc_at, central + _CENTRAL_CRC), descriptor))
         central += 46 + n + e + c
-    return sorted(out, key=lambda r: r.header)
+    out.sort(key=lambda r: r.header)
+    if out and out[0].header != 0:  # e.g. two archives with no boundary between them: the first's CRC32s unseen
+        raise ValueError(f"{out[0].header} bytes before the archive's first record: not one torch.save archive")
+    return out
 
 
 def _combine(crcs: list[int]) -> int:

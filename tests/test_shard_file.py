@@ -53,3 +53,15 @@ def test_a_storage_extension_keeps_torchs_crc32():
 
     with shard_file.crc32_off_for([Transforms()]):
         assert torch.serialization.get_crc32_options()
+
+
+def test_two_archives_without_a_boundary_between_them_fail_the_write(tmp_path):
+    """A region must be one archive: two with no ``tell()`` between them would leave the first one's CRC32
+    at zero, so the write fails instead."""
+    path = tmp_path / "shard.distcp"
+    with pytest.raises(ValueError, match=r"not one torch.save archive \(\d+ bytes before the archive's first record"):
+        with shard_file.crc32_off_for([]), shard_file.ShardFile(str(path), []) as f:
+            f.tell()
+            torch.save(torch.arange(5), f)
+            torch.save(torch.arange(7), f)
+            f.tell()
