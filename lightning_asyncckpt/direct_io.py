@@ -299,9 +299,9 @@ class Opener:
     those regions; any other call is the builtin ``open``. The engines' ``write_preloaded_data`` takes one
     as its ``open_file`` (nvidia-resiliency-ext 0.5+), or finds it as its module's ``open``."""
 
-    def __init__(self, regions_by_path: dict[str, list[tuple[int, int]]], file_cls: type = None):  # type: ignore[assignment]
+    def __init__(self, regions_by_path: dict[str, list[tuple[int, int]]], file_cls: type | None = None):
         self._regions = {os.path.abspath(p): r for p, r in regions_by_path.items()}
-        self._file_cls = file_cls or DirectFile  # a DirectFile(path, regions), e.g. shard_file.ShardFile
+        self._file_cls = file_cls or DirectFile  # made as file_cls(path, regions), e.g. shard_file.ShardFile
 
     def __call__(self, path: object, mode: str = "r", *args: object, **kwargs: object) -> object:
         regions = self._regions.get(os.path.abspath(os.fspath(path))) if isinstance(path, (str, os.PathLike)) else None

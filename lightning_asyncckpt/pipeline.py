@@ -171,13 +171,15 @@ class SavePipeline:
         """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then
         stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
         if self._run is not None and not self._closed:
+            deadline = time.monotonic() + self.drain_timeout_s  # one bound for the lazy copy's wait and the drain
             try:
                 if self._run.copying is not None:  # a clean lazy snapshot is handed over, to land like the others
                     scheduler.finish_copy(self._run, self._agreement, self, within_s=self.drain_timeout_s)
             except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
                 log.exception("lightning-asyncckpt: the lazy snapshot in flight failed")
             try:
-                drain(self._run, self, self._agreement.rank, self._exit_group, self.drain_timeout_s)
+                left = max(0.0, deadline - time.monotonic())
+                drain(self._run, self, self._agreement.rank, self._exit_group, left)
             except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
                 log.exception("lightning-asyncckpt: error while draining the saves in flight")
         try:
