@@ -127,17 +127,28 @@ def memcpy_floor(nbytes: int) -> float:
 
 
 class Loop:
-    """The trainer: matmuls on every core, one iteration at a time."""
+    """The trainer: matmuls on every core, one iteration at a time. ``batch=0``: one square matmul of
+    ``width`` (compute-bound, in cache); else a batch of ``batch`` rows through ``layers`` weights of
+    ``width`` squared (memory-bound, as ``bench_train_loop.py``'s small-batch forward and backward are)."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, batch: int = 0, layers: int = 8) -> None:
         import torch
 
         self.torch = torch
-        self.a, self.b = torch.randn(width, width), torch.randn(width, width)
-        self.c = torch.empty(width, width)
+        if batch:
+            self.weights = [torch.randn(width, width) for _ in range(layers)]
+            self.x = torch.randn(batch, width)
+        else:
+            self.weights, self.a, self.b = None, torch.randn(width, width), torch.randn(width, width)
+            self.c = torch.empty(width, width)
 
     def step(self) -> None:
-        self.torch.mm(self.a, self.b, out=self.c)
+        if self.weights is None:
+            self.torch.mm(self.a, self.b, out=self.c)
+            return
+        x = self.x
+        for w in self.weights:
+            x = self.torch.tanh(x @ w)  # tanh keeps the values bounded over many steps
 
     def pace(self, n: int) -> float:
         t = time.perf_counter()
@@ -209,7 +220,7 @@ def one(loop: Loop, part: str, nbytes: int, directory: str, chunk: int) -> dict:
 def render(res: dict) -> str:
     floor = res["floor_s"]
     lines = [f"# probe_interference.py, {res['when']}", "",
-             f"`{res['command']}` on {res['cpus']} CPUs; {res['gib']:g} GiB per part, {res['rounds']} rounds, "
+             f"`{res['command']}` on {res['cpus']} CPUs; loop: {res.get('loop', 'matmul 1024^2')}; {res['gib']:g} GiB per part, {res['rounds']} rounds, "
              f"CRC32 by {res['crc32']}, {res.get('chunk_mib', 8)} MiB per write; memcpy floor {floor:.3f} s (the trainer's own blocking copy)", "",
              "| part | cost to the loop (s, median) | vs memcpy floor | part's own time (s) | part's CPU (s) | "
              "GB/s of the part | machine: system, irq + softirq, steal, idle + iowait (CPU-s) |",
@@ -231,6 +242,8 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=1024, help="matmul size of one loop iteration")
+    p.add_argument("--batch", type=int, default=0,
+                   help="rows per iteration through 8 weights of --width squared (memory-bound; 0: one square matmul)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--chunk-mib", type=int, default=CHUNK >> 20, help="bytes per write (and CRC32) call, in MiB")
     p.add_argument("--dir", default=None, help="where the write parts write (default: the results folder's disk)")
@@ -248,7 +261,7 @@ def main() -> None:
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     directory = args.dir or tempfile.mkdtemp(dir=HERE)
-    loop = Loop(args.width)
+    loop = Loop(args.width, args.batch)
     loop.pace(20)  # warm
     runs = []
     for r in range(args.rounds):
@@ -259,7 +272,7 @@ def main() -> None:
     if args.dir is None:
         os.rmdir(directory)
     res = {"when": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["benchmarks/probe_interference.py"] + sys.argv[1:]),
-           "cpus": os.cpu_count(), "gib": nbytes / GiB, "rounds": args.rounds, "parts": args.parts,
+           "cpus": os.cpu_count(), "loop": f"batch {args.batch} x 8 weights of {args.width}^2" if args.batch else f"matmul {args.width}^2", "gib": nbytes / GiB, "rounds": args.rounds, "parts": args.parts,
            "crc32": _crc32()[1], "chunk_mib": args.chunk_mib, "floor_s": memcpy_floor(nbytes), "runs": runs}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (results / f"interference-{stamp}.json").write_text(json.dumps(res, indent=1))
