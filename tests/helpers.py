@@ -179,6 +179,15 @@ class FailOnRankFrom(L.Callback):
             self.io.write_hook = testing.FailWrite()
 
 
+def latest_raise_step(failed_save_step: int, every: int = 4, max_pending: int = 2) -> int:
+    """The last ``global_step`` at which a Trainer saving every ``every`` steps can still be running after
+    the save at ``failed_save_step`` failed. The finalizer raises at the first batch end after the failure
+    is known, usually before the next save; how much sooner depends on the worker's speed. At the latest,
+    the ``max_pending``-th save after it finds that many saves in flight and waits for the failed one to
+    end, so the batch end right after that save raises."""
+    return failed_save_step + every * max_pending + 1
+
+
 class SlowSteps(L.Callback):
     """Makes each training step take ``seconds``, so that "within N steps" means something."""
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import combo_params, job_script, launch, run_ranks
+from helpers import combo_params, job_script, latest_raise_step, launch, run_ranks
 from lightning_asyncckpt import commit
 
 
@@ -84,8 +84,8 @@ def _fit_expecting_failure(tmp_path, dirpath, engine, worker, at_step, fn, hold=
     t = trainer(tmp_path, [io], callbacks, max_steps=60)
     with pytest.raises(CheckpointWriteError) as info:
         t.fit(TinyModel(width=128), loader(width=128, n=512))
-    # the step-8 save fails: raised by the finalizer before the next save (step 12)
-    assert max(8, at_step) <= t.global_step <= 16 and io.worker_pids() == [], t.global_step  # within steps
+    # the step-8 save fails: raised within steps of it, never at the end of fit
+    assert max(8, at_step) <= t.global_step <= latest_raise_step(8) and io.worker_pids() == [], t.global_step
     return info.value
 
 

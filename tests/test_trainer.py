@@ -17,6 +17,7 @@ from helpers import (
     assert_tree_equal,
     clone_tree,
     dir_entries,
+    latest_raise_step,
     live_children,
     loader,
     trainer,
@@ -180,7 +181,7 @@ def test_real_disk_full_stops_training(engine_worker, small_tmpfs, tmp_path):
         t.fit(TinyModel(width=128), loader(width=128))
     err = exc_info.value
     assert err.errno == 28 and "ENOSPC" in str(err) and err.path.endswith("epoch=0-step=8.ckpt")
-    assert 8 <= t.global_step <= 16, t.global_step  # stopped within steps: before the save after next
+    assert 8 <= t.global_step <= latest_raise_step(8), t.global_step  # stopped within steps of the failure
     assert live_children() == []
     (small_tmpfs / "filler").unlink()
     assert dir_entries(small_tmpfs / "c") == ["epoch=0-step=4.ckpt"]  # nothing partial, nothing left over
@@ -204,7 +205,7 @@ def test_killed_worker_stops_training(engine_worker, tmp_path, hold):
     with pytest.raises(CheckpointWriteError, match="SIGKILL") as exc_info:
         t.fit(TinyModel(), loader())
     assert exc_info.value.path.endswith("epoch=0-step=4.ckpt")
-    assert 5 <= t.global_step <= 12, t.global_step  # stopped within steps: before the save after next
+    assert 5 <= t.global_step <= latest_raise_step(4), t.global_step  # stopped within steps of the failure
     assert not (tmp_path / "c").exists() or dir_entries(tmp_path / "c") == []
 
 
@@ -223,7 +224,7 @@ def test_plugin_alone_registers_the_finalizer(tmp_path):
     t.callbacks[:0] = [BreakDisk(), SlowSteps()]
     with pytest.raises(CheckpointWriteError, match="ENOSPC"):
         t.fit(TinyModel(), loader())
-    assert 8 <= t.global_step <= 16, t.global_step  # raised by the finalizer within steps of the step-8 save
+    assert 8 <= t.global_step <= latest_raise_step(8), t.global_step  # raised by the finalizer within steps
     assert dir_entries(tmp_path / "c") == ["epoch=0-step=4.ckpt"]
 
 
