@@ -170,6 +170,7 @@ class BackgroundCopy:
         """(the training thread) Waits for the copy; returns why the snapshot is unusable, or ``None``."""
         self._thread.join(timeout_s)
         if self._thread.is_alive():
+            self.problem_type = "TimeoutError"  # not torn: unfinished (the thread can only set the same type)
             return f"the lazy snapshot copy did not finish within timeout_s={timeout_s:g}s"
         return self._problem
 

@@ -180,6 +180,34 @@ def test_plugin_state_changed_before_the_copy_fails_the_save(tmp_path, edit):
     assert dir_entries(tmp_path) == ["good"] and commit.is_complete(tmp_path / "good")
 
 
+def test_a_copy_that_does_not_finish_within_timeout_s_fails_as_a_timeout(tmp_path):
+    """A lazy copy still held after ``timeout_s`` drops its save as a ``TimeoutError`` (it is unfinished, not
+    torn); the save before it is intact and nothing of the dropped one is left."""
+    model, opt, forward_backward = _fabric_loop_parts()
+    forward_backward()
+    opt.step()
+    hold = testing.HoldCopy()
+    try:
+        with _lazy_io(timeout_s=5) as io:
+            io.warmup()  # the worker is up: timeout_s bounds the write, worker start included
+            io.track_optimizers([opt])
+            io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "good")
+            io.wait_for_snapshot()
+            io.finalize(blocking=True)  # its write ended: the next save's copy waits for nothing but the hold
+            io.copy_hook = hold
+            io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "slow")
+            hold.wait_started()
+            with pytest.raises(CheckpointWriteError) as info:
+                io.wait_for_snapshot()  # the copy is still held after timeout_s
+            assert info.value.path == str(tmp_path / "slow") and info.value.error_type == "TimeoutError"
+            assert "timeout_s=5" in str(info.value)
+            hold.release()
+            io.finalize(blocking=True)
+    finally:
+        hold.release()
+    assert dir_entries(tmp_path) == ["good"] and commit.is_complete(tmp_path / "good")
+
+
 def test_fabric_style_loop_waits_before_the_step(tmp_path):
     model, opt, forward_backward = _fabric_loop_parts()
     copies = {}
