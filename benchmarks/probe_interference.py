@@ -43,6 +43,10 @@ from multiprocessing import get_context
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_save import memcpy_floor  # noqa: E402
+
 GiB = 1 << 30
 CHUNK = 8 << 20
 PARTS = ("idle", "memcpy", "crc32", "odirect", "buffered", "ours", "ours_mcore")
@@ -112,18 +116,6 @@ def pid_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def memcpy_floor(nbytes: int) -> float:
-    import torch
-
-    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        b.copy_(a)
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 class Loop:
@@ -273,7 +265,8 @@ def main() -> None:
         os.rmdir(directory)
     res = {"when": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["benchmarks/probe_interference.py"] + sys.argv[1:]),
            "cpus": os.cpu_count(), "loop": f"batch {args.batch} x 8 weights of {args.width}^2" if args.batch else f"matmul {args.width}^2", "gib": nbytes / GiB, "rounds": args.rounds, "parts": args.parts,
-           "crc32": _crc32()[1], "chunk_mib": args.chunk_mib, "floor_s": memcpy_floor(nbytes), "runs": runs}
+           "crc32": _crc32()[1], "chunk_mib": args.chunk_mib,
+           "floor_s": memcpy_floor([torch.ones(nbytes, dtype=torch.uint8)]), "runs": runs}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (results / f"interference-{stamp}.json").write_text(json.dumps(res, indent=1))
     text = render(res)
