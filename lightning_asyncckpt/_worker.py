@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning_asyncckpt import direct_io, remote, shard_file
+from lightning_asyncckpt import gate as _gate
 from lightning_asyncckpt.errors import RankFailure
 
 
@@ -152,13 +153,17 @@ def _write_file(path: str, data: bytes) -> None:
 
 def write_job(
     writer_cls: type, transforms: list, buckets: list, result_path: str, hook: Any | None = None,
-    extra_files: list | tuple = (), upload: tuple[str, str] | None = None,
+    extra_files: list | tuple = (), upload: tuple[str, str] | None = None, gate: tuple[str, float] | None = None,
 ) -> None:
     """The async function handed to the engine's queue: writes the shards (and small extra files,
     such as a sharded checkpoint's ``meta.pt``), then reports. ``upload``: ``(local dir, url)``, the
-    written files go to the object store (``remote.upload_dir``) before the report."""
+    written files go to the object store (``remote.upload_dir``) before the report. ``gate``:
+    ``(path, timeout_s)``, waited at first (:mod:`lightning_asyncckpt.gate`: a lazy snapshot being copied)."""
     t0 = time.monotonic()
     try:
+        if gate is not None:
+            _gate.wait(*gate)
+            t0 = time.monotonic()  # the write's own time counts from the moment its bytes may be read
         if hook is not None:
             hook(buckets)
         outcome: dict[str, Any] = {"ok": True, "results": _write_all(writer_cls, transforms, buckets)}

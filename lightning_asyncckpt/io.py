@@ -18,7 +18,16 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
-from lightning_asyncckpt import engines, lazy, loading, logsetup, paths, poller, scheduler, versions
+from lightning_asyncckpt import (
+    engines,
+    lazy,
+    loading,
+    logsetup,
+    paths,
+    poller,
+    versions,
+    write_jobs,
+)
 from lightning_asyncckpt.committer import request_removal
 from lightning_asyncckpt.dcp_format import META_FILE
 from lightning_asyncckpt.faults import EnvironmentFaults, FaultPolicy
@@ -160,7 +169,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         """(all ranks, same order) Saves a sharded state in Lightning's ``ModelParallelStrategy`` layout: each
         rank writes its own shards (``DTensor`` local shards and its share of replicated tensors), global
         rank 0 also writes ``meta`` to ``meta.pt``. Stock Lightning and plain DCP read the result."""
-        extra = [scheduler.meta_file(meta)] if meta is not None and self._agreement.rank == 0 else []
+        extra = [write_jobs.meta_file(meta)] if meta is not None and self._agreement.rank == 0 else []
         self._save(state, path, None, Layout.SHARDED, extra, global_step(meta), trainer_save=_from_trainer(meta))
 
     @override

@@ -106,11 +106,13 @@ class BackgroundCopy:
     are copied on a side stream ordered after the work queued before the save (an event recorded now).
     ``before`` runs first in the thread and returns why the copy cannot run, or ``None`` once it may
     (:func:`after_write`: the buffers are still read by the write before this save). ``hook`` (tests:
-    :class:`lightning_asyncckpt.testing.HoldCopy`) runs next, before it copies.
+    :class:`lightning_asyncckpt.testing.HoldCopy`) runs next, before it copies. ``gate``
+    (:class:`lightning_asyncckpt.gate.Gate`, for a write handed to the worker already) is decided by the
+    thread as it ends: ``go`` once every tensor is copied and proven unchanged, ``skip`` on any problem.
     """
 
     def __init__(self, items: list[Any], hook: Callable[[], None] | None = None,
-                 before: Callable[[threading.Event], str | None] | None = None):
+                 before: Callable[[threading.Event], str | None] | None = None, gate: Any = None):
         self.items = items
         # what is copied after the save call returned (items without a watch were copied privately at save time)
         self.nbytes = sum(d.source.numel() * d.source.element_size() for d in items if d.watch)
@@ -118,7 +120,7 @@ class BackgroundCopy:
         devices = {d.source.device for d in items if d.source.device.type == "cuda"}
         # the kernels that produced the sources are queued on the training thread's current stream
         self._events = {d: torch.cuda.current_stream(d).record_event() for d in devices}
-        self._hook, self._before = hook, before
+        self._hook, self._before, self._gate = hook, before, gate
         self._cancelled = threading.Event()
         self._problem: str | None = None
         self.problem_type = "TornSnapshot"  # the error type of ``wait``'s problem
@@ -138,6 +140,14 @@ class BackgroundCopy:
         return True
 
     def _run(self) -> None:
+        self._copy()
+        if self._gate is not None:
+            try:  # the worker waits for this decision before it reads the buffers
+                self._gate.decide(self._problem is None)
+            except OSError as e:
+                self._problem = self._problem or f"the lazy snapshot's gate could not be decided: {e}"
+
+    def _copy(self) -> None:
         try:
             if self._before is not None:
                 self._problem = self._before(self._cancelled)

@@ -42,6 +42,16 @@ class PendingSave:
     started: float = field(default_factory=time.monotonic)
     call: int = 0  # the save call of this rank it came from (``SavePipeline.saves_scheduled``)
     lazy_nbytes: int = 0  # bytes its lazy snapshot copied after the save call returned
+    # A lazy single-writer save is handed over inside the save call, its worker waiting at ``gate``
+    # (gate.Gate) until ``copy`` (lazy.BackgroundCopy) is proven. ``behind_gate`` until the training thread
+    # has settled the copy (scheduler.finish_copy); a save whose worker is lost meanwhile is handed over
+    # again then (``lost_worker``: its buffers still hold its snapshot). ``abandoned``: its copy failed and
+    # was reported; its worker skips it and nothing is committed.
+    copy: Any = None
+    gate: Any = None
+    behind_gate: bool = False
+    lost_worker: bool = False
+    abandoned: bool = False
 
     @property
     def remote(self) -> bool:

@@ -12,11 +12,12 @@ import pickle
 import time
 from pathlib import Path
 
+from lightning_asyncckpt import commit
 from lightning_asyncckpt.committer import commit_save, record_failure, settle_publishing
 from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.pending import PendingSave
-from lightning_asyncckpt.run import Run, Settings
+from lightning_asyncckpt.run import COPY_AT_CLOSE_S, Run, Settings
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,16 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
         if status is Status.DEAD:
             fail_all(run, rank, RankFailure(rank, "WorkerDied", save.ticket.detail))
             return
-        run.stager.release(save.buffer_set)
+        if not save.abandoned or save.copy.done():  # a dropped lazy copy may still write into its buffers
+            run.stager.release(save.buffer_set)
         results, failure = read_outcome(save, rank)
+        if save.gate is not None:
+            save.gate.remove()
+        if save.abandoned:  # its failure was reported when its copy failed; its worker wrote nothing
+            run.pending.remove(save)
+            if isinstance(save.tmp, Path):
+                commit.try_remove(save.tmp, "the dropped save")
+            continue
         if failure is None and save.collective:
             save.written = results
             continue
@@ -123,5 +132,12 @@ def fail_all(run: Run, rank: int, failure: RankFailure) -> None:
     run.engine.reset_after_failure()
     for save in run.pending.take_where(lambda s: s.written is None):
         run.engine.kill(save.ticket)
-        run.stager.release(save.buffer_set)
-        record_failure(run, save, failure, rank)
+        if save.behind_gate:  # its lazy copy is still the training thread's: it hands it to the next worker
+            save.lost_worker = True
+            continue
+        if save.copy is not None and not save.copy.done():  # an abandoned copy still writing into its buffers
+            save.copy.wait(COPY_AT_CLOSE_S)
+        if save.copy is None or save.copy.done():
+            run.stager.release(save.buffer_set)
+        if not save.abandoned:
+            record_failure(run, save, failure, rank)

@@ -145,7 +145,7 @@ class Run:
         """``(path, save call)`` of every save not yet committed or failed: the pending ones, the lazy
         snapshot being copied (not yet handed to the worker), and remote directories being published."""
         out = [(s.path, s.call) for s in [*self.pending, *(p[0] for p in self.publishing)]]
-        if self.copying is not None:
+        if self.copying is not None and self.copying.pending is None:  # else it is pending already
             out.append((self.copying.request.path, self.copying.request.call))
         return out
 

@@ -7,8 +7,10 @@ and the ranks agreed that each has one; its planning is collective too.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,11 +20,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_asyncckpt import _worker, commit, dcp_format, lazy, paths, poller, remote, staging, torch_file
+from lightning_asyncckpt import commit, lazy, paths, poller, remote, staging, torch_file, write_jobs
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.failures import Failed, filesystem_failures
-from lightning_asyncckpt.faults import NO_FAULTS, SaveFaults, with_hook
+from lightning_asyncckpt.faults import NO_FAULTS, SaveFaults
+from lightning_asyncckpt.gate import Gate
 from lightning_asyncckpt.layout import Layout
 from lightning_asyncckpt.pending import PendingSave
 from lightning_asyncckpt.run import Run, Settings
@@ -159,15 +162,8 @@ class HandOver:
     stall_s: float = 0.0  # how long the save call held training
     copy: lazy.BackgroundCopy | None = None  # a lazy snapshot's copy in flight
     follows: int | None = None  # the order of the write whose buffers the copy waits for
-    planned: DcpPlan | None = None  # a DCP save planned at save time, while its lazy copy runs
-
-
-@dataclass
-class DcpPlan:
-    """This rank's part of a DCP save, planned (collectively when all ranks write): what the worker gets."""
-
-    plan: Any  # dcp_format.WritePlan
-    extra: list[tuple[str, bytes]]  # small files beside the shards (skeleton, provenance, extra_files)
+    planned: write_jobs.DcpPlan | None = None  # a DCP save planned at save time, while its lazy copy runs
+    pending: PendingSave | None = None  # a single-writer save handed over at save time, behind its gate
 
 
 def schedule(
@@ -189,18 +185,46 @@ def schedule(
             skeleton = _serialize(snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
         shape = torch_file.layout(request.checkpoint) if request.writes_file else None  # metadata only
         ready = HandOver(request, snapshot, run.order, tmp, rank, skeleton, shape, write_hook)
+        before = None
         if snapshot.deferred:
             if not request.writes_file:  # planning reads shapes, not values: now, while every rank is here
-                ready.planned = _plan_dcp(run, agreement, settings, ready)
-            ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook, _before_copy(run, settings, ready))
-            ready.stall_s = time.perf_counter() - request.started
-            run.copying = ready
-            log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", request.path, ready.copy.nbytes)
-            return
+                ready.planned = write_jobs.plan_dcp(run, agreement, settings, ready)
+            before = _before_copy(run, settings, ready)  # the write it follows: found before this one is pending
     except BaseException:
         _drop(run, request, tmp, snapshot)
         raise
-    hand_over(run, agreement, settings, ready, time.perf_counter() - request.started)
+    if not snapshot.deferred:
+        hand_over(run, agreement, settings, ready, time.perf_counter() - request.started)
+        return
+    _start_copy(run, agreement, settings, ready, before)
+
+
+def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandOver, before: Any) -> None:
+    """Starts a lazy snapshot's background copy (``run.copying`` until :func:`finish_copy`). A single-writer
+    save is handed to the worker first, behind a gate the copy opens once it is proven (``gate.py``), so
+    that its write starts the moment its bytes are copied, not at the next optimizer step. A collective
+    save is handed over by :func:`finish_copy`: all ranks agree on its fate, and a write the ranks dropped
+    must never be left in a worker's queue."""
+    request, snapshot = ready.request, ready.snapshot
+    gate = None
+    if not request.collective:
+        assert run.results_dir is not None
+        gate = Gate(run.results_dir / f"{ready.order}.gate")
+        ready.pending = hand_over(run, agreement, settings, ready, 0.0, gate)  # raises having dropped the save
+        ready.pending.gate, ready.pending.behind_gate = gate, True
+    try:
+        ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook, before, gate)
+    except BaseException:
+        if ready.pending is None:
+            _drop(run, request, ready.tmp, snapshot)
+        elif gate is not None and gate.decide(False):
+            ready.pending.abandoned = True  # its worker skips it; the poller takes it off the queue
+        raise
+    ready.stall_s = time.perf_counter() - request.started
+    if ready.pending is not None:
+        ready.pending.copy, ready.pending.stall_s, ready.pending.lazy_nbytes = ready.copy, ready.stall_s, ready.copy.nbytes
+    run.copying = ready
+    log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", request.path, ready.copy.nbytes)
 
 
 def _before_copy(run: Run, settings: Settings, ready: HandOver) -> Any:
@@ -235,18 +259,20 @@ def _drop(run: Run, request: SaveRequest, tmp: Path | str, snapshot: staging.Sna
     run.stager.release(snapshot.buffer_set if snapshot is not None else None)
 
 
-def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOver, stall_s: float) -> PendingSave:
+def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOver, stall_s: float,
+              gate: Gate | None = None) -> PendingSave:
     """Plans the save and hands its write to the worker; returns it, pending. On an error nothing of it
-    is left behind (and the error is raised)."""
+    is left behind (and the error is raised). ``gate``: the worker waits at it before reading the buffers."""
     assert run.engine is not None and run.results_dir is not None
     request, snapshot = ready.request, ready.snapshot
     result_path = run.results_dir / f"{ready.order}.result"
+    gated = (gate.path, settings.timeout_s) if gate is not None else None
     try:
         if request.writes_file:
-            ticket, plan = _hand_over_file(run, ready, result_path), None
+            ticket, plan = write_jobs.file_job(run, ready, result_path, gated), None
         else:
-            planned = ready.planned or _plan_dcp(run, agreement, settings, ready)
-            ticket, plan = _hand_over_dcp(run, ready, planned, result_path), planned.plan
+            planned = ready.planned or write_jobs.plan_dcp(run, agreement, settings, ready)
+            ticket, plan = write_jobs.dcp_job(run, ready, planned, result_path, gated), planned.plan
     except BaseException:
         # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
         _drop(run, request, ready.tmp, snapshot)
@@ -274,23 +300,45 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: fl
     if ready is None:
         return
     assert ready.copy is not None
-    request, waited = ready.request, time.perf_counter()
+    request, waited, early = ready.request, time.perf_counter(), ready.pending
     if ready.follows is not None and ready.snapshot.buffer_set is not None:
         _wait_for_buffers(run, settings, agreement.rank, ready, settings.timeout_s if within_s is None else within_s)
     problem = ready.copy.wait(settings.timeout_s)
-    if problem is None:
+    if early is not None and early.lost_worker:
+        early = None  # the write before it lost the worker, which had this one queued: hand it over again
+        with contextlib.suppress(OSError):
+            os.unlink(ready.pending.gate.path)
+    if early is not None:
+        early.behind_gate = False
+        if problem is not None and not _skip(early):
+            problem = None  # the copy was proven after all, in the moment since the wait gave up: it is written
+        if problem is None:
+            early.stall_s = ready.stall_s + time.perf_counter() - waited
+            return
+        if early not in run.pending:
+            return  # already failed with its worker (``poller.fail_all``), and reported then
+        early.abandoned = True  # its worker skips it; the poller frees its buffers once the copy thread is done
+    elif problem is None:
         try:
             hand_over(run, agreement, settings, ready, ready.stall_s + time.perf_counter() - waited)
         except Exception as e:  # noqa: BLE001 - as at save time: a write failure, or bad input
             _failed_at_save_time(run, agreement, request, e)
         return
-    # the buffers are released only once the thread is done writing into them (else never reused)
-    _drop(run, request, ready.tmp, ready.snapshot if ready.copy.done() else None)
+    else:  # the buffers are released only once the thread is done writing into them (else never reused)
+        _drop(run, request, ready.tmp, ready.snapshot if ready.copy.done() else None)
     failure = RankFailure(agreement.rank, ready.copy.problem_type, problem)
     log.error("lightning-asyncckpt: save to %s failed: %s", request.path, problem)
     if not agreement.active:
         raise CheckpointWriteError(str(request.path), [failure])
     run.failures.record(Failed(ready.order, str(request.path), failure, request.seq))
+
+
+def _skip(save: PendingSave) -> bool:
+    """Tells the worker to skip ``save``'s write; False when the copy thread has said ``go`` first."""
+    try:
+        return save.gate.decide(False)
+    except OSError:  # the results directory is gone: nothing can be written, the worker gives up on its own
+        return True
 
 
 def _wait_for_buffers(run: Run, settings: Settings, rank: int, ready: HandOver, within_s: float) -> None:
@@ -303,79 +351,3 @@ def _wait_for_buffers(run: Run, settings: Settings, rank: int, ready: HandOver, 
         lease.ready.wait(settings.poll_interval_s)
     if not lease.ready.is_set():
         ready.copy.cancel()  # one that has not started gives up; one that has finishes
-
-
-def _hand_over_file(run: Run, ready: HandOver, result_path: Path) -> Any:
-    r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU."""
-    assert run.engine is not None and ready.skeleton is not None and ready.shape is not None
-    # The non-tensor state was serialized at save time, once: it is then a snapshot of this step (the
-    # worker's queue would pickle it later, in a feeder thread, while training may change a leaf object).
-    request = ready.request
-    request.faults.check(request.faults.at_handover, request.path)
-    return run.engine.schedule(torch_file.write_file_job, (
-        ready.skeleton, ready.snapshot.tensors, str(ready.tmp), str(result_path),
-        with_hook(request.faults, ready.write_hook), ready.shape.aliases, ready.shape.locations, ready.shape.same_object,
-    ))
-
-
-def _plan_dcp(run: Run, agreement: Agreement, settings: Settings, ready: HandOver) -> DcpPlan:
-    """Plans this rank's part of a DCP directory (collectively when all ranks write: every rank calls it
-    for the same save, at save time)."""
-    request, snapshot, tmp, rank = ready.request, ready.snapshot, ready.tmp, ready.rank
-    assert run.engine is not None and isinstance(tmp, Path)
-    extra = [(str(tmp / name), data) for name, data in request.extra_files]
-    planner_data = None
-    if request.layout is Layout.SHARDED:
-        state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
-    else:  # flat items; where they sit in the dict for plain DCP readers; the exact skeleton beside them
-        state, planner_data = dcp_format.replicated_items(snapshot.skeleton, snapshot.tensors, everything=rank == 0)
-        if rank == 0:
-            assert ready.skeleton is not None
-            extra.append((str(tmp / dcp_format.SKELETON_FILE), ready.skeleton))
-    plan = dcp_format.plan_save(
-        state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
-        request.collective, flatten=request.layout is Layout.SHARDED, planner_data=planner_data if rank == 0 else None,
-        cache=run.plans,
-    )
-    if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
-        extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
-    return DcpPlan(plan, extra)
-
-
-def _hand_over_dcp(run: Run, ready: HandOver, planned: DcpPlan, result_path: Path) -> Any:
-    """Hands this rank's planned part of a DCP directory to the worker (its buffers hold the snapshot)."""
-    request, tmp = ready.request, ready.tmp
-    assert run.engine is not None
-    request.faults.check(request.faults.at_handover, request.path)
-    plan = planned.plan
-    return run.engine.schedule(
-        _worker.write_job,
-        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, ready.write_hook),
-         planned.extra, (str(tmp), request.path) if isinstance(request.path, str) else None),
-    )
-
-
-def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:
-    """(global rank 0 of a sharded save) ``meta.pt``, serialized now: a snapshot of the non-tensor state."""
-    buf = io.BytesIO()
-    torch.save(meta, buf)
-    return dcp_format.META_FILE, buf.getvalue()
-
-
-def writer_info(run: Run, agreement: Agreement, settings: Settings, request: SaveRequest) -> dict[str, Any]:
-    """The provenance file's content: who wrote the checkpoint, how, and when."""
-    from lightning_asyncckpt import __version__
-
-    world = agreement.world_size
-    return {
-        "writer": f"lightning-asyncckpt {__version__}",
-        "engine": settings.engine,
-        "engine_version": getattr(run.engine, "version", None),
-        "worker": settings.worker,
-        "layout": (request.layout if request.layout is Layout.SHARDED or request.collective else Layout.SINGLE_WRITER).value,
-        "world_size": world,
-        "writing_ranks": world if request.collective else 1,
-        "global_step": request.step,
-        "torch": torch.__version__,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from lightning_asyncckpt import _worker, commit, direct_io, remote, staging, tree, zip_crc
+from lightning_asyncckpt import gate as _gate
 
 # Stock ``torch.save``'s defaults: pickle protocol 2 and the zip format.
 _PICKLE_PROTOCOL = 2
@@ -187,16 +188,19 @@ def hook_buckets(tmp_path: str | os.PathLike) -> list:
 def write_file_job(
     skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str, result_path: str, hook: Any | None = None,
     aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
-    same_object: set[str] | frozenset[str] = frozenset(),
+    same_object: set[str] | frozenset[str] = frozenset(), gate: tuple[str, float] | None = None,
 ) -> None:
-    """The async function handed to the engine's queue (like ``_worker.write_job``): runs ``hook``, writes
+    """The async function handed to the engine's queue (like ``_worker.write_job``): waits at ``gate``
+    (``(path, timeout_s)``: a lazy snapshot still being copied, :mod:`lightning_asyncckpt.gate`), runs ``hook``, writes
     the file, then reports in the same result file: ``ok``, ``results`` (empty: no DCP write results),
     ``nbytes`` (the file's size), ``write_s``, ``pid``; or ``ok=False`` with ``error_type``, ``message``
     and ``errno``. ``skeleton`` may come serialized (``torch.save`` bytes, made by the trainer at save
     time so that it holds that step's non-tensor state)."""
-    t0 = time.monotonic()
-    buckets = hook_buckets(tmp_path)
+    t0, buckets = time.monotonic(), hook_buckets(tmp_path)
     try:
+        if gate is not None:
+            _gate.wait(*gate)
+            t0 = time.monotonic()  # the write's own time counts from the moment its bytes may be read
         if isinstance(skeleton, (bytes, bytearray)):  # the trainer's own bytes: trusted
             skeleton = torch.load(io.BytesIO(skeleton), weights_only=False)
         if hook is not None:

@@ -180,6 +180,57 @@ def test_plugin_state_changed_before_the_copy_fails_the_save(tmp_path, edit):
     assert dir_entries(tmp_path) == ["good"] and commit.is_complete(tmp_path / "good")
 
 
+def test_a_lazy_write_starts_once_its_copy_is_proven_not_at_the_optimizer_step(tmp_path):
+    """A single-writer lazy save is handed to the worker inside the save call, behind a gate: the write
+    begins as soon as the background copy is proven, while nobody has called ``wait_for_snapshot`` yet."""
+    model, opt, forward_backward = _fabric_loop_parts()
+    forward_backward()
+    opt.step()
+    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "started"))
+    try:
+        with _lazy_io() as io:
+            io.track_optimizers([opt])
+            io.write_hook = hold
+            expected = clone_tree(_torch_state(model, opt, 1))
+            io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "c" / "a")
+            hold.wait_started(timeout_s=60)  # the worker runs the write: no wait, no finalize called
+            forward_backward()
+            io.wait_for_snapshot()
+            opt.step()
+            hold.release()
+            io.finalize(blocking=True)
+    finally:
+        hold.release()
+    assert_tree_equal(io.load_checkpoint(tmp_path / "c" / "a", weights_only=False), expected, "a")
+    assert [r.lazy_nbytes > 0 for r in io.history] == [True]
+
+
+def test_the_save_after_a_torn_one_commits_its_own_state(tmp_path):
+    """The torn save was already queued at its worker, which skips it: the next save's write and report
+    are its own (the reports come in order), and nothing of the torn one is left."""
+    model, opt, forward_backward = _fabric_loop_parts()
+    forward_backward()
+    opt.step()
+    with _lazy_io() as io:
+        io.track_optimizers([opt])
+        hold = io.copy_hook = testing.HoldCopy()
+        io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "torn")
+        hold.wait_started()
+        with torch.no_grad():
+            model[1].weight.add_(1)
+        hold.release()
+        with pytest.raises(CheckpointWriteError, match="model.1.weight"):
+            io.wait_for_snapshot()
+        io.copy_hook = None
+        expected = clone_tree(_torch_state(model, opt, 2))
+        io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "next")
+        io.wait_for_snapshot()
+        io.finalize(blocking=True)
+    assert dir_entries(tmp_path) == ["next"]
+    assert_tree_equal(io.load_checkpoint(tmp_path / "next", weights_only=False), expected, "next")
+    assert [r.path for r in io.history] == [str(tmp_path / "next")]
+
+
 def test_a_copy_that_does_not_finish_within_timeout_s_fails_as_a_timeout(tmp_path):
     """A lazy copy still held after ``timeout_s`` drops its save as a ``TimeoutError`` (it is unfinished, not
     torn); the save before it is intact and nothing of the dropped one is left."""
