@@ -42,7 +42,8 @@ class AsyncFinalizerCallback(Callback):
       background.
     - ``on_before_optimizer_step`` (all ranks, right before the real optimizer step: on the accumulation
       boundary, in automatic and manual optimization): waits for a lazy snapshot's copy, which the step
-      would otherwise change, and hands its write over.
+      would otherwise change (a collective save's write is handed over then; a single writer's already
+      runs behind the gate its copy opened).
     - ``on_train_batch_end`` (all ranks): a non-blocking ``finalize``; a failed write raises
       :class:`~lightning_asyncckpt.CheckpointWriteError` here, within a step or two.
     - ``on_train_end`` (all ranks): a blocking ``finalize``, after every checkpoint callback's last save

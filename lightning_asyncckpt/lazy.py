@@ -7,7 +7,9 @@ in the forward pass) and leaves the parameters and optimizer state of the *track
 background thread, which copies them into the same reused host buffers while the next step runs its
 forward and backward (a CPU ``copy_`` releases the GIL). The pipeline waits for the thread right before
 the state changes (the callback's ``on_before_optimizer_step``, the next save, finalize, load, teardown,
-abort) and only then hands the write to the worker.
+abort). A single-writer save's write is handed to the worker at save time, behind a gate the copy thread
+opens once it is proven (:mod:`lightning_asyncckpt.gate`), so that it starts as soon as the copy ends; a
+collective save's is handed over at the wait.
 
 When the previous save's write still reads the only staging copy, a lazy save follows it into that copy
 (:mod:`lightning_asyncckpt.buffer_pool`) instead of taking a second one: its background copy first waits

@@ -130,7 +130,8 @@ class SavePipeline:
 
     def wait_for_snapshot(self) -> None:
         """(the saving ranks, on the training thread, right before ``optimizer.step()``) Waits for the
-        background copy of a lazy snapshot (``snapshot="lazy"``) and hands its write to the worker; returns
+        background copy of a lazy snapshot (``snapshot="lazy"``); a collective save's write is handed to the
+        worker then (a single writer's was handed over at save time, behind a gate the copy opened). Returns
         at once when none is in flight. ``AsyncFinalizerCallback`` calls it in ``on_before_optimizer_step``;
         Fabric users, who have no hooks, call it themselves before each ``optimizer.step()`` (or at least
         before the first step after a save). Never called, the next save, ``finalize``, ``load_checkpoint``,

@@ -16,6 +16,7 @@ from lightning_asyncckpt import commit
 from lightning_asyncckpt.committer import commit_save, record_failure, settle_publishing
 from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
+from lightning_asyncckpt.gate import Skipped
 from lightning_asyncckpt.pending import PendingSave
 from lightning_asyncckpt.run import COPY_AT_CLOSE_S, Run, Settings
 
@@ -50,6 +51,8 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
         if not save.abandoned or save.copy.done():  # a dropped lazy copy may still write into its buffers
             run.stager.release(save.buffer_set)
         results, failure = read_outcome(save, rank)
+        if save.behind_gate and failure is not None and failure.error_type == Skipped.__name__:
+            save.abandoned = True  # its copy shut the gate: the training thread's finish_copy reports why
         if save.gate is not None:
             save.gate.remove()
         if save.abandoned:  # its failure was reported when its copy failed; its worker wrote nothing

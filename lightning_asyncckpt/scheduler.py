@@ -315,9 +315,9 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: fl
         if problem is None:
             early.stall_s = ready.stall_s + time.perf_counter() - waited
             return
-        if early not in run.pending:
-            return  # already failed with its worker (``poller.fail_all``), and reported then
-        early.abandoned = True  # its worker skips it; the poller frees its buffers once the copy thread is done
+        early.abandoned = True  # its worker skips it (the poller takes it off the queue, reporting nothing)
+        if ready.copy.done():  # nothing reads the buffers any more: the worker skips, the copy thread ended
+            run.stager.release(early.buffer_set)
     elif problem is None:
         try:
             hand_over(run, agreement, settings, ready, ready.stall_s + time.perf_counter() - waited)

@@ -226,6 +226,8 @@ def test_the_save_after_a_torn_one_commits_its_own_state(tmp_path):
         io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "next")
         io.wait_for_snapshot()
         io.finalize(blocking=True)
+        _, tensors = staging.split(_torch_state(model, opt, 2))
+        assert _staged_bytes(io) == sum(t.numel() * t.element_size() for t in tensors.values())  # the torn save's copy was reused
     assert dir_entries(tmp_path) == ["next"]
     assert_tree_equal(io.load_checkpoint(tmp_path / "next", weights_only=False), expected, "next")
     assert [r.path for r in io.history] == [str(tmp_path / "next")]
