@@ -15,6 +15,7 @@ Lightning-free: the worker imports it.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 GO, SKIP = b"go", b"skip"
@@ -31,7 +32,7 @@ class Gate:
         """(the copy thread or the training thread) Makes the decision, unless one was made: returns whether
         the decision that stands is the one asked for."""
         want = GO if go else SKIP
-        tmp = f"{self.path}.{want.decode()}.{os.getpid()}.{id(self)}"
+        tmp = f"{self.path}.{want.decode()}.{os.getpid()}.{threading.get_ident()}"  # one per deciding thread
         with open(tmp, "wb") as f:
             f.write(want)
         try:

@@ -18,7 +18,7 @@ from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.gate import Skipped
 from lightning_asyncckpt.pending import PendingSave
-from lightning_asyncckpt.run import COPY_AT_CLOSE_S, Run, Settings
+from lightning_asyncckpt.run import Run, Settings
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,7 @@ def fail_all(run: Run, rank: int, failure: RankFailure) -> None:
         if save.behind_gate:  # its lazy copy is still the training thread's: it hands it to the next worker
             save.lost_worker = True
             continue
-        if save.copy is not None and not save.copy.done():  # an abandoned copy still writing into its buffers
-            save.copy.wait(COPY_AT_CLOSE_S)
-        if save.copy is None or save.copy.done():
+        if save.copy is None or save.copy.done():  # an abandoned copy still running keeps its buffers
             run.stager.release(save.buffer_set)
         if not save.abandoned:
             record_failure(run, save, failure, rank)

@@ -290,7 +290,8 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
 
 def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: float | None = None) -> None:
     """(the saving rank, on the training thread, before the state may change) Waits for the lazy snapshot
-    in flight, if any, then hands its write over. A snapshot that changed while it was copied is never
+    in flight, if any; then hands a collective save's write over (a single writer's was handed over at save
+    time, behind the gate its copy decides: nothing more to do when the copy is proven). A snapshot that changed while it was copied is never
     written: alone (no process group) :class:`CheckpointWriteError` is raised here; with one, the failure
     is recorded and the next finalize raises it on every rank. A copy that follows a write into its
     buffers waits for that write first, at most ``within_s`` (default ``timeout_s``; the exit drain's
