@@ -36,7 +36,7 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
         status = run.engine.poll(save.ticket)
         if status is Status.RUNNING:
             if time.monotonic() - save.ticket.scheduled_at > settings.timeout_s:
-                fail_all(run, rank, RankFailure(
+                fail_all(run, rank, save, RankFailure(
                     rank, "TimeoutError",
                     f"the background write did not finish within timeout_s={settings.timeout_s:g}s; its worker was killed",
                 ))
@@ -46,7 +46,7 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
             time.sleep(settings.poll_interval_s)
             continue
         if status is Status.DEAD:
-            fail_all(run, rank, RankFailure(rank, "WorkerDied", save.ticket.detail))
+            fail_all(run, rank, save, RankFailure(rank, "WorkerDied", save.ticket.detail))
             return
         if not save.abandoned or save.copy.done():  # a dropped lazy copy may still write into its buffers
             run.stager.release(save.buffer_set)
@@ -128,14 +128,15 @@ def read_outcome(save: PendingSave, rank: int) -> tuple[list, RankFailure | None
     return outcome["results"], None
 
 
-def fail_all(run: Run, rank: int, failure: RankFailure) -> None:
+def fail_all(run: Run, rank: int, lost: PendingSave, failure: RankFailure) -> None:
     """The worker is dead or hung: every save queued on it is lost, and the next save starts a new one.
     A collective save whose part this rank already wrote is not lost: it still commits."""
     assert run.engine is not None
     run.engine.reset_after_failure()
     for save in run.pending.take_where(lambda s: s.written is None):
         run.engine.kill(save.ticket)
-        if save.behind_gate:  # its lazy copy is still the training thread's: it hands it to the next worker
+        if save.behind_gate and save is not lost:  # queued behind the lost write, its copy not yet settled:
+            # the training thread hands it to the next worker (its buffers still hold its snapshot)
             save.lost_worker = True
             continue
         if save.copy is None or save.copy.done():  # an abandoned copy still running keeps its buffers

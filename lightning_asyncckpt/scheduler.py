@@ -311,6 +311,10 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: fl
             os.unlink(ready.pending.gate.path)
     if early is not None:
         early.behind_gate = False
+        if early not in run.pending and not early.abandoned:  # committed already, or failed with its worker
+            if ready.copy.done():  # (reported then): its buffers are free once nothing writes into them
+                run.stager.release(early.buffer_set)
+            return
         if problem is not None and not _skip(early):
             problem = None  # the copy was proven after all, in the moment since the wait gave up: it is written
         if problem is None:

@@ -233,6 +233,33 @@ def test_the_save_after_a_torn_one_commits_its_own_state(tmp_path):
     assert [r.path for r in io.history] == [str(tmp_path / "next")]
 
 
+def test_a_lazy_write_whose_worker_dies_fails_loudly_and_the_next_save_commits(tmp_path):
+    """The write a lazy save handed over behind its gate starts, then its worker dies: the save fails as
+    ``WorkerDied`` (it is not handed over again: its own write was lost), nothing of it is left, and the
+    next save gets a new worker and commits its own state."""
+    model, opt, forward_backward = _fabric_loop_parts()
+    forward_backward()
+    opt.step()
+    with _lazy_io() as io:
+        io.track_optimizers([opt])
+        io.write_hook = testing.CrashWrite()
+        io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "c" / "a")
+        forward_backward()
+        io.wait_for_snapshot()
+        opt.step()
+        with pytest.raises(CheckpointWriteError) as info:
+            io.finalize(blocking=True)
+        assert info.value.path == str(tmp_path / "c" / "a") and info.value.error_type == "WorkerDied"
+        io.write_hook = None
+        expected = clone_tree(_torch_state(model, opt, 2))
+        io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")
+        io.wait_for_snapshot()
+        io.finalize(blocking=True)
+    assert dir_entries(tmp_path / "c") == ["b"]
+    assert_tree_equal(io.load_checkpoint(tmp_path / "c" / "b", weights_only=False), expected, "b")
+    assert live_children() == []
+
+
 def test_a_copy_that_does_not_finish_within_timeout_s_fails_as_a_timeout(tmp_path):
     """A lazy copy still held after ``timeout_s`` drops its save as a ``TimeoutError`` (it is unfinished, not
     torn); the save before it is intact and nothing of the dropped one is left."""
