@@ -25,6 +25,9 @@ flight, only ends the baseline. Per phase:
   plus the waits before the optimizer step (a lazy snapshot's copy, DCP's staging);
 - **to commit**: from the save call to the moment the save is durable (ours: committed by the finalize
   after a batch; DCP: its upload future done; ``torch.save``: the call's end);
+- **to commit vs probe floor**: to commit over the state's size divided by an fsync'd ``O_DIRECT`` probe's
+  bandwidth (``profile_write.probe``: the same bytes, 8 MiB blocks, the same directory), measured by the
+  same process right after its training, on a quiet machine;
 - **writer GB per CPU-second**: the phase's checkpoint bytes over the CPU time (user + system) of every
   process below the trainer (workers, forked writers, DCP's writer process) from the phase's first save
   to its drain, read through psutil (``/proc/<pid>/stat``).
@@ -55,6 +58,7 @@ sys.path.insert(0, str(HERE))
 
 import train_loop_parts as parts  # noqa: E402
 from bench_save import memcpy_floor  # noqa: E402
+from profile_write import probe  # noqa: E402
 from train_loop_parts import VARIANTS  # noqa: E402
 
 GiB = 1 << 30
@@ -107,6 +111,7 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict:
         plugins=saver.plugins, callbacks=[timer, *saver.callbacks, *ckpts],
     )
     trainer.fit(model, parts.loader(args.batch, args.width, steps))
+    probe_floor = state_bytes / probe(workdir, state_bytes, direct=True)  # every save is durable: the disk is quiet
     by_batch = {rec["batch"]: rec for rec in clock.saves.values()}
     out = []
     for ph in phases:
@@ -124,7 +129,8 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict:
             "periods_s": periods, "overheads_s": [p - n * base_med for p in periods],
             "saves": saves, "writer_cpu_s": writer_cpu, "written_bytes": state_bytes * len(ph["saves"]),
         })
-    return {"variant": name, "state_bytes": state_bytes, "memcpy_floor_s": floor, "batch": args.batch,
+    return {"variant": name, "state_bytes": state_bytes, "memcpy_floor_s": floor, "probe_floor_s": probe_floor,
+            "batch": args.batch,
             "torch_threads": torch.get_num_threads(), "phases": out, "history": saver.history()}
 
 
@@ -141,6 +147,8 @@ def summarize(runs: list[dict]) -> list[dict]:
                 continue
             saves = [s for _, ph in mine for s in ph["saves"][1:] if s is not None]
             floor = _median([r["memcpy_floor_s"] for r, _ in mine])
+            probe_floor = _median([r.get("probe_floor_s") for r, _ in mine])  # runs before it have none
+            commit = _median([s["commit_s"] for s in saves])
             blocked = _median([s["call_s"] + s["wait_s"] for s in saves if s["call_s"] is not None])
             cpu = [ph["writer_cpu_s"] for _, ph in mine if ph["writer_cpu_s"]]
             fb = _median([ph["fwd_bwd_s"] for _, ph in mine])
@@ -150,7 +158,9 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "blocked_s": blocked,
                 "call_s": _median([s["call_s"] for s in saves]),
                 "wait_s": _median([s["wait_s"] for s in saves]),
-                "commit_s": _median([s["commit_s"] for s in saves]),
+                "commit_s": commit,
+                "probe_floor_s": probe_floor,
+                "commit_vs_probe": commit / probe_floor if commit is not None and probe_floor else None,
                 "floor_s": floor,
                 "blocked_vs_floor": blocked / floor if blocked is not None and floor else None,
                 "writer_gb_per_cpu_s": (sum(ph["written_bytes"] for _, ph in mine if ph["writer_cpu_s"]) / 1e9 / sum(cpu)
@@ -175,13 +185,13 @@ def _f(v: Any, fmt: str, suffix: str = "") -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| N | variant | overhead per save (s) | vs DCP async_save | vs memcpy floor | blocked (s) | blocked vs floor"
-            " | to commit (s) | writer GB per CPU-s | step (s) | fwd+bwd vs floor | steps measured (baseline + saving) |")
+            " | to commit (s) | to commit vs probe floor | writer GB per CPU-s | step (s) | fwd+bwd vs floor | steps measured (baseline + saving) |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         lines.append(
             f"| {r['every']} | {r['variant']} | {_f(r['overhead_s'], '.3f')} | {_f(r['overhead_vs_dcp'], '.2f', '×')}"
             f" | {_f(r['overhead_vs_floor'], '.1f', '×')} | {_f(r['blocked_s'], '.3f')} | {_f(r['blocked_vs_floor'], '.2f', '×')}"
-            f" | {_f(r['commit_s'], '.2f')} | {_f(r['writer_gb_per_cpu_s'], '.2f')} | {_f(r['base_step_s'], '.3f')}"
+            f" | {_f(r['commit_s'], '.2f')} | {_f(r.get('commit_vs_probe'), '.2f', '×')} | {_f(r['writer_gb_per_cpu_s'], '.2f')} | {_f(r['base_step_s'], '.3f')}"
             f" | {_f(r['fwd_bwd_vs_floor'], '.1f', '×')} | {r['base_steps']} + {r['saved_steps']} |"
         )
     return "\n".join(lines)
