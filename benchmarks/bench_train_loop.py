@@ -26,8 +26,8 @@ flight, only ends the baseline. Per phase:
 - **to commit**: from the save call to the moment the save is durable (ours: committed by the finalize
   after a batch; DCP: its upload future done; ``torch.save``: the call's end);
 - **to commit vs probe floor**: to commit over the state's size divided by an fsync'd ``O_DIRECT`` probe's
-  bandwidth (``profile_write.probe``: the same bytes, 8 MiB blocks, the same directory), measured by the
-  same process right after its training, on a quiet machine;
+  bandwidth (``profile_write.probe``: the same bytes, 8 MiB blocks, the same directory), measured by every
+  variant's process right after its training, on a quiet machine; the floor is the median over all of them;
 - **writer GB per CPU-second**: the phase's checkpoint bytes over the CPU time (user + system) of every
   process below the trainer (workers, forked writers, DCP's writer process) from the phase's first save
   to its drain, read through psutil (``/proc/<pid>/stat``).
@@ -140,6 +140,7 @@ def summarize(runs: list[dict]) -> list[dict]:
     """Per N and variant: medians over every measured period and save of every round (each phase's first
     save, which had no earlier write in flight and pays first-time costs, left out)."""
     rows: list[dict] = []
+    disk_floor = _median([r.get("probe_floor_s") for r in runs])  # runs before 2026-12-02 have none
     for n in sorted({ph["every"] for r in runs for ph in r["phases"]}):
         for name in VARIANTS:
             mine = [(r, ph) for r in runs if r["variant"] == name for ph in r["phases"] if ph["every"] == n]
@@ -147,7 +148,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 continue
             saves = [s for _, ph in mine for s in ph["saves"][1:] if s is not None]
             floor = _median([r["memcpy_floor_s"] for r, _ in mine])
-            probe_floor = _median([r.get("probe_floor_s") for r, _ in mine])  # runs before it have none
+            probe_floor = disk_floor  # the disk's, over every variant's process: one probe each is noisy
             commit = _median([s["commit_s"] for s in saves])
             blocked = _median([s["call_s"] + s["wait_s"] for s in saves if s["call_s"] is not None])
             cpu = [ph["writer_cpu_s"] for _, ph in mine if ph["writer_cpu_s"]]
