@@ -234,6 +234,11 @@ def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, **kwarg
 
     for name in preload:
         importlib.import_module(name)
+    # Megatron-Core's loop runs a full gc.collect() after every save: with torch and its own imports in the
+    # heap that scan costs about 0.25 CPU-seconds, taken from the training's cores once per save. Frozen
+    # here, the startup heap is left out of every collection, which then scans only what the jobs made.
+    gc.collect()
+    gc.freeze()
     ready.set()
 
     # Megatron-Core's loop pins `rank % device_count()` first: a ZeroDivisionError without CUDA.

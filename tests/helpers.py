@@ -433,6 +433,20 @@ class RecordPriority:
             f.write(f"{os.getpid()} {os.nice(0)}\n")
 
 
+class RecordGcFreeze:
+    """A write hook (picklable) that appends the number of objects the writer process has frozen out of
+    garbage collection (``gc.get_freeze_count()``) to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, buckets: list) -> None:
+        import gc
+
+        with open(self.path, "a") as f:
+            f.write(f"{gc.get_freeze_count()}\n")
+
+
 class HoldWriteAt(L.Callback):
     """Holds every rank's write of the save at ``step`` until the save at ``step + 2`` was made (a slow disk:
     that save finds the write in flight), and records the staging memory with one and with both in flight."""
