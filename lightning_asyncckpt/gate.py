@@ -19,7 +19,7 @@ import threading
 import time
 
 GO, SKIP = b"go", b"skip"
-POLL_S = 0.002  # how often the worker looks at the gate (a stat, while the copy of ~0.1 s per GiB runs)
+POLL_S = 0.002  # how often the worker looks at the gate (one failed open, while the copy of ~0.1 s per GiB runs)
 
 
 class Gate:

@@ -54,6 +54,12 @@ class PendingSave:
     abandoned: bool = False
 
     @property
+    def copy_running(self) -> bool:
+        """Its lazy copy's thread may still write into its buffers (only an abandoned copy: a proven one has
+        ended, or is ending, before its worker reads them)."""
+        return self.copy is not None and not self.copy.done()
+
+    @property
     def remote(self) -> bool:
         """Written to an object store: nothing to publish or clean up locally (an unfinished upload is
         never visible; the worker discards a failed one)."""

@@ -48,7 +48,7 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
         if status is Status.DEAD:
             fail_all(run, rank, save, RankFailure(rank, "WorkerDied", save.ticket.detail))
             return
-        if not save.abandoned or save.copy.done():  # a dropped lazy copy may still write into its buffers
+        if not (save.abandoned and save.copy_running):  # a dropped lazy copy may still write into its buffers
             run.stager.release(save.buffer_set)
         results, failure = read_outcome(save, rank)
         if save.behind_gate and failure is not None and failure.error_type == Skipped.__name__:
@@ -139,7 +139,7 @@ def fail_all(run: Run, rank: int, lost: PendingSave, failure: RankFailure) -> No
             # the training thread hands it to the next worker (its buffers still hold its snapshot)
             save.lost_worker = True
             continue
-        if save.copy is None or save.copy.done():  # an abandoned copy still running keeps its buffers
+        if not save.copy_running:  # an abandoned copy still running keeps its buffers
             run.stager.release(save.buffer_set)
         if not save.abandoned:
             record_failure(run, save, failure, rank)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -217,8 +216,10 @@ def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandO
     except BaseException:
         if ready.pending is None:
             _drop(run, request, ready.tmp, snapshot)
-        elif gate is not None and gate.decide(False):
-            ready.pending.abandoned = True  # its worker skips it; the poller takes it off the queue
+        else:  # raised here, once: its worker skips it (or gives up at timeout_s), reported by nobody
+            ready.pending.behind_gate, ready.pending.abandoned = False, True
+            with contextlib.suppress(OSError):
+                ready.pending.gate.decide(False)
         raise
     ready.stall_s = time.perf_counter() - request.started
     if ready.pending is not None:
@@ -307,8 +308,7 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: fl
     problem = ready.copy.wait(settings.timeout_s)
     if early is not None and early.lost_worker:
         early = None  # the write before it lost the worker, which had this one queued: hand it over again
-        with contextlib.suppress(OSError):
-            os.unlink(ready.pending.gate.path)
+        ready.pending.gate.remove()
     if early is not None:
         early.behind_gate = False
         if early not in run.pending and not early.abandoned:  # committed already, or failed with its worker
