@@ -3,6 +3,7 @@
     python benchmarks/bench_train_loop.py                    # 1 GiB of state, N in 4 8 16 (make bench-train)
     python benchmarks/bench_train_loop.py --every 4 8 --saves 5 --rounds 2
     python benchmarks/bench_train_loop.py --quick            # 64 MiB of state, a smoke run
+    python benchmarks/bench_train_loop.py --format dcp --layers 16   # ours write DCP directories; 2 GiB of state
     python benchmarks/bench_train_loop.py --render benchmarks/results/train-<time>.json
 
 A Trainer on CPU trains ``--layers`` Linear(``--width``, ``--width``) layers without bias with SGD and
@@ -35,7 +36,9 @@ flight, only ends the baseline. Per phase:
 Variants: stock ``TorchCheckpointIO`` (synchronous ``torch.save``), torch DCP ``async_save`` (process
 writer, ``DefaultStager`` with async staging into reused shared memory, waited on before the optimizer
 step; each save first waits for the previous upload, as torchtitan does), and this library for both
-engines: persistent worker with ``snapshot="eager"`` and ``"lazy"``, and fork per save.
+engines: persistent worker with ``snapshot="eager"`` and ``"lazy"``, and fork per save. ``--format dcp``
+makes ours write a DCP directory per checkpoint (``AsyncCheckpointIO(format="dcp")``), as the peer does;
+by default ours write stock's one ``torch.save`` file.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     phases = parts.plan(args.every, args.warmup, args.baseline, args.saves)
     steps = phases[-1]["drain"] + 1
     clock = parts.Clock()
-    saver = parts.Saver(name, clock)
+    saver = parts.Saver(name, clock, fmt=args.format)
     dirs = {ph["every"]: str(workdir / f"every{ph['every']}") for ph in phases} | {0: str(workdir / "warm")}
     ckpts = [parts.PhaseCheckpoint((ph["base"][1], ph["saves"][-1]), dirpath=dirs[ph["every"]], every_n_train_steps=ph["every"],
                              save_top_k=1, save_last=False) for ph in phases]
@@ -129,7 +132,7 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict:
             "periods_s": periods, "overheads_s": [p - n * base_med for p in periods],
             "saves": saves, "writer_cpu_s": writer_cpu, "written_bytes": state_bytes * len(ph["saves"]),
         })
-    return {"variant": name, "state_bytes": state_bytes, "memcpy_floor_s": floor, "probe_floor_s": probe_floor,
+    return {"variant": name, "format": args.format, "state_bytes": state_bytes, "memcpy_floor_s": floor, "probe_floor_s": probe_floor,
             "batch": args.batch,
             "torch_threads": torch.get_num_threads(), "phases": out, "history": saver.history()}
 
@@ -220,6 +223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=0, help="batch size; 0: calibrated for --fb-ratio")
     p.add_argument("--fb-ratio", type=float, default=2.5, help="forward + backward over the memcpy floor to aim for")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--format", default="auto", choices=["auto", "dcp"],
+                   help="this library's AsyncCheckpointIO(format=): auto writes stock's torch.save file, dcp a DCP directory")
     p.add_argument("--quick", action="store_true", help="smoke run: width 1024 (64 MiB of state), N in 2 4")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory on disk)")
     p.add_argument("--out", default=str(HERE / "results"))
@@ -244,7 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def child_args(args: argparse.Namespace) -> list[str]:
     return ["--every", *map(str, args.every), "--saves", str(args.saves), "--baseline", str(args.baseline),
             "--warmup", str(args.warmup), "--width", str(args.width), "--layers", str(args.layers),
-            "--batch", str(args.batch), "--fb-ratio", str(args.fb_ratio)]
+            "--batch", str(args.batch), "--fb-ratio", str(args.fb_ratio), "--format", args.format]
 
 
 def main() -> None:

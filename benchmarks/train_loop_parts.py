@@ -203,7 +203,7 @@ class DCPStagingCallback(Callback):
 class Saver:
     """``plugins`` and ``callbacks`` for the Trainer; ``drain()`` waits until every save is durable."""
 
-    def __init__(self, name: str, clock: Clock) -> None:
+    def __init__(self, name: str, clock: Clock, fmt: str = "auto") -> None:
         self.name, self.clock, self.io = name, clock, None
         self.sync = name == "torch_save"
         self.plugins: list = []
@@ -216,7 +216,7 @@ class Saver:
 
             engine, worker, snapshot, *nice = name.split("_")  # "..._nice10": worker_nice=10
             options = {"worker_nice": int(nice[0].removeprefix("nice"))} if nice else {}
-            self.io = AsyncCheckpointIO(engine, worker=worker, snapshot=snapshot, **options)
+            self.io = AsyncCheckpointIO(engine, worker=worker, snapshot=snapshot, format=fmt, **options)
             self._wrap_ours()
             self.plugins, self.callbacks = [self.io], [AsyncFinalizerCallback()]
         elif name != "torch_save":
