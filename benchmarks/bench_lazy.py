@@ -20,7 +20,9 @@ does (and as the Trainer's hooks do):
 than the disk takes them: each save finds the previous write in flight. With ``max_pending=2`` (the
 default) eager takes a second staging copy and waits in the save call once two writes are in flight;
 lazy follows the write in flight into its one copy and waits before the optimizer step. **staged** is
-the most host staging memory seen (``staging_buffers()``), against the state's size.
+the most host staging memory seen (``staging_buffers()``), against the state's size. **iteration**: one
+save's whole iteration (save, forward and backward, wait, step, finalize): with ``--overlap``, the pace at
+which saves can follow each other, which the disk sets for both modes once the writes have piled up.
 
 Figures are medians over the saves after the first. **blocked** = save + wait: what training stops for.
 **floor**: one blocking copy of the whole state into buffers that already exist (on CPU a memcpy; with
@@ -90,7 +92,8 @@ def one(mode: str, size_gib: float, saves: int, batch: int, width: int, device: 
     tensors = [t for t in [*model.parameters(), *(v for st in opt.state.values() for v in st.values())] if t.dim()]
     out = {"mode": mode, "size_gib": size_gib, "device": device, "floor_s": floor_s(tensors, device), "state_mib": sum(t.numel() * 4 for t in model.parameters()) * 3 / MiB,
            "layers": layers, "width": width, "fwd_bwd_plain_s": statistics.median(plain),
-           "save_s": [], "wait_s": [], "fwd_bwd_s": [], "lazy_mib": [], "staged_mib": 0.0, "overlap": overlap}
+           "save_s": [], "wait_s": [], "fwd_bwd_s": [], "iteration_s": [], "lazy_mib": [], "staged_mib": 0.0,
+           "overlap": overlap}
     with tempfile.TemporaryDirectory(dir=".") as tmp, AsyncCheckpointIO("nvrx", snapshot=mode) as io:
         io.track_optimizers([opt])
         io.warmup(like=state(0))
@@ -107,6 +110,7 @@ def one(mode: str, size_gib: float, saves: int, batch: int, width: int, device: 
             staged = sum(b.numel() * b.element_size() for b in io.staging_buffers()) / MiB
             out["staged_mib"] = max(out["staged_mib"], staged)
             io.finalize(blocking=not overlap)
+            out["iteration_s"].append(time.perf_counter() - t0)  # with --overlap: the pace saves can keep
             if not overlap:
                 path.unlink()
             out["save_s"].append(t1 - t0)
@@ -145,19 +149,20 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(runs, indent=1))
     print(f"device: {args.device}{', a save after every step, writes overlapping' if args.overlap else ''}")
     print("| state | mode | save (s) | wait (s) | blocked = save + wait (s) | floor (s) | blocked / floor | fwd/bwd (s) |"
-          " fwd/bwd, no save (s) | copied lazily (MiB) | staged / state |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " fwd/bwd, no save (s) | copied lazily (MiB) | staged / state | iteration (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         for mode in ("eager", "lazy"):
             rs = [r for r in runs if r["size_gib"] == size and r["mode"] == mode]
             med = {k: statistics.median(v for r in rs for v in r[k][1:]) for k in ("save_s", "wait_s", "fwd_bwd_s", "lazy_mib")}
+            iteration = statistics.median(v for r in rs for v in r.get("iteration_s", [])[1:]) if "iteration_s" in rs[0] else None
             blocked = statistics.median(s + w for r in rs for s, w in zip(r["save_s"][1:], r["wait_s"][1:]))
             plain = statistics.median(r["fwd_bwd_plain_s"] for r in rs)
             floor = statistics.median(r["floor_s"] for r in rs)
             staged = max(r["staged_mib"] for r in rs) / rs[0]["state_mib"]
             print(f"| {rs[0]['state_mib']:.0f} MiB | {mode} | {med['save_s']:.4f} | {med['wait_s']:.4f} | {blocked:.4f} |"
                   f" {floor:.4f} | {blocked / floor:.3f}x | {med['fwd_bwd_s']:.3f} | {plain:.3f} | {med['lazy_mib']:.0f} |"
-                  f" {staged:.2f}x |")
+                  f" {staged:.2f}x | {'n/a' if iteration is None else f'{iteration:.3f}'} |")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from lightning_asyncckpt import direct_io, remote, shard_file
+from lightning_asyncckpt import direct_io, parent_watch, remote, shard_file
 from lightning_asyncckpt import gate as _gate
 from lightning_asyncckpt.errors import RankFailure
 
@@ -191,12 +191,16 @@ def report(result_path: str, outcome: dict[str, Any], t0: float) -> None:
     os.replace(tmp, result_path)
 
 
-def run_forked(started_fd: int, fn: Any, args: tuple, kwargs: dict, nice: int = 0) -> None:
+def run_forked(started_fd: int, fn: Any, args: tuple, kwargs: dict, nice: int = 0, trainer_pid: int | None = None,
+               scratch_dir: str | None = None) -> None:
     """Entry point of a fork-per-save writer: first tells the trainer it runs (it got past ``fork``),
-    then runs ``fn`` at CPU priority ``nice`` (:func:`lower_priority`)."""
+    then runs ``fn`` at CPU priority ``nice`` (:func:`lower_priority`), ending early if the trainer
+    ``trainer_pid`` exits first (:func:`parent_watch.exit_with`)."""
     before_start()
     os.write(started_fd, b"1")
     os.close(started_fd)
+    if trainer_pid is not None:
+        parent_watch.exit_with(trainer_pid, scratch_dir)
     lower_priority(nice)
     fn(*args, **kwargs)
 
@@ -216,15 +220,19 @@ def before_start() -> None:
     """(forked writer) Nothing; a test makes it hang, as a fork of a multi-threaded process can."""
 
 
-def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, **kwargs: Any) -> None:
+def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, trainer_pid: int | None = None,
+                scratch_dir: str | None = None, **kwargs: Any) -> None:
     """Entry point of the persistent worker: the engine's own loop, made to run without CUDA, at CPU
-    priority ``nice`` (:func:`lower_priority`).
+    priority ``nice`` (:func:`lower_priority`), until the trainer asks it to stop or the trainer
+    ``trainer_pid`` is gone (:func:`parent_watch.exit_with`: then ``scratch_dir`` is removed too).
 
     ``preload`` names modules the write jobs need; importing them here, while training has not
     reached its first save, keeps that cost out of the first save.
     """
     import importlib
 
+    if trainer_pid is not None:
+        parent_watch.exit_with(trainer_pid, scratch_dir)
     # The writer only reads host memory. Hiding the GPUs keeps it from creating a CUDA context (hundreds
     # of MB of device memory per rank) when an engine's loop pins a device, and runs it the same way on
     # GPU machines as on CPU ones. CUDA reads this at its first use, which has not happened yet.

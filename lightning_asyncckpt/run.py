@@ -116,11 +116,11 @@ class Run:
         """(writing ranks) The engine (its worker starts at the first write or ``warmup``), the results
         directory, and for rank 0 the leftovers of dead saves in ``dirpath`` removed, once per directory.
         A remote ``dirpath`` is checked instead (a missing bucket is an error here, at save time)."""
-        if self.engine is None:
-            self.engine = engines.create(self.engine_name, self.worker_mode, rank, self.worker_nice)
         if self.results_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             self.results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))
+        if self.engine is None:
+            self.engine = engines.create(self.engine_name, self.worker_mode, rank, self.worker_nice, str(self.results_dir))
         if isinstance(dirpath, str) and dirpath not in self.cleaned_dirs:
             remote.check_directory(dirpath)
             spool = remote.spool_root()

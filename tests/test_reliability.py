@@ -9,10 +9,18 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from helpers import combo_params, job_script, latest_raise_step, launch, run_ranks
 from lightning_asyncckpt import commit
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _launch(tmp_path, case, engine, worker, timeout, env=None):
@@ -34,7 +42,10 @@ def test_trainer_killed_mid_write_resumes_from_newest_committed(tmp_path, engine
         assert ready["pending"] == 2  # both step-12 writes are in flight
         os.kill(job.proc.pid, signal.SIGKILL)  # the trainer only: an orphaned writer must not commit anything
         job.proc.wait()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30  # ...and must not outlive it, holding the staging memory
+        while not all(_gone(pid) for pid in ready["workers"]):
+            assert time.monotonic() < deadline, f"writers {ready['workers']} outlived their killed trainer"
+            time.sleep(0.05)
         entries = sorted(os.listdir(out / "c"))
         assert [e for e in entries if not e.startswith(".")] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     with _launch(tmp_path, "resume", engine, worker, 180) as job:

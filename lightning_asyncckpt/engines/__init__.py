@@ -76,12 +76,17 @@ def parse_worker(worker: str) -> WorkerMode:
     return _parse(worker, WorkerMode, "worker")
 
 
-def create(name: EngineName, worker: WorkerMode, rank: int, nice: int = 0) -> Engine:
-    """The engine, its writer processes to run at CPU priority ``nice``."""
+def create(name: EngineName, worker: WorkerMode, rank: int, nice: int = 0, scratch_dir: str | None = None) -> Engine:
+    """The engine, its writer processes to run at CPU priority ``nice``. ``scratch_dir``: the run's results
+    directory, which a writer removes when it outlives its trainer (:mod:`lightning_asyncckpt.parent_watch`)."""
+    engine: Engine
     if name is EngineName.NVRX:
         from lightning_asyncckpt.engines.nvrx import NvrxEngine
 
-        return NvrxEngine(worker.value, rank, nice)
-    from lightning_asyncckpt.engines.mcore import McoreEngine
+        engine = NvrxEngine(worker.value, rank, nice)
+    else:
+        from lightning_asyncckpt.engines.mcore import McoreEngine
 
-    return McoreEngine(worker.value, rank, nice)
+        engine = McoreEngine(worker.value, rank, nice)
+    engine.scratch_dir = scratch_dir
+    return engine

@@ -54,6 +54,8 @@ class Engine:
         self.split_by_size = filesystem._split_by_size_and_type
         self.persistent = worker == "persistent"
         self.rank, self.nice = rank, nice  # nice: the writer processes' CPU priority
+        # the run's scratch directory (results, gates): removed by a writer whose trainer is gone (parent_watch)
+        self.scratch_dir: str | None = None
         self._caller: Any = None
         self._next_idx = 0
 
@@ -151,7 +153,7 @@ class Engine:
                 "torch.distributed.checkpoint.planner",
                 self.writer_cls.__module__,
             )
-            self._caller.rank, self._caller.nice = self.rank, self.nice
+            self._caller.rank, self._caller.nice, self._caller.scratch_dir = self.rank, self.nice, self.scratch_dir
             self._caller._started_tracker = started_tracker
         return self._caller
 
@@ -159,7 +161,7 @@ class Engine:
         if self._caller is None:
             cls = type(f"{self.name.title()}TemporalCaller", (TemporalMixin, self.core.TemporalAsyncCaller), {})
             self._caller = cls()
-            self._caller.nice = self.nice
+            self._caller.nice, self._caller.scratch_dir = self.nice, self.scratch_dir
         return self._caller
 
 

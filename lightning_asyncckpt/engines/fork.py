@@ -21,6 +21,7 @@ class TemporalMixin:
     """Fork per save: a copy-on-write snapshot of the trainer for the cost of a ``fork``."""
 
     nice: int = 0  # the writer's CPU priority (``AsyncCheckpointIO(worker_nice=...)``)
+    scratch_dir: str | None = None  # removed by the writer if it outlives the trainer
 
     def schedule_fork(self, async_req: Any, start_s: float, attempts: int) -> Any:
         """Forks the writer and returns once it runs (inside the save, so the snapshot is still this step's).
@@ -35,7 +36,7 @@ class TemporalMixin:
             proc = ctx.Process(
                 target=_worker.run_forked,
                 args=(started_w, async_req.async_fn, tuple(async_req.async_fn_args),
-                      dict(async_req.async_fn_kwargs or {}), self.nice),  # kwargs: None in nvrx 0.7
+                      dict(async_req.async_fn_kwargs or {}), self.nice, os.getpid(), self.scratch_dir),  # kwargs: None in nvrx 0.7
                 daemon=True,
                 name="asyncckpt-fork",
             )

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -86,6 +87,7 @@ class PersistentMixin:
     comp_q: Any
     process: Any
     nice: int = 0  # the worker's CPU priority (``AsyncCheckpointIO(worker_nice=...)``)
+    scratch_dir: str | None = None  # removed by the worker if it outlives the trainer
 
     def start_worker(self, rank: int) -> None:
         if self.process is not None:
@@ -116,7 +118,7 @@ class PersistentMixin:
         with _no_main_reimport():
             self.process = ctx.Process(
                 target=_worker.engine_loop,
-                args=(loop, self._preload_modules, self._ready, self.nice),
+                args=(loop, self._preload_modules, self._ready, self.nice, os.getpid(), self.scratch_dir),
                 kwargs=kwargs,
                 daemon=True,
                 name="asyncckpt-worker",
