@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -82,8 +83,6 @@ def test_a_writer_whose_trainer_is_killed_exits_and_removes_the_scratch_dir(tmp_
 
 def test_the_watch_returns_at_once_for_a_process_already_gone():
     from lightning_asyncckpt import parent_watch
-
-    import threading
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(30)
