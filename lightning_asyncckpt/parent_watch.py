@@ -48,7 +48,9 @@ def wait_for_exit(pid: int) -> None:
         # A pidfd opened after the trainer died could name a new process that reused its pid: that the
         # parent is still the trainer, checked after the open, rules it out.
         if fd is not None and os.getppid() == pid:
-            select.select([fd], [], [])  # readable once the process has exited; no wake-ups before
+            waiter = select.poll()  # not select(): no limit on the descriptor's number
+            waiter.register(fd, select.POLLIN)
+            waiter.poll()  # readable once the process has exited; no wake-ups before
             return
         while os.getppid() == pid:  # an orphan is re-parented (to init or a subreaper) when its parent exits
             time.sleep(POLL_S)
