@@ -22,6 +22,7 @@ from typing import Any
 from lightning_asyncckpt import direct_io, parent_watch, remote, shard_file
 from lightning_asyncckpt import gate as _gate
 from lightning_asyncckpt.errors import RankFailure
+from lightning_asyncckpt.faults import after_write
 
 
 def _describe(exc: BaseException, buckets: list) -> dict[str, Any]:
@@ -171,6 +172,8 @@ def write_job(
             _write_file(path, data)
         if upload is not None:
             remote.upload_dir(*upload)
+        if hook is not None:
+            after_write(hook, buckets)
     except BaseException as e:  # noqa: BLE001
         outcome = {"ok": False, **_describe(e, buckets)}
     report(result_path, outcome, t0)

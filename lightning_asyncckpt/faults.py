@@ -22,7 +22,8 @@ class SaveFaults:
     """What to break in one save.
 
     Attributes:
-        worker_hook: picklable; the writer process calls it with the save's buckets before writing.
+        worker_hook: picklable; the writer process calls it with the save's buckets before writing, and its
+            ``written(buckets)``, where it has one, once every byte is written, before it reports.
         at_snapshot: called in the trainer before it takes the snapshot, with the path.
         at_handover: called in the trainer right before it hands the planned write to the worker.
         before_metadata: called by the coordinator before it writes ``.metadata``, with the path.
@@ -68,12 +69,24 @@ def with_hook(faults: SaveFaults, hook: Any) -> Any:
     return ChainedHooks(hooks)
 
 
+def after_write(hook: Any, buckets: list) -> None:
+    """(writer) Runs a writer hook's second point, ``hook.written(buckets)``, if it has one: every byte of the
+    save is written and its files are closed, but the trainer has not been told yet."""
+    written = getattr(hook, "written", None)
+    if written is not None:
+        written(buckets)
+
+
 @dataclass(frozen=True)
 class ChainedHooks:
-    """Several picklable writer hooks, run in order."""
+    """Several picklable writer hooks, run in order (at both points, :func:`after_write`)."""
 
     hooks: tuple
 
     def __call__(self, buckets: list) -> None:
         for hook in self.hooks:
             hook(buckets)
+
+    def written(self, buckets: list) -> None:
+        for hook in self.hooks:
+            after_write(hook, buckets)

@@ -12,8 +12,9 @@ opens once it is proven (:mod:`lightning_asyncckpt.gate`), so that it starts as 
 collective save's is handed over at the wait.
 
 When the previous save's write still reads the only staging copy, a lazy save follows it into that copy
-(:mod:`lightning_asyncckpt.buffer_pool`) instead of taking a second one: its background copy first waits
-for that write to end (:func:`after_write`), so training waits for it only before the optimizer step.
+(:mod:`lightning_asyncckpt.buffer_pool`) instead of taking a second one: its background copy overwrites
+each tensor once that write has handed it back (:mod:`lightning_asyncckpt.handback`), so the copy runs
+right behind the write, and training waits for them only before the optimizer step.
 
 The rule (:class:`TrackedState`): a tensor of the checkpoint is copied lazily when it holds at least
 :data:`LAZY_MIN_BYTES` and is exactly (same storage, offset, shape, stride, dtype) a parameter of a
@@ -35,13 +36,13 @@ that way between a save and the next optimizer step needs ``snapshot="eager"``.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_asyncckpt.handback import Follow, FollowFailed
 
 SNAPSHOT_MODES = ("eager", "lazy")
 
@@ -106,15 +107,15 @@ class BackgroundCopy:
 
     Made on the training thread at save time, which is when the watched tensors' versions are read. CUDA sources
     are copied on a side stream ordered after the work queued before the save (an event recorded now).
-    ``before`` runs first in the thread and returns why the copy cannot run, or ``None`` once it may
-    (:func:`after_write`: the buffers are still read by the write before this save). ``hook`` (tests:
-    :class:`lightning_asyncckpt.testing.HoldCopy`) runs next, before it copies. ``gate``
+    ``hook`` (tests: :class:`lightning_asyncckpt.testing.HoldCopy`) runs first in the thread. ``follow``
+    (:class:`lightning_asyncckpt.handback.Follow`: the buffers are still read by the write before this
+    save) says which tensors may be copied yet; the others wait for it to hand them back. ``gate``
     (:class:`lightning_asyncckpt.gate.Gate`, for a write handed to the worker already) is decided by the
     thread as it ends: ``go`` once every tensor is copied and proven unchanged, ``skip`` on any problem.
     """
 
-    def __init__(self, items: list[Any], hook: Callable[[], None] | None = None,
-                 before: Callable[[threading.Event], str | None] | None = None, gate: Any = None):
+    def __init__(self, items: list[Any], hook: Callable[[], None] | None = None, follow: Follow | None = None,
+                 gate: Any = None):
         self.items = items
         # what is copied after the save call returned (items without a watch were copied privately at save time)
         self.nbytes = sum(d.source.numel() * d.source.element_size() for d in items if d.watch)
@@ -122,7 +123,7 @@ class BackgroundCopy:
         devices = {d.source.device for d in items if d.source.device.type == "cuda"}
         # the kernels that produced the sources are queued on the training thread's current stream
         self._events = {d: torch.cuda.current_stream(d).record_event() for d in devices}
-        self._hook, self._before, self._gate = hook, before, gate
+        self._hook, self._follow, self._gate = hook, follow, gate
         self._cancelled = threading.Event()
         self._problem: str | None = None
         self.problem_type = "TornSnapshot"  # the error type of ``wait``'s problem
@@ -151,30 +152,35 @@ class BackgroundCopy:
 
     def _copy(self) -> None:
         try:
-            if self._before is not None:
-                self._problem = self._before(self._cancelled)
-                if self._problem is not None:
-                    self.problem_type = "TimeoutError"  # the write before it never ended (or the save was dropped)
-                    return
             if self._hook is not None:
                 self._hook()
             streams = {d: torch.cuda.Stream(device=d) for d in self._events}
             for d, side in streams.items():
                 side.wait_event(self._events[d])
-            on_device = []
-            for i, (_, src, buf, _) in enumerate(self.items):
-                if src.device.type == "cuda":
-                    side = streams[src.device]
-                    with torch.cuda.stream(side):
-                        buf.copy_(src, non_blocking=True)
-                    on_device.append(i)
-                    continue
-                buf.copy_(src)
-                if self._torn(i):  # checked right after its copy: a later change cannot tear it
-                    return
+            on_device, left = [], list(range(len(self.items)))
+            while left:
+                now = left
+                if self._follow is not None:  # only what the write before it has handed back
+                    free = set(self._follow.free([self.items[i].name for i in left], self._cancelled))
+                    now = [i for i in left if self.items[i].name in free]
+                    left = [i for i in left if self.items[i].name not in free]
+                else:
+                    left = []
+                for i in now:
+                    _, src, buf, _ = self.items[i]
+                    if src.device.type == "cuda":
+                        with torch.cuda.stream(streams[src.device]):
+                            buf.copy_(src, non_blocking=True)
+                        on_device.append(i)
+                        continue
+                    buf.copy_(src)
+                    if self._torn(i):  # checked right after its copy: a later change cannot tear it
+                        return
             for side in streams.values():
                 side.synchronize()
             any(self._torn(i) for i in on_device)
+        except FollowFailed as e:  # the write before it never ended (or the save was dropped): not torn
+            self._problem, self.problem_type = str(e), "TimeoutError"
         except BaseException as e:  # noqa: BLE001 - reported by wait(), on the training thread
             self._problem = f"the lazy snapshot copy failed: {type(e).__name__}: {e}"
 
@@ -190,30 +196,6 @@ class BackgroundCopy:
         return not self._thread.is_alive()
 
     def cancel(self) -> None:
-        """(the training thread, on the way out) A copy still waiting in ``before`` gives up (its save is
-        dropped); one already copying finishes."""
+        """(the training thread, on the way out) A copy still waiting for the write before it gives up (its
+        save is dropped; what it copied was handed back, so that write is whole); one copying finishes."""
         self._cancelled.set()
-
-
-FOLLOW_POLL_S = 0.005  # how often a copy waiting for the write before it looks for that write's report
-
-
-def after_write(ready: threading.Event, report: Path, timeout_s: float) -> Callable[[threading.Event], str | None]:
-    """A ``before`` for :class:`BackgroundCopy` whose buffers the write before it still reads
-    (:mod:`lightning_asyncckpt.buffer_pool`): it waits until that write's lease is released (``ready``, set
-    on the training thread) or its worker has reported (``report`` exists: the worker reports only once it
-    no longer reads the buffers), so that the copy starts as soon as the write ends, during the next
-    forward and backward. Bounded by ``timeout_s``; a cancelled wait returns at once."""
-
-    def wait(cancelled: threading.Event) -> str | None:
-        deadline = time.monotonic() + timeout_s
-        while not ready.wait(FOLLOW_POLL_S):
-            if report.exists():
-                return None
-            if cancelled.is_set():
-                return "the save was dropped while its lazy snapshot waited for the write before it"
-            if time.monotonic() > deadline:
-                return f"the write before this save did not end within timeout_s={timeout_s:g}s"
-        return None
-
-    return wait

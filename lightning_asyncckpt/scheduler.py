@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_asyncckpt import commit, lazy, paths, poller, remote, staging, torch_file, write_jobs
+from lightning_asyncckpt import commit, handback, lazy, paths, poller, remote, staging, torch_file, write_jobs
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.failures import Failed, filesystem_failures
@@ -184,21 +184,22 @@ def schedule(
             skeleton = _serialize(snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
         shape = torch_file.layout(request.checkpoint) if request.writes_file else None  # metadata only
         ready = HandOver(request, snapshot, run.order, tmp, rank, skeleton, shape, write_hook)
-        before = None
+        follow = None
         if snapshot.deferred:
             if not request.writes_file:  # planning reads shapes, not values: now, while every rank is here
                 ready.planned = write_jobs.plan_dcp(run, agreement, settings, ready)
-            before = _before_copy(run, settings, ready)  # the write it follows: found before this one is pending
+            follow = _follow(run, settings, ready)  # the write it follows: found before this one is pending
     except BaseException:
         _drop(run, request, tmp, snapshot)
         raise
     if not snapshot.deferred:
         hand_over(run, agreement, settings, ready, time.perf_counter() - request.started)
         return
-    _start_copy(run, agreement, settings, ready, before)
+    _start_copy(run, agreement, settings, ready, follow)
 
 
-def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandOver, before: Any) -> None:
+def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandOver,
+                follow: handback.Follow | None) -> None:
     """Starts a lazy snapshot's background copy (``run.copying`` until :func:`finish_copy`). A single-writer
     save is handed to the worker first, behind a gate the copy opens once it is proven (``gate.py``), so
     that its write starts the moment its bytes are copied, not at the next optimizer step. A collective
@@ -212,7 +213,7 @@ def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandO
         ready.pending = hand_over(run, agreement, settings, ready, 0.0, gate)  # raises having dropped the save
         ready.pending.gate, ready.pending.behind_gate = gate, True
     try:
-        ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook, before, gate)
+        ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook, follow, gate)
     except BaseException:
         if ready.pending is None:
             _drop(run, request, ready.tmp, snapshot)
@@ -228,15 +229,16 @@ def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandO
     log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", request.path, ready.copy.nbytes)
 
 
-def _before_copy(run: Run, settings: Settings, ready: HandOver) -> Any:
-    """What the lazy copy waits for first: nothing, or the write whose buffers it follows into."""
+def _follow(run: Run, settings: Settings, ready: HandOver) -> handback.Follow | None:
+    """What the lazy copy waits for: nothing, or the write whose buffers it follows into (tensor by tensor,
+    as that write hands them back)."""
     lease = ready.snapshot.buffer_set
     if lease is None or lease.ready.is_set():
         return None
     newest = _newest_write(run)
     assert newest is not None and newest.buffer_set.buffer_set is lease.buffer_set
     ready.follows = newest.order
-    return lazy.after_write(lease.ready, newest.result_path, settings.timeout_s)
+    return handback.Follow(lease.ready, newest.result_path, newest.handback, lease.buffers, settings.timeout_s)
 
 
 def _lazy_rule(run: Run, settings: Settings) -> staging.Defer | None:
@@ -268,9 +270,12 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
     request, snapshot = ready.request, ready.snapshot
     result_path = run.results_dir / f"{ready.order}.result"
     gated = (gate.path, settings.timeout_s) if gate is not None else None
+    # a local file write hands its tensors back as it goes, for a lazy save that may follow it (handback.py)
+    back = handback.Written.of(run.results_dir / f"{ready.order}.released", snapshot.tensors) \
+        if request.writes_file and isinstance(ready.tmp, Path) else None
     try:
         if request.writes_file:
-            ticket, plan = write_jobs.file_job(run, ready, result_path, gated), None
+            ticket, plan = write_jobs.file_job(run, ready, result_path, gated, back), None
         else:
             planned = ready.planned or write_jobs.plan_dcp(run, agreement, settings, ready)
             ticket, plan = write_jobs.dcp_job(run, ready, planned, result_path, gated), planned.plan
@@ -283,6 +288,7 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
         result_path=result_path, buffer_set=snapshot.buffer_set, stall_s=stall_s,
         nbytes=snapshot.nbytes, step=request.step, collective=request.collective, faults=request.faults,
         writes_file=request.writes_file, call=request.call, lazy_nbytes=ready.copy.nbytes if ready.copy else 0,
+        handback=back,
     )
     run.pending.append(save)
     log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", request.path, snapshot.nbytes, save.stall_s)
@@ -354,5 +360,5 @@ def _wait_for_buffers(run: Run, settings: Settings, rank: int, ready: HandOver, 
     while not lease.ready.is_set() and not ready.copy.done() and time.monotonic() < deadline:
         poller.settle_local(run, settings, rank, blocking=False)
         lease.ready.wait(settings.poll_interval_s)
-    if not lease.ready.is_set():
+    if not lease.ready.is_set() and not ready.copy.done():
         ready.copy.cancel()  # one that has not started gives up; one that has finishes

@@ -268,14 +268,32 @@ class HoldWrite:
         hold.wait_started()  # the writer has the save
         ...                  # the write is in flight for sure
         hold.release()
+
+    ``at="end"`` holds each write at its other end instead: every byte is written and the files closed,
+    but the trainer is not told yet (a slow final flush or upload acknowledgement). ``started_file`` then
+    says that a write got there.
     """
 
     release_file: str
     started_file: str | None = None
     timeout_s: float = 120.0
     poll_s: float = 0.005
+    at: str = "start"
+
+    def __post_init__(self) -> None:
+        if self.at not in ("start", "end"):
+            raise ValueError(f'HoldWrite(at={self.at!r}): use "start" (before the first byte) or "end" (after the last)')
 
     def __call__(self, buckets: list) -> None:
+        if self.at == "start":
+            self._hold()
+
+    def written(self, buckets: list) -> None:
+        """(writer) Every byte of the save is written: held here with ``at="end"``."""
+        if self.at == "end":
+            self._hold()
+
+    def _hold(self) -> None:
         if self.started_file:
             with open(self.started_file, "a"):
                 pass

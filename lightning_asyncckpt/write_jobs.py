@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_asyncckpt import _worker, commit, dcp_format, torch_file
+from lightning_asyncckpt import _worker, commit, dcp_format, handback, torch_file
 from lightning_asyncckpt.agreement import Agreement
 from lightning_asyncckpt.faults import with_hook
 from lightning_asyncckpt.layout import Layout
@@ -33,8 +33,10 @@ class DcpPlan:
 
 
 
-def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, float] | None) -> Any:
-    r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU."""
+def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, float] | None,
+             back: handback.Written | None = None) -> Any:
+    r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU.
+    ``back``: where it hands the staged tensors back as it writes them (:mod:`lightning_asyncckpt.handback`)."""
     assert run.engine is not None and ready.skeleton is not None and ready.shape is not None
     # The non-tensor state was serialized at save time, once: it is then a snapshot of this step (the
     # worker's queue would pickle it later, in a feeder thread, while training may change a leaf object).
@@ -43,7 +45,7 @@ def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, floa
     return run.engine.schedule(torch_file.write_file_job, (
         ready.skeleton, ready.snapshot.tensors, str(ready.tmp), str(result_path),
         with_hook(request.faults, ready.write_hook), ready.shape.aliases, ready.shape.locations, ready.shape.same_object,
-        gate,
+        gate, str(back.path) if back is not None else None,
     ))
 
 

@@ -406,6 +406,41 @@ def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path)
     assert [r.lazy_nbytes > 0 for r in io.history] == [True, True]
 
 
+def test_a_following_copy_runs_behind_the_write_not_after_its_report(tmp_path):
+    """The write before it hands each tensor back once it has read it (``handback``): the follower's copy
+    ends while that write has not reported yet (held at its end, every byte written), and both checkpoints
+    hold their own step's values."""
+    model, opt, forward_backward = _fabric_loop_parts()
+    forward_backward()
+    opt.step()
+    _, tensors = staging.split(_torch_state(model, opt, 0))
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    # held far longer than the copy needs; without the hand-back the follower waits out this hold
+    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "written"), at="end", timeout_s=20)
+    with _lazy_io() as io:
+        io.track_optimizers([opt])
+        io.write_hook = hold
+        first = clone_tree(_torch_state(model, opt, 1))
+        io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "c" / "a")
+        io.wait_for_snapshot()
+        hold.wait_started()  # every byte of a is written; a has not reported
+        forward_backward()
+        opt.step()
+        second = clone_tree(_torch_state(model, opt, 2))
+        io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")
+        assert io.num_pending == 2 and _staged_bytes(io) == state_bytes  # b follows a into its one copy
+        forward_backward()
+        io.wait_for_snapshot()  # b's copy is done ...
+        assert io.num_pending == 2  # ... while a is still held, unreported (it would have failed at 20 s)
+        hold.release()
+        opt.step()  # changes nothing b holds
+        io.finalize(blocking=True)
+        assert _staged_bytes(io) == state_bytes
+    for name, expected in (("a", first), ("b", second)):
+        assert_tree_equal(io.load_checkpoint(tmp_path / "c" / name, weights_only=False), expected, name)
+    assert [r.lazy_nbytes > 0 for r in io.history] == [True, True]
+
+
 @pytest.mark.slow  # make test-all
 @pytest.mark.parametrize("failure", ["worker_dies", "write_hangs"])
 def test_a_lazy_save_following_a_write_that_fails_still_commits(tmp_path, failure):
