@@ -65,6 +65,7 @@ class Releases:
         self._next = 0  # how many of ``_order`` are handed back
         self._upto = 0  # the consumed prefix of the file
         self._fd: int | None = None
+        self._broken = False  # the file could not be written: nothing more is handed back
 
     def recorded(self, starts: Sequence[int], parts: Sequence[Any]) -> None:
         """Where each staged tensor's bytes lie in the recorded file (``direct_io.Recorded``'s parts:
@@ -109,14 +110,19 @@ class Releases:
         while self._next < len(self._order) and self._order[self._next][0] <= self._upto:
             done.append(self._order[self._next][1])
             self._next += 1
-        if not done:
+        if not done or self._broken:
             return
-        if self._fd is None:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-            self._fd = os.open(self.path, flags, 0o600)
-        # one write() per batch: appends are whole records, and the syscall orders the writer threads'
-        # reads of the handed-back bytes before the trainer can see the indices
-        os.write(self._fd, b"".join(_INDEX.pack(i) for i in done))
+        try:
+            if self._fd is None:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+                self._fd = os.open(self.path, flags, 0o600)
+            # one write() per batch: appends are whole records, and the syscall orders the writer threads'
+            # reads of the handed-back bytes before the trainer can see the indices
+            os.write(self._fd, b"".join(_INDEX.pack(i) for i in done))
+        except OSError:
+            # the hand-back is an optimization: without it the follower waits for the report, so a
+            # failure here must never fail the checkpoint's write
+            self._broken = True
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,12 @@ def test_a_cancelled_or_endless_wait_fails_without_hanging(tmp_path):
         Follow(threading.Event(), tmp_path / "1.result", written, buffers, timeout_s=60).free(["a"], cancelled)
     with pytest.raises(FollowFailed, match="timeout_s=0.05s"):
         Follow(threading.Event(), tmp_path / "1.result", written, buffers, timeout_s=0.05).free(["a"], threading.Event())
+
+
+def test_a_hand_back_that_cannot_be_written_never_fails_the_write(tmp_path):
+    """The hand-back is an optimization: where its file cannot be written, the checkpoint is written all the
+    same (a follower then waits for the write's report)."""
+    state = {"big": torch.randn(3_000_000)}
+    skeleton, tensors = staging.split(state)
+    torch_file.write_file(skeleton, tensors, tmp_path / "ckpt", released=str(tmp_path / "gone" / "1.released"))
+    assert torch.equal(torch.load(tmp_path / "ckpt", weights_only=True)["big"], state["big"])
