@@ -21,7 +21,9 @@ and every batch-end hook, the save call included). A *save period* is the N step
 save to the next save's step (its call included); each phase's first save, with no earlier write in
 flight, only ends the baseline. Per phase:
 
-- **overhead per save** = time of a save period - N x the median baseline step, medianed over periods;
+- **overhead per save** = time of a save period - N x the median baseline step, medianed over periods. The
+  baseline steps are those of every baseline block of the process pooled: before each phase and after the
+  last (runs before 2026-12-02 15:00 used their phase's own block, so one disturbed block skewed a phase);
 - **blocked**: what the training thread waits for per save: the save call (``trainer.save_checkpoint``)
   plus the waits before the optimizer step (a lazy snapshot's copy, DCP's staging);
 - **to commit**: from the save call to the moment the save is durable (ours: committed by the finalize
@@ -100,7 +102,8 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     floor = memcpy_floor(like)
     del like
     phases = parts.plan(args.every, args.warmup, args.baseline, args.saves)
-    steps = phases[-1]["drain"] + 1
+    after = parts.tail(phases, args.baseline)
+    steps = after[1] + 1  # the tail's last step is timed to the next one's start
     clock = parts.Clock()
     saver = parts.Saver(name, clock, fmt=args.format)
     dirs = {ph["every"]: str(workdir / f"every{ph['every']}") for ph in phases} | {0: str(workdir / "warm")}
@@ -117,6 +120,8 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     probe_floor = state_bytes / probe(workdir, state_bytes, direct=True)  # every save is durable: the disk is quiet
     by_batch = {rec["batch"]: rec for rec in clock.saves.values()}
     out = []
+    pool = [timer.interval(b) for r in [*(ph["base"] for ph in phases), after] for b in range(*r)]
+    pooled = statistics.median(pool)
     for ph in phases:
         n, (b0, b1) = ph["every"], ph["base"]
         base = [timer.interval(b) for b in range(b0, b1)]
@@ -127,9 +132,9 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict:
         cpu = timer.cpu.get(n, [])
         writer_cpu = cpu[1] - cpu[0] if len(cpu) == 2 else None
         out.append({
-            "every": n, "base_step_s": base_med, "base_steps": len(base),
+            "every": n, "base_step_s": pooled, "phase_base_step_s": base_med, "base_steps": len(pool),
             "fwd_bwd_s": statistics.median(timer.fwd_bwd[b] for b in range(b0, b1)),
-            "periods_s": periods, "overheads_s": [p - n * base_med for p in periods],
+            "periods_s": periods, "overheads_s": [p - n * pooled for p in periods],
             "saves": saves, "writer_cpu_s": writer_cpu, "written_bytes": state_bytes * len(ph["saves"]),
         })
     return {"variant": name, "format": args.format, "state_bytes": state_bytes, "memcpy_floor_s": floor, "probe_floor_s": probe_floor,

@@ -285,6 +285,14 @@ def plan(every: list[int], warmup: int, baseline: int, saves: int) -> list[dict]
     return phases
 
 
+def tail(phases: list[dict], baseline: int) -> tuple[int, int]:
+    """The batch range [start, end) of the baseline steps after the last phase's drain: every overhead is
+    measured against the baseline steps before, between and after the phases together, so that one
+    baseline block disturbed by something else on the machine does not skew a whole phase."""
+    start = phases[-1]["drain"] + 1
+    return start, start + baseline
+
+
 class PhaseCheckpoint(ModelCheckpoint):
     """Stock ``ModelCheckpoint(every_n_train_steps=N, save_top_k=1)``, active only in its phase's batches."""
 

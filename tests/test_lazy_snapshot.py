@@ -373,16 +373,23 @@ def _staged_bytes(io):
     return sum(b.numel() * b.element_size() for b in io.staging_buffers())
 
 
-def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path):
-    """A lazy save that finds the only staging copy still being written takes no second copy: its copy waits
-    for that write, off the save call, and neither checkpoint is torn (the first holds its own step's values,
-    not the second's; the second its own step's, not the step after the wait)."""
+@pytest.mark.parametrize("held_at", ["start", "end"])
+def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path, held_at):
+    """A lazy save that finds the only staging copy still being written takes no second copy: its copy follows
+    that write, off the save call, and neither checkpoint is torn (the first holds its own step's values, not
+    the second's; the second its own step's, not the step after the wait).
+
+    The write before it is held before its first byte, or after its last (``held_at="end"``): it hands each
+    tensor back once it has read it (``handback``), so the follower's copy then ends while that write is
+    still unreported, instead of waiting for its report."""
     model, opt, forward_backward = _fabric_loop_parts()
     forward_backward()
     opt.step()
     _, tensors = staging.split(_torch_state(model, opt, 0))
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "started"))
+    # held at the end far longer than the copy needs: without the hand-back the follower waits out the hold
+    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "started"), at=held_at,
+                             timeout_s=20 if held_at == "end" else 120)
     with _lazy_io() as io:
         io.track_optimizers([opt])
         io.write_hook = hold
@@ -393,46 +400,15 @@ def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path)
         forward_backward()
         opt.step()
         second = clone_tree(_torch_state(model, opt, 2))
-        io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")  # returns: its copy waits for a's write
+        io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")  # returns: its copy follows a's write
         assert io.num_pending == 2 and _staged_bytes(io) == state_bytes
         forward_backward()
-        hold.release()
-        io.wait_for_snapshot()  # a's write ends, then b's copy runs
-        opt.step()  # changes nothing b holds
-        io.finalize(blocking=True)
-        assert _staged_bytes(io) == state_bytes
-    for name, expected in (("a", first), ("b", second)):
-        assert_tree_equal(io.load_checkpoint(tmp_path / "c" / name, weights_only=False), expected, name)
-    assert [r.lazy_nbytes > 0 for r in io.history] == [True, True]
-
-
-def test_a_following_copy_runs_behind_the_write_not_after_its_report(tmp_path):
-    """The write before it hands each tensor back once it has read it (``handback``): the follower's copy
-    ends while that write has not reported yet (held at its end, every byte written), and both checkpoints
-    hold their own step's values."""
-    model, opt, forward_backward = _fabric_loop_parts()
-    forward_backward()
-    opt.step()
-    _, tensors = staging.split(_torch_state(model, opt, 0))
-    state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    # held far longer than the copy needs; without the hand-back the follower waits out this hold
-    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "written"), at="end", timeout_s=20)
-    with _lazy_io() as io:
-        io.track_optimizers([opt])
-        io.write_hook = hold
-        first = clone_tree(_torch_state(model, opt, 1))
-        io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "c" / "a")
-        io.wait_for_snapshot()
-        hold.wait_started()  # every byte of a is written; a has not reported
-        forward_backward()
-        opt.step()
-        second = clone_tree(_torch_state(model, opt, 2))
-        io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")
-        assert io.num_pending == 2 and _staged_bytes(io) == state_bytes  # b follows a into its one copy
-        forward_backward()
-        io.wait_for_snapshot()  # b's copy is done ...
-        assert io.num_pending == 2  # ... while a is still held, unreported (it would have failed at 20 s)
-        hold.release()
+        if held_at == "start":
+            hold.release()
+        io.wait_for_snapshot()  # b's copy is done
+        if held_at == "end":
+            assert io.num_pending == 2  # ... while a is still held, unreported (it would have failed at 20 s)
+            hold.release()
         opt.step()  # changes nothing b holds
         io.finalize(blocking=True)
         assert _staged_bytes(io) == state_bytes
