@@ -27,7 +27,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,17 +168,22 @@ class Follow:
                 buf = buffers.get(name)
                 if buf is not None and buf.data_ptr() == address:
                     self._held[i] = name
-        self._held_names = set(self._held.values())
+        self._unread: set[str] | None = None if written is None else set(self._held.values())
 
-    def free(self, names: Sequence[str], cancelled: threading.Event) -> list[str]:
-        """Blocks until at least one of ``names`` may be overwritten; returns those that may. Raises
-        :class:`FollowFailed` when ``cancelled`` is set or the write has not ended within ``timeout_s``."""
+    def free(self, names: Collection[str], cancelled: threading.Event) -> list[str]:
+        """Blocks until at least one of ``names`` may be overwritten, and returns those that became free since
+        the last call (all of them once the write has ended): each call costs what it returns, not what is
+        left. Raises :class:`FollowFailed` when ``cancelled`` is set or the write has not ended within
+        ``timeout_s``."""
         while True:
             if not self._ended:
                 self._ended = self._ready.is_set() or self._report.exists()
-            if not self._ended:
-                self._take_handed_back()
-            out = [n for n in names if self._ended or (self._written is not None and n not in self._held_names)]
+            if self._ended:
+                return list(names)
+            out = []
+            if self._unread is not None:  # the first call: what the write never reads is free at once
+                out, self._unread = [n for n in names if n not in self._unread], None
+            out += [n for n in self._take_handed_back() if n in names]
             if out:
                 return out
             if cancelled.is_set():
@@ -187,18 +192,16 @@ class Follow:
                 raise FollowFailed(f"the write before this save did not end within timeout_s={self._timeout_s:g}s")
             self._ready.wait(POLL_S)
 
-    def _take_handed_back(self) -> None:
+    def _take_handed_back(self) -> list[str]:
+        """The names handed back since the last look."""
         if self._written is None:
-            return
+            return []
         try:
             with open(self._written.path, "rb") as f:
                 f.seek(self._read)
                 data = f.read()
         except FileNotFoundError:
-            return
+            return []
         whole = len(data) - len(data) % _INDEX.size  # a record being appended is read next time
         self._read += whole
-        for (i,) in _INDEX.iter_unpack(data[:whole]):
-            name = self._held.pop(i, None)
-            if name is not None:
-                self._held_names.discard(name)
+        return [name for (i,) in _INDEX.iter_unpack(data[:whole]) if (name := self._held.pop(i, None)) is not None]

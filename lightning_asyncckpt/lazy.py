@@ -157,15 +157,12 @@ class BackgroundCopy:
             streams = {d: torch.cuda.Stream(device=d) for d in self._events}
             for d, side in streams.items():
                 side.wait_event(self._events[d])
-            on_device, left = [], list(range(len(self.items)))
+            on_device, left = [], {d.name: i for i, d in enumerate(self.items)}
             while left:
-                now = left
                 if self._follow is not None:  # only what the write before it has handed back
-                    free = set(self._follow.free([self.items[i].name for i in left], self._cancelled))
-                    now = [i for i in left if self.items[i].name in free]
-                    left = [i for i in left if self.items[i].name not in free]
+                    now = [left.pop(n) for n in self._follow.free(left.keys(), self._cancelled) if n in left]
                 else:
-                    left = []
+                    now, left = list(left.values()), {}
                 for i in now:
                     _, src, buf, _ = self.items[i]
                     if src.device.type == "cuda":
