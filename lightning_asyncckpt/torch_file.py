@@ -208,6 +208,7 @@ def write_file_job(
     and ``errno``. ``released``: see :func:`write_file`. ``skeleton`` may come serialized (``torch.save``
     bytes, made by the trainer at save time so that it holds that step's non-tensor state)."""
     t0, buckets = time.monotonic(), hook_buckets(tmp_path)
+    _worker.keep_mapped(tensors.values())
     try:
         if gate is not None:
             _gate.wait(*gate)

@@ -1,6 +1,7 @@
 """How the writer processes run, seen from inside the real write. ``AsyncCheckpointIO(worker_nice=...)``: the
 writer processes (persistent worker, forked writer) run at that nice value; the trainer's own priority
-never changes. The persistent worker's startup heap is frozen out of garbage collection."""
+never changes. The persistent worker's startup heap is frozen out of garbage collection, and it keeps the
+staging buffers mapped from one save to the next."""
 
 from __future__ import annotations
 
@@ -72,3 +73,36 @@ def test_the_persistent_workers_startup_heap_is_left_out_of_every_collection(tmp
             io.finalize(blocking=True)
     frozen = [int(line) for line in record.read_text().splitlines()]
     assert len(frozen) == 2 and all(n > 100_000 for n in frozen), frozen  # torch's own objects alone are more
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def _faults_of_a_repeated_save(folder, engine: str, mib: int) -> int:
+    """The persistent worker's minor page faults over a save of ``mib`` MiB whose buffers it wrote before."""
+    state = {"w": [torch.randn(mib << 16) for _ in range(4)], "step": 0}  # 4 tensors of mib / 4 MiB
+    with AsyncCheckpointIO(engine, worker="persistent") as io:
+        for i in range(3):
+            if i == 2:
+                (pid,) = io.worker_pids()
+                before = _minor_faults(pid)
+            io.save_checkpoint(state, folder / f"s{i}.ckpt")
+            io.finalize(blocking=True)
+        return _minor_faults(pid) - before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads page faults from /proc")
+@pytest.mark.parametrize("engine", ["nvrx", "mcore"])
+def test_a_repeated_save_maps_nothing_new_in_the_worker(tmp_path, engine):
+    """The staging buffers reach the worker as shared-memory handles with every job; torch maps a handle anew
+    unless the same buffer is still alive in the worker. Megatron-Core's loop dropped each job before the
+    next, so every save mapped and faulted in the whole staging copy again (twice nvrx's system CPU per GiB).
+    The worker's faults per save must not grow with the state once its buffers were written."""
+    (tmp_path / "small").mkdir()
+    (tmp_path / "big").mkdir()
+    small = _faults_of_a_repeated_save(tmp_path / "small", engine, 64)
+    big = _faults_of_a_repeated_save(tmp_path / "big", engine, 512)
+    blocks = (448 << 20) // 65536  # the 64 KiB blocks a shared mapping of the extra 448 MiB faults in at least
+    assert big - small < blocks // 2, (small, big)
