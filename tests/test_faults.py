@@ -69,3 +69,24 @@ def test_faults_reach_every_rank(tmp_path, strategy, engine, worker, faults):
 def test_full_fault_matrix(tmp_path, strategy, engine, worker):
     r0, r1 = run_ranks(JOB, tmp_path, strategy, engine, worker, timeout=600, faults=",".join(FULL))
     check_cases(r0, r1, FULL)
+
+
+def test_chained_writer_hooks_run_at_both_points():
+    """A chain of writer hooks (a user's ``write_hook`` with an injected fault) forwards the second point,
+    ``written``, to the hooks that have one, in order, and skips the rest (pure logic)."""
+    from lightning_asyncckpt.faults import ChainedHooks, after_write
+
+    calls = []
+
+    class Both:
+        def __call__(self, buckets):
+            calls.append(("start", buckets))
+
+        def written(self, buckets):
+            calls.append(("end", buckets))
+
+    chain = ChainedHooks((Both(), lambda buckets: calls.append(("plain", buckets)), Both()))
+    chain([1])
+    after_write(chain, [2])
+    after_write(lambda buckets: calls.append(("never", buckets)), [3])  # a plain hook has no second point
+    assert calls == [("start", [1]), ("plain", [1]), ("start", [1]), ("end", [2]), ("end", [2])]
