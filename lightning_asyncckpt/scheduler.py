@@ -270,9 +270,10 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
     request, snapshot = ready.request, ready.snapshot
     result_path = run.results_dir / f"{ready.order}.result"
     gated = (gate.path, settings.timeout_s) if gate is not None else None
-    # a local file write hands its tensors back as it goes, for a lazy save that may follow it (handback.py)
+    # a local file write hands its tensors back as it goes, for a lazy save that may follow it (handback.py);
+    # only lazy saves ever follow a write, so eager runs skip the bookkeeping
     back = handback.Written.of(run.results_dir / f"{ready.order}.released", snapshot.tensors) \
-        if request.writes_file and isinstance(ready.tmp, Path) else None
+        if request.writes_file and isinstance(ready.tmp, Path) and settings.snapshot == "lazy" and run.stager.copy_cpu else None
     try:
         if request.writes_file:
             ticket, plan = write_jobs.file_job(run, ready, result_path, gated, back), None
