@@ -9,7 +9,7 @@ tensors for ``--layout replicated``), so that writing is negligible and coordina
 Two ``AsyncCheckpointIO`` (``worker="fork"``) save alternately, one with the plan cache and one without
 (``LIGHTNING_ASYNCCKPT_PLAN_CACHE=0`` when its run starts); per save and rank it times:
 
-- **plan**: ``dcp_format.plan_save`` (local plan, digest and all-reduce, or DCP's gather / global plan /
+- **plan**: ``dcp_plan.plan_save`` (local plan, digest and all-reduce, or DCP's gather / global plan /
   scatter), after a barrier that the benchmark adds right before it (so that it does not time the other
   ranks' snapshots: 8 ranks on 2 cores arrive far apart);
 - **save call**: the whole blocking ``save_checkpoint_*`` call (snapshot, agreement, plan, hand-over);
@@ -46,10 +46,11 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, out: str, port: i
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from lightning_asyncckpt import AsyncCheckpointIO, dcp_format, plan_cache
+    from lightning_asyncckpt import AsyncCheckpointIO
+    from lightning_asyncckpt.pipeline import dcp_plan, plan_cache
 
     timings: dict[str, list[float]] = {}
-    plain_plan_save = dcp_format.plan_save
+    plain_plan_save = dcp_plan.plan_save
 
     def timed_plan_save(*a, **kw):  # the scheduler calls it through the module: time it there
         # aligned first, so that the time is the planning's own, not the other ranks' snapshot still running
@@ -61,7 +62,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, out: str, port: i
         finally:
             timings.setdefault("plan", []).append(time.perf_counter() - t0)
 
-    dcp_format.plan_save = timed_plan_save
+    dcp_plan.plan_save = timed_plan_save
     reused: list[str] = []  # the plan cache's decisions, from its log
 
     class Decisions(logging.Handler):
@@ -166,7 +167,7 @@ def coordinator_costs(args: argparse.Namespace, worlds: list[int]) -> list[dict]
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from lightning_asyncckpt import plan_cache
+    from lightning_asyncckpt.pipeline import plan_cache
 
     out = []
     for world in worlds:

@@ -9,7 +9,7 @@ child, as the fork-per-save worker does, into a fresh temporary name on ``--dir`
 the child measures its wall time and its CPU seconds (``getrusage``, user + system, all threads).
 Variants, in rotating order:
 
-- ``dcp``: ``_worker.write_job`` with the engine's ``FileSystemWriterAsync``'s plan (each shard file
+- ``dcp``: ``dcp_writer.write_job`` with the engine's ``FileSystemWriterAsync``'s plan (each shard file
   through ``direct_io.DirectFile``; ``--threads`` shard files), then the coordinator's ``.metadata``
   (timed in the parent, added);
 - ``file``: ``torch_file.write_file`` (``torch.save`` recorded into ``direct_io.DirectFile`` with CRC32 off,
@@ -37,8 +37,11 @@ from pathlib import Path
 
 import torch
 
-from lightning_asyncckpt import _worker, commit, dcp_format, direct_io, staging, torch_file
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.pipeline import dcp_plan
+from lightning_asyncckpt.snapshot import staging
 from lightning_asyncckpt.units import human_bytes
+from lightning_asyncckpt.write import dcp_writer, direct_io, torch_file
 
 VARIANTS = ("dcp", "file", "file_torch_crc", "file_path")
 
@@ -67,10 +70,10 @@ def _child(variant: str, snap: staging.Snapshot, target: str, report: str, engin
         eng = engines.create(engines.EngineName(engine), engines.WorkerMode("fork"), 0)
         state = dict(snap.tensors)
         state[staging.SKELETON_KEY] = snap.skeleton
-        plan = dcp_format.plan_save(state, Path(target), eng.writer_cls, threads, eng.split_by_size, False)
+        plan = dcp_plan.plan_save(state, Path(target), eng.writer_cls, threads, eng.split_by_size, False)
         os.makedirs(target, exist_ok=True)
         result_path = report + ".result"
-        _worker.write_job(eng.writer_cls, plan.transforms, plan.buckets, result_path)
+        dcp_writer.write_job(eng.writer_cls, plan.transforms, plan.buckets, result_path)
         with open(result_path, "rb") as f:
             outcome = pickle.load(f)
         assert outcome["ok"], outcome
@@ -117,7 +120,7 @@ def run_one(variant: str, snap: staging.Snapshot, outdir: Path, n: int, engine: 
         state = dict(snap.tensors)
         state[staging.SKELETON_KEY] = snap.skeleton
         t0 = time.perf_counter()
-        plan = dcp_format.plan_save(state, Path(target), eng.writer_cls, threads, eng.split_by_size, False)
+        plan = dcp_plan.plan_save(state, Path(target), eng.writer_cls, threads, eng.split_by_size, False)
         plan.writer.finish(plan.metadata, [out.pop("results")])
         out["wall_s"] += time.perf_counter() - t0
     out["nbytes"] = _size(target)

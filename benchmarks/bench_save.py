@@ -240,7 +240,7 @@ def torn_tensors(name: str, path: Path, expected: float) -> int:
     if path.is_file():  # stock's format (torch_save, lightning_async, and ours by default)
         loaded = torch.load(path, mmap=True, weights_only=True)
     else:
-        from lightning_asyncckpt import dcp_format
+        from lightning_asyncckpt.format import dcp as dcp_format
 
         loaded = dcp_format.load(path, weights_only=False)
     return sum(1 for t in big_tensors(loaded) if not bool((t == expected).all()))

@@ -19,7 +19,8 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, cli
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
+from lightning_asyncckpt.tools import cli
 
 
 class MLP(L.LightningModule):

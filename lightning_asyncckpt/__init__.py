@@ -1,12 +1,13 @@
 """Asynchronous, distributed and safe checkpointing for PyTorch Lightning and Fabric.
 
 Public names are imported lazily, so that the background worker (which imports
-``lightning_asyncckpt._worker``) starts without importing Lightning.
+``lightning_asyncckpt.write.worker``) starts without importing Lightning.
 """
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0.dev0"
+from lightning_asyncckpt.version import __version__ as __version__
+
 __all__ = [
     "AsyncCheckpointIO",
     "AsyncDDPStrategy",
@@ -19,22 +20,22 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lightning_asyncckpt.callback import AsyncFinalizerCallback
     from lightning_asyncckpt.errors import CheckpointWriteError
-    from lightning_asyncckpt.fabric import AsyncFabricModelParallelStrategy
-    from lightning_asyncckpt.io import AsyncCheckpointIO, SaveRecord
-    from lightning_asyncckpt.remote import last_checkpoint
-    from lightning_asyncckpt.strategies import AsyncDDPStrategy, AsyncModelParallelStrategy
+    from lightning_asyncckpt.format.remote import last_checkpoint
+    from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
+    from lightning_asyncckpt.integration.fabric import AsyncFabricModelParallelStrategy
+    from lightning_asyncckpt.integration.io import AsyncCheckpointIO, SaveRecord
+    from lightning_asyncckpt.integration.strategies import AsyncDDPStrategy, AsyncModelParallelStrategy
 
 _LOCATIONS = {
-    "AsyncCheckpointIO": "lightning_asyncckpt.io",
-    "AsyncDDPStrategy": "lightning_asyncckpt.strategies",
-    "AsyncFabricModelParallelStrategy": "lightning_asyncckpt.fabric",
-    "AsyncFinalizerCallback": "lightning_asyncckpt.callback",
-    "AsyncModelParallelStrategy": "lightning_asyncckpt.strategies",
+    "AsyncCheckpointIO": "lightning_asyncckpt.integration.io",
+    "AsyncDDPStrategy": "lightning_asyncckpt.integration.strategies",
+    "AsyncFabricModelParallelStrategy": "lightning_asyncckpt.integration.fabric",
+    "AsyncFinalizerCallback": "lightning_asyncckpt.integration.callback",
+    "AsyncModelParallelStrategy": "lightning_asyncckpt.integration.strategies",
     "CheckpointWriteError": "lightning_asyncckpt.errors",
-    "SaveRecord": "lightning_asyncckpt.io",
-    "last_checkpoint": "lightning_asyncckpt.remote",
+    "SaveRecord": "lightning_asyncckpt.integration.io",
+    "last_checkpoint": "lightning_asyncckpt.format.remote",
 }
 
 

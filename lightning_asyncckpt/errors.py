@@ -89,4 +89,4 @@ class EngineNotAvailableError(ImportError):
 
 class UnsupportedVersionError(ImportError):
     """An installed package (torch, Lightning, an engine) is outside the versions this library supports
-    (:mod:`lightning_asyncckpt.versions`); raised when ``AsyncCheckpointIO`` is made, before any save."""
+    (:mod:`lightning_asyncckpt.integration.versions`); raised when ``AsyncCheckpointIO`` is made, before any save."""

@@ -159,7 +159,7 @@ class SnapshotRecorder(L.Callback):
         )
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        from lightning_asyncckpt.callback import find_async_io
+        from lightning_asyncckpt.integration.io import find_async_io
 
         io = find_async_io(trainer.strategy)
         if io is not None and io.num_pending:
@@ -404,7 +404,7 @@ def run_ranks(
 
 def run_cli(capsys: Any, *args: object) -> tuple[int, str, str]:
     """Runs the command line in this process: (exit status, stdout, stderr)."""
-    from lightning_asyncckpt import cli
+    from lightning_asyncckpt.tools import cli
 
     code = cli.main([str(a) for a in args])
     out, err = capsys.readouterr()

@@ -21,7 +21,10 @@ from lightning.fabric.plugins import TorchCheckpointIO
 
 from helpers import assert_tree_equal, assert_user_error, clone_tree
 from helpers import run_cli as run
-from lightning_asyncckpt import AsyncCheckpointIO, commit, dcp_format, staging
+from lightning_asyncckpt import AsyncCheckpointIO
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.snapshot import staging
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from lightning_asyncckpt import direct_io
+from lightning_asyncckpt.pipeline import dcp_plan
+from lightning_asyncckpt.write import direct_io
 
 
 def _writes(big: torch.Tensor) -> list:
@@ -77,7 +78,9 @@ def test_dcp_shards_are_the_engines_own_bytes_and_results(tmp_path, engine):
     import queue
     from pathlib import Path
 
-    from lightning_asyncckpt import _worker, dcp_format, engines, staging
+    from lightning_asyncckpt import engines
+    from lightning_asyncckpt.snapshot import staging
+    from lightning_asyncckpt.write import dcp_writer
 
     state = {"w": torch.randn(256, 300), "b": torch.arange(10_000, dtype=torch.int64), "step": 7, "name": "x"}
     snap = staging.Stager(shared=False, copy_cpu=True).snapshot(state)
@@ -85,7 +88,7 @@ def test_dcp_shards_are_the_engines_own_bytes_and_results(tmp_path, engine):
     written = {}
     for how in ("engine", "worker"):
         out = tmp_path / how
-        plan = dcp_format.plan_local_save(snap, out, eng.writer_cls, 2, eng.split_by_size)
+        plan = dcp_plan.plan_local_save(snap, out, eng.writer_cls, 2, eng.split_by_size)
         os.makedirs(out, exist_ok=True)
         if how == "engine":
             import inspect
@@ -95,12 +98,12 @@ def test_dcp_shards_are_the_engines_own_bytes_and_results(tmp_path, engine):
             for i, bucket in enumerate(plan.buckets):
                 outcomes, count = queue.Queue(), queue.Queue()
                 count.put(i)
-                eng.writer_cls.write_preloaded_data(**_worker.write_call_kwargs(params, plan.transforms, i, bucket, outcomes, count))
+                eng.writer_cls.write_preloaded_data(**dcp_writer.write_call_kwargs(params, plan.transforms, i, bucket, outcomes, count))
                 idx, res = outcomes.get()
                 assert not isinstance(res, BaseException), res
                 results.extend(res)
         else:
-            _worker.write_job(eng.writer_cls, plan.transforms, plan.buckets, str(tmp_path / "result"))
+            dcp_writer.write_job(eng.writer_cls, plan.transforms, plan.buckets, str(tmp_path / "result"))
             with open(tmp_path / "result", "rb") as f:
                 outcome = pickle.load(f)
             assert outcome["ok"], outcome

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import job_script, launch
-from lightning_asyncckpt._worker import write_call_kwargs
+from lightning_asyncckpt.write.dcp_writer import write_call_kwargs
 
 
 # The parameter lists of write_preloaded_data, release by release (signatures only).

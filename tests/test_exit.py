@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import combo_params, job_script, launch
-from lightning_asyncckpt import commit
+from lightning_asyncckpt.format import commit
 
 JOB = job_script("exit_job.py")
 

@@ -74,7 +74,7 @@ def test_full_fault_matrix(tmp_path, strategy, engine, worker):
 def test_chained_writer_hooks_run_at_both_points():
     """A chain of writer hooks (a user's ``write_hook`` with an injected fault) forwards the second point,
     ``written``, to the hooks that have one, in order, and skips the rest (pure logic)."""
-    from lightning_asyncckpt.faults import ChainedHooks, after_write
+    from lightning_asyncckpt.faults.policy import ChainedHooks, after_write
 
     calls = []
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from lightning_asyncckpt import gate
+from lightning_asyncckpt.write import gate
 
 
 def test_the_first_decision_stands_and_the_loser_learns_it(tmp_path):

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from helpers import ROOT, launch
-from lightning_asyncckpt import AsyncCheckpointIO, dcp_format, staging
+from lightning_asyncckpt import AsyncCheckpointIO
+from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.snapshot import staging
 
 pytestmark = [
     pytest.mark.gpu,

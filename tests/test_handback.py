@@ -10,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from lightning_asyncckpt import direct_io, handback, staging, torch_file
-from lightning_asyncckpt.handback import Follow, FollowFailed, Written
+from lightning_asyncckpt.snapshot import handback, staging
+from lightning_asyncckpt.snapshot.handback import Follow, FollowFailed, Written
+from lightning_asyncckpt.write import direct_io, torch_file
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])

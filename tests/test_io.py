@@ -13,7 +13,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import assert_tree_equal, clone_tree, live_children
-from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, testing
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
+from lightning_asyncckpt.format import commit
 
 
 @dataclasses.dataclass
@@ -299,8 +300,8 @@ def test_a_forked_writer_that_hangs_before_it_starts_is_forked_again(tmp_path, m
     """A child forked from a process with other threads can hang inside ``fork``, before any Python runs
     (seen in CI: the writer's stack stopped at ``os.fork``). The save kills it and forks again while the
     state is still this step's; the checkpoint lands and holds the state at save time."""
-    from lightning_asyncckpt import _worker
     from lightning_asyncckpt.engines import base
+    from lightning_asyncckpt.write import worker
 
     first = tmp_path / "first-child-hung"
 
@@ -309,7 +310,7 @@ def test_a_forked_writer_that_hangs_before_it_starts_is_forked_again(tmp_path, m
             first.touch()
             time.sleep(3600)
 
-    monkeypatch.setattr(_worker, "before_start", hang_the_first_child)
+    monkeypatch.setattr(worker, "before_start", hang_the_first_child)
     monkeypatch.setattr(base, "FORK_START_S", 1.0)
     io = AsyncCheckpointIO("nvrx", worker="fork", timeout_s=60)
     try:

@@ -19,14 +19,9 @@ from helpers import (
     loader,
     trainer,
 )
-from lightning_asyncckpt import (
-    AsyncCheckpointIO,
-    AsyncFinalizerCallback,
-    CheckpointWriteError,
-    commit,
-    staging,
-    testing,
-)
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.snapshot import staging
 
 WIDTH = 256  # 256 KiB per weight: above the lazy threshold
 

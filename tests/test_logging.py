@@ -5,9 +5,9 @@ import sys
 
 SCRIPT = """
 import logging, sys
-import lightning_asyncckpt.io  # the package configures its logger at import
+import lightning_asyncckpt.integration.io  # the package configures its logger at import
 {configure}
-logging.getLogger("lightning_asyncckpt.committer").info("committed a.ckpt")
+logging.getLogger("lightning_asyncckpt.pipeline.committer").info("committed a.ckpt")
 """
 
 
@@ -19,7 +19,7 @@ def _run(configure: str) -> subprocess.CompletedProcess:
 def test_records_reach_a_logging_config_made_after_the_import():
     r = _run('logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="APP %(name)s %(message)s")')
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("APP lightning_asyncckpt.committer committed a.ckpt") == 1, r.stdout
+    assert r.stdout.count("APP lightning_asyncckpt.pipeline.committer committed a.ckpt") == 1, r.stdout
     assert "committed a.ckpt" not in r.stderr  # and not printed twice
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_asyncckpt import AsyncCheckpointIO, dcp_format
+from lightning_asyncckpt import AsyncCheckpointIO
+from lightning_asyncckpt.format import dcp as dcp_format
 
 
 class _RunsCode:

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRITER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-from lightning_asyncckpt import parent_watch
+from lightning_asyncckpt.write import parent_watch
 if sys.argv[3] == "poll":
     del os.pidfd_open
 parent_watch.exit_with(os.getppid(), sys.argv[2])
@@ -82,7 +82,7 @@ def test_a_writer_whose_trainer_is_killed_exits_and_removes_the_scratch_dir(tmp_
 
 
 def test_the_watch_returns_at_once_for_a_process_already_gone():
-    from lightning_asyncckpt import parent_watch
+    from lightning_asyncckpt.write import parent_watch
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(30)

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
 from helpers import job_script, run_ranks
-from lightning_asyncckpt.plan_cache import PlanCache, structure_digest
+from lightning_asyncckpt.pipeline.plan_cache import PlanCache, structure_digest
 
 JOB = job_script("plan_job.py")
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from lightning_asyncckpt import AsyncCheckpointIO, staging
+from lightning_asyncckpt import AsyncCheckpointIO
+from lightning_asyncckpt.snapshot import staging
 
 aten = torch.ops.aten
 

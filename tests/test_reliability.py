@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from helpers import combo_params, job_script, latest_raise_step, launch, run_ranks
-from lightning_asyncckpt import commit
+from lightning_asyncckpt.format import commit
 
 
 def _gone(pid):

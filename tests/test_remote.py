@@ -15,8 +15,8 @@ from lightning_asyncckpt import (
     AsyncFinalizerCallback,
     CheckpointWriteError,
     last_checkpoint,
-    remote,
 )
+from lightning_asyncckpt.format import remote
 
 URL = "s3://ckpt/run1"
 

@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from lightning_asyncckpt import direct_io, shard_file
+from lightning_asyncckpt.write import direct_io, shard_file
 
 
 def _items():

@@ -3,7 +3,7 @@ from collections import OrderedDict, namedtuple
 import torch
 
 from helpers import assert_tree_equal
-from lightning_asyncckpt import staging
+from lightning_asyncckpt.snapshot import staging
 
 Pair = namedtuple("Pair", "a b")
 

@@ -22,8 +22,11 @@ from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import assert_tree_equal
-from lightning_asyncckpt import commit, staging, testing, torch_file
+from lightning_asyncckpt import testing
 from lightning_asyncckpt.engines.persistent import resource_tracker_running, stop_resource_tracker
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.snapshot import staging
+from lightning_asyncckpt.write import torch_file
 
 
 class TiedModel(L.LightningModule):

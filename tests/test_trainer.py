@@ -22,14 +22,9 @@ from helpers import (
     loader,
     trainer,
 )
-from lightning_asyncckpt import (
-    AsyncCheckpointIO,
-    AsyncFinalizerCallback,
-    CheckpointWriteError,
-    commit,
-    testing,
-    torch_file,
-)
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.write import torch_file
 
 
 def _ckpt_cb(dirpath, save_last=True, every=5):

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_asyncckpt import AsyncCheckpointIO, versions
+from lightning_asyncckpt import AsyncCheckpointIO
 from lightning_asyncckpt.errors import UnsupportedVersionError
+from lightning_asyncckpt.integration import versions
 
 
 @pytest.mark.parametrize(("package", "version"), [

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_asyncckpt import direct_io, staging, torch_file, verify, zip_crc
+from lightning_asyncckpt.snapshot import staging
+from lightning_asyncckpt.tools import verify
+from lightning_asyncckpt.write import direct_io, torch_file, zip_crc
 
 
 def _states() -> dict[str, dict]:

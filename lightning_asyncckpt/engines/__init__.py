@@ -78,7 +78,7 @@ def parse_worker(worker: str) -> WorkerMode:
 
 def create(name: EngineName, worker: WorkerMode, rank: int, nice: int = 0, scratch_dir: str | None = None) -> Engine:
     """The engine, its writer processes to run at CPU priority ``nice``. ``scratch_dir``: the run's results
-    directory, which a writer removes when it outlives its trainer (:mod:`lightning_asyncckpt.parent_watch`)."""
+    directory, which a writer removes when it outlives its trainer (:mod:`lightning_asyncckpt.write.parent_watch`)."""
     engine: Engine
     if name is EngineName.NVRX:
         from lightning_asyncckpt.engines.nvrx import NvrxEngine

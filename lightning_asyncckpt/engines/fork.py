@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import multiprocessing as mp
 
-from lightning_asyncckpt import _worker
+from lightning_asyncckpt.write import worker
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class TemporalMixin:
         for attempt in range(1, attempts + 1):
             started_r, started_w = os.pipe()
             proc = ctx.Process(
-                target=_worker.run_forked,
+                target=worker.run_forked,
                 args=(started_w, async_req.async_fn, tuple(async_req.async_fn_args),
                       dict(async_req.async_fn_kwargs or {}), self.nice, os.getpid(), self.scratch_dir),  # kwargs: None in nvrx 0.7
                 daemon=True,

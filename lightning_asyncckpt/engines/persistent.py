@@ -18,8 +18,8 @@ from typing import Any
 
 from torch import multiprocessing as mp
 
-from lightning_asyncckpt import _worker
 from lightning_asyncckpt.engines.protocol import Status
+from lightning_asyncckpt.write import worker
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class PersistentMixin:
         self._ready = ctx.Event()
         with _no_main_reimport():
             self.process = ctx.Process(
-                target=_worker.engine_loop,
+                target=worker.engine_loop,
                 args=(loop, self._preload_modules, self._ready, self.nice, os.getpid(), self.scratch_dir),
                 kwargs=kwargs,
                 daemon=True,

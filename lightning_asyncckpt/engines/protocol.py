@@ -27,7 +27,7 @@ class Ticket:
 
 @runtime_checkable
 class EngineProtocol(Protocol):
-    """What :class:`~lightning_asyncckpt.io.AsyncCheckpointIO` calls on the engine that ``engines.create``
+    """What :class:`~lightning_asyncckpt.integration.io.AsyncCheckpointIO` calls on the engine that ``engines.create``
     returns. Calls are local to this process: no collectives."""
 
     persistent: bool  # one long-lived worker process (else a process forked per save)

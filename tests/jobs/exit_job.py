@@ -14,7 +14,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from lightning_asyncckpt import AsyncCheckpointIO, commit, testing
+from lightning_asyncckpt import AsyncCheckpointIO, testing
+from lightning_asyncckpt.format import commit
 
 
 def main() -> None:

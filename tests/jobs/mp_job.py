@@ -28,8 +28,9 @@ from helpers import (  # noqa: E402
     other_children,
     run_job,
 )
-from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, commit, testing  # noqa: E402
-from lightning_asyncckpt.io import META_FILE  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.integration.io import META_FILE  # noqa: E402
 
 WIDTH = 64
 DATA = dict(width=WIDTH, n=64, batch_size=4)  # 8 steps per epoch per rank on 2 ranks
@@ -210,7 +211,8 @@ def case_remote(args, report):
     """Sharded saves to an S3 URL (``--dir``; the endpoint comes from the environment): every committed
     checkpoint read with plain DCP from a local copy matches its state; resume from the newest ``last``, each
     rank from its own local copy (rank 1 reads ``meta.pt`` after rank 0's copy is gone: ``Rank0LoadsFirst``)."""
-    from lightning_asyncckpt import last_checkpoint, remote
+    from lightning_asyncckpt import last_checkpoint
+    from lightning_asyncckpt.format import remote
 
     io = AsyncCheckpointIO(args.engine, worker=args.worker)
     rec = FullStateRecorder()

@@ -13,8 +13,10 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import job_args, run_fabric_case  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, commit, testing  # noqa: E402
-from lightning_asyncckpt.faults import EnvironmentFaults, SaveFaults  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing  # noqa: E402
+from lightning_asyncckpt.faults.injected import EnvironmentFaults  # noqa: E402
+from lightning_asyncckpt.faults.policy import SaveFaults  # noqa: E402
+from lightning_asyncckpt.format import commit
 
 
 def _state(value: float) -> dict:

@@ -25,7 +25,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
 from helpers import assert_tree_equal, clone_tree, run_job  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO, commit, plan_cache  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO  # noqa: E402
+from lightning_asyncckpt.format import commit  # noqa: E402
+from lightning_asyncckpt.pipeline import dcp_plan, plan_cache  # noqa: E402
 
 WORLD = 2
 
@@ -240,7 +242,6 @@ def case_planning_error(args, report):
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as fs
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_asyncckpt import dcp_format
 
     rank, cache = dist.get_rank(), plan_cache.PlanCache(enabled=True)
     blocker = os.path.join(args.out, "a-file")
@@ -249,7 +250,7 @@ def case_planning_error(args, report):
     good = os.path.join(args.out, "good")
 
     def plan(tmp):
-        return dcp_format.plan_save(state, tmp, fs.FileSystemWriterAsync, 1, fs._split_by_size_and_type,
+        return dcp_plan.plan_save(state, tmp, fs.FileSystemWriterAsync, 1, fs._split_by_size_and_type,
                                     distributed=True, cache=cache)
 
     plan(Path(good))  # cached now on both ranks

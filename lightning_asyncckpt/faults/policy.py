@@ -1,0 +1,79 @@
+"""The fault policy: how injected faults (``lightning_asyncckpt.testing``) reach a save, without the
+save pipeline knowing their kinds.
+
+A policy answers, for each save, with a :class:`SaveFaults`: a picklable hook the writer runs before it
+writes, and checks the trainer runs at named points of the save (before the snapshot, at the handover to the
+worker, before ``.metadata``, before the publish). The default policy (``injected.EnvironmentFaults``) answers :data:`NO_FAULTS` unless
+``LIGHTNING_ASYNCCKPT_FAULTS`` is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+ENV_VAR = "LIGHTNING_ASYNCCKPT_FAULTS"
+
+
+@dataclass(frozen=True)
+class SaveFaults:
+    """What to break in one save.
+
+    Attributes:
+        worker_hook: picklable; the writer process calls it with the save's buckets before writing, and its
+            ``written(buckets)``, where it has one, once every byte is written, before it reports.
+        at_snapshot: called in the trainer before it takes the snapshot, with the path.
+        at_handover: called in the trainer right before it hands the planned write to the worker.
+        before_metadata: called by the coordinator before it writes ``.metadata``, with the path.
+        before_publish: called by the coordinator before the rename that publishes the checkpoint.
+    """
+
+    worker_hook: Any = None
+    at_snapshot: Callable[[Any], None] | None = None
+    at_handover: Callable[[Any], None] | None = None
+    before_metadata: Callable[[Any], None] | None = None
+    before_publish: Callable[[Any], None] | None = None
+
+    def check(self, point: Callable[[Any], None] | None, path: Any) -> None:
+        if point is not None:
+            point(path)
+
+
+NO_FAULTS = SaveFaults()
+
+
+class FaultPolicy(Protocol):
+    def for_save(self, rank: int, save: int, engine: str, worker: str) -> SaveFaults:
+        """The faults of this rank's ``save``-th save (counting from 1) on that engine and worker."""
+
+
+def with_hook(faults: SaveFaults, hook: Any) -> Any:
+    """The writer's hook for a save: the user's ``write_hook`` (may be None) then the injected one."""
+    hooks = tuple(h for h in (hook, faults.worker_hook) if h is not None)
+    if len(hooks) <= 1:
+        return hooks[0] if hooks else None
+    return ChainedHooks(hooks)
+
+
+def after_write(hook: Any, buckets: list) -> None:
+    """(writer) Runs a writer hook's second point, ``hook.written(buckets)``, if it has one: every byte of the
+    save is written and its files are closed, but the trainer has not been told yet."""
+    written = getattr(hook, "written", None)
+    if written is not None:
+        written(buckets)
+
+
+@dataclass(frozen=True)
+class ChainedHooks:
+    """Several picklable writer hooks, run in order (at both points, :func:`after_write`)."""
+
+    hooks: tuple
+
+    def __call__(self, buckets: list) -> None:
+        for hook in self.hooks:
+            hook(buckets)
+
+    def written(self, buckets: list) -> None:
+        for hook in self.hooks:
+            after_write(hook, buckets)

@@ -1,0 +1,4 @@
+"""What a checkpoint is on storage, and where it may go: paths, object stores, atomic publish and
+leftovers, DCP metadata and loading, the layouts. Imported by the trainer and the writer alike; no
+Lightning imports.
+"""

@@ -1,0 +1,247 @@
+"""``AsyncFinalizerCallback``: runs ``AsyncCheckpointIO.finalize`` at the right hooks, on every rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_asyncckpt.integration import resume
+from lightning_asyncckpt.integration.io import AsyncCheckpointIO, find_async_io
+from lightning_asyncckpt.integration.logger_relay import LoggerRelay
+
+log = logging.getLogger(__name__)
+
+# Lightning's SLURM auto-requeue saves `hpc_ckpt_<N>.ckpt`, then requeues the job, which stops it soon after
+_REQUEUE_SAVE = re.compile(r"hpc_ckpt_\d+\.ckpt")
+
+
+class AsyncFinalizerCallback(Callback):
+    """Commits finished background saves and raises their errors on every rank of the trainer.
+
+    - ``on_save_checkpoint`` (all ranks): counts the save, so that every rank knows a save is pending
+      even though Lightning calls the plugin on global rank 0 only. Lightning skips this hook for
+      weights-only saves; those are counted as they reach the strategy's ``save_checkpoint``, which
+      every rank calls.
+    - ``on_train_start`` and ``on_save_checkpoint`` (all ranks): tells the plugin the trainer's optimizers,
+      whose parameters and state a lazy snapshot (``AsyncCheckpointIO(snapshot="lazy")``) copies in the
+      background.
+    - ``on_before_optimizer_step`` (all ranks, right before the real optimizer step: on the accumulation
+      boundary, in automatic and manual optimization): waits for a lazy snapshot's copy, which the step
+      would otherwise change (a collective save's write is handed over then; a single writer's already
+      runs behind the gate its copy opened).
+    - ``on_train_batch_end`` (all ranks): a non-blocking ``finalize``; a failed write raises
+      :class:`~lightning_asyncckpt.CheckpointWriteError` here, within a step or two.
+    - ``on_train_end`` (all ranks): a blocking ``finalize``, after every checkpoint callback's last save
+      (Lightning runs checkpoint callbacks last).
+    - Lightning's SLURM auto-requeue save (``hpc_ckpt_<N>.ckpt``, made right before ``scontrol requeue``
+      stops the job): each rank waits for its writes before the requeue, with no collectives (a
+      single-writer save is then committed; the ranks commit a sharded one at the next finalize or
+      on the way out).
+    - ``on_exception``: stops the workers without collectives and without masking the exception.
+
+    After each of these, global rank 0 sends every newly committed save's figures to the trainer's
+    loggers (``asyncckpt/stall_seconds``, ``write_seconds``, ``bytes_written``, ``write_gb_per_second``,
+    ``pending_saves``; see :meth:`SaveRecord.metrics`), unless ``log_metrics=False``.
+
+    Loggers hear of a checkpoint only once it is committed: ``ModelCheckpoint`` calls each logger's
+    ``after_save_checkpoint`` right after it schedules a save; from ``setup`` to ``teardown`` (or
+    ``on_exception``) those calls are deferred (:class:`~lightning_asyncckpt.integration.logger_relay.LoggerRelay`)
+    and made, in order, after the finalize that committed every save scheduled before them. A call for
+    which a save failed is dropped (the failure is raised as ``CheckpointWriteError``).
+
+    Installing the package registers this callback with every ``Trainer`` through Lightning's
+    ``callbacks_factory`` entry point; it stays inert unless the trainer uses ``AsyncCheckpointIO``
+    and no other ``AsyncFinalizerCallback`` was given.
+    """
+
+    def __init__(self, log_metrics: bool = True) -> None:
+        resume.install()  # before any fit: ckpt_path="last" on object stores
+        self.log_metrics = log_metrics
+        self._logged = 0  # io.history[:_logged] went to the loggers
+        self._io: AsyncCheckpointIO | None = None
+        self._auto = False
+        self._prepare_pending = False
+        self._writes_everywhere = False
+        self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
+        self._wrapped: Any = None  # (strategy, our save_checkpoint wrapper)
+        self._renamed: list = []  # checkpoint callbacks whose file_exists counts pending saves
+        self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
+
+    @property
+    def state_key(self) -> str:
+        return f"{type(self).__qualname__}{'[auto]' if self._auto else ''}"
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """(all ranks, at the start of fit/validate/test/predict) Finds the trainer's ``AsyncCheckpointIO``;
+        for fit, starts the worker on every writing rank (outside any training step)."""
+        self._io = None
+        self._prepare_pending = False
+        io = find_async_io(trainer.strategy)
+        if io is None:
+            if not self._auto:
+                log.warning("AsyncFinalizerCallback: the trainer does not use AsyncCheckpointIO; doing nothing.")
+            return
+        if self._auto and any(
+            isinstance(cb, AsyncFinalizerCallback) and not cb._auto for cb in trainer.callbacks
+        ):
+            return
+        self._io = io
+        self._logged = len(io.history)
+        writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
+        self._writes_everywhere = writes_everywhere
+        # every rank is here: the exit group is made now, not inside the first save's stall
+        io.begin_run(collective=writes_everywhere and stage == "fit")
+        self._watch_saves(trainer.strategy)
+        self._watch_names(trainer)
+        self._relay.attach(trainer.loggers, io)
+        # start the worker now on every rank that writes, not inside a training step
+        if stage == "fit" and (trainer.is_global_zero or writes_everywhere):
+            io.warmup()
+            # a sharded strategy saves its own state layout: its first save allocates the buffers
+            self._prepare_pending = not getattr(trainer.strategy, "_asyncckpt_sharded", False)
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
+        if self._io is not None:
+            self._io.announce()
+            self._io.track_optimizers(trainer.optimizers)  # the ones this save holds (configure may replace them)
+            self._counted = checkpoint
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """(all ranks) Tracks the optimizers, for weights-only saves too (they run no ``on_save_checkpoint``)."""
+        if self._io is not None:
+            self._io.track_optimizers(trainer.optimizers)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        """(all ranks, right before the optimizer changes the state) Waits for a lazy snapshot's copy."""
+        if self._io is not None:
+            self._io.wait_for_snapshot()
+
+    def _watch_saves(self, strategy: Any) -> None:
+        """Every rank calls ``strategy.save_checkpoint`` for every save, weights-only ones included (for
+        which Lightning runs no callback hook). There: count the saves ``on_save_checkpoint`` did not, so
+        that an error of a weights-only save reaches every rank within a step or two as well; and finish
+        the write of a SLURM requeue save before it returns."""
+        if self._wrapped is not None and self._wrapped[0] is strategy:
+            return
+        original = strategy.save_checkpoint
+
+        def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+            if self._io is not None and checkpoint is not self._counted:
+                self._io.announce()
+            self._counted = None
+            original(checkpoint, filepath, storage_options=storage_options)
+            if self._io is not None and _REQUEUE_SAVE.fullmatch(os.path.basename(str(filepath))):
+                # the requeue that follows stops this job: the write must not still be running then
+                self._io.wait_for_local_writes()
+
+        strategy.save_checkpoint = save_checkpoint
+        self._wrapped = (strategy, save_checkpoint)
+
+    def _watch_names(self, trainer: Trainer) -> None:
+        """``ModelCheckpoint`` picks a free name (``-v1``, ``-v2``) by asking whether a file exists; a save still
+        being written does not yet, so a later save could take its name. Each of the trainer's
+        checkpoint callbacks also counts pending saves as existing (decided on global rank 0, as stock)."""
+        io = self._io
+        for cb in trainer.checkpoint_callbacks:
+            original = getattr(cb, "file_exists", None)
+            if original is None or getattr(original, "_asyncckpt", False):
+                continue
+
+            def file_exists(filepath: Any, trainer: Trainer, _original: Any = original) -> bool:
+                if _original(filepath, trainer):
+                    return True
+                pending = bool(trainer.is_global_zero and io is not None and io.is_pending(filepath))
+                return trainer.strategy.reduce_boolean_decision(pending, all=False)
+
+            file_exists._asyncckpt = True  # type: ignore[attr-defined]
+            cb.file_exists = file_exists
+            self._renamed.append(cb)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """(all ranks) Gives the strategy its own ``save_checkpoint`` back, and the checkpoint callbacks their
+        own ``file_exists``, and the loggers their own ``after_save_checkpoint``."""
+        self._relay.detach()
+        for cb in self._renamed:
+            vars(cb).pop("file_exists", None)
+        self._renamed = []
+        if self._wrapped is not None:
+            strategy, wrapper = self._wrapped
+            if vars(strategy).get("save_checkpoint") is wrapper:
+                del strategy.save_checkpoint
+            self._wrapped = None
+        self._counted = None
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """(all ranks, after every training batch) Non-blocking finalize; raises a failed write here."""
+        if self._io is None:
+            return
+        if self._prepare_pending:
+            # After the first optimizer step the optimizer state exists: allocate the staging buffers now
+            # (before checkpoint callbacks, which run after this one), not inside the first save.
+            self._prepare_pending = False
+            like = {"state_dict": pl_module.state_dict(),
+                    "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
+            self._io.prepare(like, distributed=self._writes_everywhere)
+        self._finalize(blocking=False)
+        self._log_committed(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """(all ranks, once at the end of fit) Blocking finalize: every save is committed or raised."""
+        if self._io is not None:
+            self._finalize(blocking=True)
+            self._log_committed(trainer)
+
+    def _finalize(self, blocking: bool) -> None:
+        """``finalize_step``, then the loggers' deferred ``after_save_checkpoint`` calls whose saves committed
+        (also when it raises: the saves before a failed one committed)."""
+        assert self._io is not None
+        try:
+            self._io.finalize_step(blocking=blocking)
+        except BaseException:
+            self._relay.replay(quiet=True)
+            raise
+        self._relay.replay()
+
+    def _log_committed(self, trainer: Trainer) -> None:
+        """(global rank 0) The figures of the saves committed since the last call, to every logger."""
+        assert self._io is not None
+        new = self._io.history[self._logged:]
+        self._logged = len(self._io.history)
+        if not (new and self.log_metrics and trainer.is_global_zero and trainer.loggers):
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning's own logging uses
+        for record in new:
+            for logger in trainer.loggers:
+                logger.log_metrics(record.metrics(), step=step)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """(the ranks that raised) Stops the workers without collectives, leaving ``exception`` to propagate;
+        then tells the loggers of the saves that committed on the way out, and gives them their own
+        ``after_save_checkpoint`` back (Lightning runs no ``teardown`` hook after an exception)."""
+        if self._io is not None:
+            self._io.abort()
+        self._relay.detach()
+
+
+def _external_callbacks() -> list[Callback]:
+    """Lightning ``callbacks_factory`` entry point: an inert-by-default finalizer for every Trainer. Also
+    lets ``ckpt_path="last"`` find checkpoints on object stores for trainers that use the plugin
+    (:mod:`lightning_asyncckpt.integration.resume`)."""
+    resume.install()
+    cb = AsyncFinalizerCallback()
+    cb._auto = True
+    return [cb]

@@ -1,0 +1,200 @@
+"""Strategies that route every rank's save through ``AsyncCheckpointIO``.
+
+- :class:`AsyncDDPStrategy`: DDP, where each rank writes a disjoint share of the replicated state.
+- :class:`AsyncModelParallelStrategy`: FSDP2 / tensor parallel, where each rank writes its own shards,
+  in the layout of Lightning's ``ModelParallelStrategy``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_asyncckpt.format import commit, metadata, paths, remote
+from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
+from lightning_asyncckpt.integration.io import META_FILE, AsyncCheckpointIO, find_async_io
+
+
+class _AsyncStrategyMixin:
+    """What both strategies share: an ``AsyncCheckpointIO`` by default, and a finalizer on the trainer."""
+
+    _asyncckpt_all_ranks_write = True  # AsyncFinalizerCallback warms the worker up on every rank
+    _checkpoint_io: CheckpointIO | None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AsyncCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    def _async_io(self) -> AsyncCheckpointIO:
+        io = find_async_io(self)
+        if io is None:
+            raise TypeError(
+                f"`{type(self).__name__}` needs an `AsyncCheckpointIO` plugin; got {type(self.checkpoint_io).__name__}."
+            )
+        return io
+
+    def _add_finalizer(self) -> None:
+        """Every rank must finalize: add ``AsyncFinalizerCallback`` when the trainer has none (the package's
+        entry point usually adds one already)."""
+        module = getattr(self, "_lightning_module", None)
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None and not any(isinstance(cb, AsyncFinalizerCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(AsyncFinalizerCallback())
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        self._add_finalizer()
+
+
+class AsyncDDPStrategy(_AsyncStrategyMixin, DDPStrategy):
+    """A drop-in :class:`~lightning.pytorch.strategies.DDPStrategy` whose saves are written by all ranks.
+
+    The model and optimizer state are replicated under DDP. Instead of rank 0 writing all of it, each
+    rank snapshots and writes a disjoint, size-balanced share in the background, so every byte is
+    written once and the write bandwidth of every rank is used. The result is one checkpoint directory
+    that loads on any number of ranks (and with plain ``torch.distributed.checkpoint``).
+
+    Uses the ``AsyncCheckpointIO`` given in ``plugins`` (or ``checkpoint_io``), else ``AsyncCheckpointIO()``.
+    ``save_checkpoint`` runs on every rank (Lightning calls it on all of them); ``remove_checkpoint`` on
+    global rank 0; finalization through ``AsyncFinalizerCallback`` on every rank, added when missing.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """(all ranks) Each rank schedules the write of its share; returns once the snapshot is taken."""
+        self._async_io().save_checkpoint_distributed(checkpoint, filepath, storage_options)
+
+
+class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
+    """A drop-in :class:`~lightning.pytorch.strategies.ModelParallelStrategy` (FSDP2, tensor parallel) whose
+    distributed checkpoints are written in the background by every rank.
+
+    Each rank snapshots its own shards (the local parts of the ``DTensor`` state, never gathered) and
+    its share of the replicated values, and returns to training; its worker writes them. Global rank 0
+    also writes the non-tensor state to ``meta.pt``. The directory has the same layout as the stock
+    strategy's (DCP shards, ``.metadata``, ``meta.pt``), so stock Lightning resumes from it and plain
+    ``torch.distributed.checkpoint`` reads it; it appears at its final path only once complete.
+
+    Same arguments as ``ModelParallelStrategy``, plus ``checkpoint_io`` (else the ``AsyncCheckpointIO`` in
+    the trainer's ``plugins``, else ``AsyncCheckpointIO()``). With ``save_distributed_checkpoint=False`` the
+    full state is gathered on rank 0, as in the stock strategy, and rank 0 writes it in the background.
+
+    Calls: ``save_checkpoint`` and ``load_checkpoint`` on every rank (Lightning does); ``teardown`` on every
+    rank settles pending saves and stops the workers (the stock strategy never tears its IO down).
+    """
+
+    _asyncckpt_sharded = True  # saves its own state layout (AsyncFinalizerCallback does not pre-stage)
+
+    def __init__(self, *args: Any, checkpoint_io: CheckpointIO | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._checkpoint_io = checkpoint_io
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The sharded model state, left on its device: the stager copies it into reused (pinned) host buffers
+        instead of the stock strategy's synchronous CPU offload."""
+        if not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """(all ranks, when Lightning builds a checkpoint) The optimizer's sharded state, left on its device
+        for the stager (``cpu_offload=False``)."""
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self.model is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=False))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """(all ranks) Each rank schedules the write of its shards; returns once the snapshot is taken."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported;"
+                f" got {storage_options!r}."
+            )
+        if not self._save_distributed_checkpoint:
+            # full state on rank 0 (gathered by the stock strategy); rank 0 writes it through the plugin
+            super().save_checkpoint(checkpoint, filepath)
+            return
+        path = paths.checkpoint_path(self.broadcast(filepath))  # every rank writes into the same directory
+        state = {"state_dict": checkpoint["state_dict"]}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))})
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self._async_io().save_checkpoint_sharded(state, path, meta)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """(all ranks) Settles pending saves, then loads a sharded checkpoint (this package's or stock
+        Lightning's, written on any number of ranks) or a full one."""
+        io = self._async_io()
+        io.settle()  # every pending save committed or raised first
+        path = paths.checkpoint_path(self.broadcast(checkpoint_path))
+        if isinstance(path, str):  # an object store: every rank reads from its own local copy
+            with remote.localize(path) as local:
+                return self._load_local(io, local, weights_only)
+        return self._load_local(io, path, weights_only)
+
+    def _load_local(self, io: AsyncCheckpointIO, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        if path.is_dir() and commit.is_committed(path) and weights_only is not False:
+            metadata.read_metadata(path)  # refuses a .metadata that would run code, before stock unpickles it
+        if path.is_dir() and commit.is_committed(path) and not (path / META_FILE).is_file():
+            return self._load_full(io, path, weights_only)  # a full checkpoint written by AsyncCheckpointIO
+        return self._load_stock(path, weights_only)
+
+    def _load_stock(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """(all ranks) The stock strategy's ``load_checkpoint`` without its broadcast of the path from rank 0:
+        ``path`` may be this rank's own local copy of a remote checkpoint, and rank 0's copy is on another
+        node's disk, or already removed when rank 0's load returns (each rank reads ``meta.pt`` alone)."""
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        assert self.lightning_module is not None
+        state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
+        return _load_checkpoint(path=path, state=state, strict=self.lightning_module.strict_loading,
+                                optimizer_states_from_list=True, weights_only=weights_only)
+
+    def _load_full(self, io: AsyncCheckpointIO, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """The stock strategy's loading of a full (unsharded) checkpoint, for this package's directories."""
+        from lightning.fabric.strategies.model_parallel import (
+            _load_raw_module_state,
+            _rekey_optimizer_state_if_needed,
+        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        checkpoint = dcp_format.load(path, weights_only=weights_only)
+        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, world_size=self.world_size, strict=strict)
+        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
+        for idx, optimizer in enumerate(self.optimizers):
+            state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][idx], self.model)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        """(all ranks; Lightning calls it at the end of fit, validate and test) Commits or fails every
+        pending save and stops the workers (the stock strategy never tears its checkpoint IO down), then
+        tears the strategy down."""
+        try:
+            self.checkpoint_io.teardown()
+        finally:
+            super().teardown()

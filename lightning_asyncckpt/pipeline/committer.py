@@ -1,0 +1,182 @@
+"""Commit and retention: a written save becomes a checkpoint (a file: atomic replace; a DCP directory:
+``.metadata`` -> atomic publish; then the record),
+and the removals Lightning asked for (top-k) run once nothing newer can still fail.
+
+Which ranks call what is said per function; every function here runs on the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
+from lightning_asyncckpt.format import commit, remote
+from lightning_asyncckpt.pipeline.agreement import Agreement
+from lightning_asyncckpt.pipeline.failures import Failed
+from lightning_asyncckpt.pipeline.pending import PendingSave
+from lightning_asyncckpt.pipeline.records import SaveRecord, written_bytes
+from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.write import torch_file
+
+log = logging.getLogger(__name__)
+
+
+def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coordinator: bool) -> RankFailure | None:
+    """write complete -> (coordinator) .metadata -> publish -> record -> removals that waited for it.
+    A failure is returned as a value: the caller raises it on every rank.
+
+    A remote DCP directory is published by uploading its ``.metadata`` in the run's background thread
+    (the training thread does no remote I/O): the coordinator records it once that upload is done
+    (:func:`settle_publishing`); a failed upload is raised on every rank by the next finalize."""
+    if coordinator:
+        try:
+            save.faults.check(save.faults.before_metadata, save.path)
+            if not save.writes_file:  # a file is complete when written; a DCP directory once .metadata is
+                save.plan.writer.finish(save.plan.metadata, all_results)
+            save.faults.check(save.faults.before_publish, save.path)
+            if isinstance(save.path, str):  # a remote file was visible once uploaded; a directory now
+                if not save.writes_file:
+                    upload = run.background(remote.publish_metadata, save.tmp, save.path)
+                    run.publishing.append((save, upload, all_results, time.monotonic()))
+                    return None
+            else:
+                (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
+        except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
+            return RankFailure.from_exception(rank, e)
+    record_commit(run, save, all_results, rank)
+    return None
+
+
+def settle_publishing(run: Run, rank: int, blocking: bool, timeout_s: float, url: str | None = None) -> None:
+    """(the coordinator, while polling) Records the remote directories whose ``.metadata`` upload ended
+    (``blocking``: waits for each; ``url``: only for those up to the last one to that URL). A failed
+    upload, or one still running ``timeout_s`` after it began, is recorded for the next finalize to raise
+    on every rank."""
+    last = max((i for i, p in enumerate(run.publishing) if p[0].path == url), default=-1) if url else None
+    while run.publishing and (last is None or last >= 0):
+        save, upload, all_results, since = run.publishing[0]
+        left = since + timeout_s - time.monotonic()
+        if not upload.done() and left > 0 and not (blocking or last is not None):
+            return
+        run.publishing.pop(0)
+        last = None if last is None else last - 1
+        try:
+            upload.result(timeout=max(left, 0))
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the next finalize (a timeout too)
+            if isinstance(e, (TimeoutError, FutureTimeout)):  # the same class from Python 3.11 on
+                e = TimeoutError(f"the upload of {remote.METADATA} did not finish within timeout_s={timeout_s:g}s")
+            record_failure(run, save, RankFailure.from_exception(rank, e), rank)
+            continue
+        record_commit(run, save, all_results, rank)
+
+
+def record_commit(run: Run, save: PendingSave, all_results: list, rank: int) -> None:
+    """The save is a checkpoint now: its record, and the removals that waited for it."""
+    record = SaveRecord(
+        path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.started,
+        nbytes=save.file_nbytes if save.writes_file else written_bytes(all_results), local_nbytes=save.nbytes, pending=len(run.pending) - (save in run.pending),
+        worker_s=save.write_s, lazy_nbytes=save.lazy_nbytes,
+    )
+    run.history.append(record)
+    if save.remote and isinstance(save.tmp, Path):
+        commit.try_remove(save.tmp, "the uploaded spool directory")  # this rank's local copy
+    run.committed_calls.add(save.call)
+    run.last_ok_order = save.order
+    if rank == 0:
+        log.info("lightning-asyncckpt: %s", record.summary())
+    log.debug(
+        "lightning-asyncckpt: %s: stall %.4f s, worker write %.3f s, scheduled-to-commit %.3f s, %d bytes"
+        " staged here, %d pending", save.path, record.stall_s, record.worker_s, record.write_s,
+        record.local_nbytes, record.pending,
+    )
+    run_removals(run)
+
+
+def commit_collective(run: Run, agreement: Agreement, save: PendingSave) -> None:
+    """(all ranks, same order) Gathers every rank's write results to the coordinator, which writes the
+    metadata and publishes; then every rank learns the outcome and raises the same error.
+
+    The save leaves the queue only after the gathers: if one of them fails (a rank that never comes on
+    the way out), it is still pending, and closing the run removes its directory."""
+    all_results = agreement.all_gather(save.written)
+    coordinator = agreement.rank == 0
+    failure = commit_save(run, save, all_results, agreement.rank, coordinator) if coordinator else None
+    failure = agreement.all_gather(failure)[0]
+    run.pending.remove(save)
+    if failure is not None:
+        if coordinator or save.remote:  # every rank's part of it was written (a remote one: in its own spool)
+            commit.try_remove(save.tmp, "the failed save")
+        drop_collective_pending(run, agreement.rank)
+        agreement.all_max([0])  # every rank has stopped its writers
+        remove_doomed(run)
+        raise CheckpointWriteError(str(save.path), [failure])
+    if not coordinator:
+        commit_save(run, save, all_results, agreement.rank, coordinator=False)
+
+
+def drop_collective_pending(run: Run, rank: int) -> None:
+    """After an agreed failure, the other saves written by all ranks together cannot complete
+    consistently: stop them everywhere (their directories go once every rank has stopped)."""
+    dropped = run.pending.take_where(lambda s: s.collective)
+    for save in dropped:
+        if run.engine is not None:
+            run.engine.kill(save.ticket)
+        run.stager.release(save.buffer_set)
+        discard_tmp(run, save, rank)
+    if dropped and run.engine is not None and run.engine.persistent:
+        run.engine.reset_after_failure()
+
+
+def discard_tmp(run: Run, save: PendingSave, rank: int) -> None:
+    """Removes a failed save's partial directory. Other ranks may still be writing into a collective
+    save's directory: the coordinator removes it once every rank has stopped (``remove_doomed``)."""
+    if not isinstance(save.tmp, Path):
+        return  # a remote file, never visible: the worker discarded the upload (a killed one leaves an incomplete upload)
+    if save.collective and not save.remote:  # a remote one's parts are in each rank's own spool
+        if rank == 0:
+            run.doomed.append(save.tmp)
+    else:
+        commit.try_remove(save.tmp, "the failed save")
+
+
+def remove_doomed(run: Run) -> None:
+    for tmp in run.doomed:
+        commit.try_remove(tmp, "the failed save")
+    run.doomed = []
+
+
+def record_failure(run: Run, save: PendingSave, failure: RankFailure, rank: int) -> None:
+    discard_tmp(run, save, rank)
+    try:
+        os.unlink(save.result_path)
+    except OSError:
+        pass  # the worker never reported
+    if save.handback is not None:
+        save.handback.remove()
+    run.failures.record(Failed(save.order, str(save.path), failure, save.seq))
+    log.error("lightning-asyncckpt: save to %s failed: %s", save.path, failure.describe())
+
+
+def request_removal(run: Run, path: Path | str) -> None:
+    """(the ranks Lightning calls ``remove_checkpoint`` on) ``path`` goes once every save scheduled so far
+    has committed: a checkpoint still being written is never deleted, and the newest committed one is
+    kept until a newer one commits."""
+    run.removals.append((path, run.order))
+    run_removals(run)
+
+
+def run_removals(run: Run) -> None:
+    if run.removals_held:
+        return  # the logger relay has calls to make first (``SavePipeline.hold_removals``)
+    keep = []
+    for path, after in run.removals:
+        if after <= run.last_ok_order:
+            run.remove(path, "the checkpoint that ModelCheckpoint removed")
+        else:
+            keep.append((path, after))
+    run.removals = keep
+

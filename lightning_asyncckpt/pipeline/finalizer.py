@@ -1,0 +1,71 @@
+"""The cross-rank finalize protocol: the ranks agree on how far every save got and on any failure, commit
+collective saves together, and raise a failure on every rank, once.
+
+One agreement round (a small all-reduce of four integers) per poll:
+``[-ready_through, any_failed, any_pending, -first_failed]`` (maxima of negated values are minima).
+Saves before the first failed one still commit: a good checkpoint is never dropped for a later failure.
+"""
+
+from __future__ import annotations
+
+import time
+
+from lightning_asyncckpt.pipeline.agreement import Agreement
+from lightning_asyncckpt.pipeline.committer import commit_collective, drop_collective_pending, remove_doomed
+from lightning_asyncckpt.pipeline.poller import settle_local
+from lightning_asyncckpt.pipeline.run import Run, Settings
+
+
+def finalize(
+    run: Run, agreement: Agreement, settings: Settings, blocking: bool, force: bool, deadline: float | None = None,
+) -> None:
+    """(all ranks, same order) Commits what every rank has written; raises an agreed failure everywhere.
+
+    ``force`` agrees even when no rank announced a save (explicit calls, teardown, Fabric); the
+    callback's per-batch call agrees only while an announced save is unsettled, so that a run without
+    pending saves pays no collective. ``deadline`` (the way out) stops waiting once any rank's time is
+    up, agreed. ``agreement`` is the group to agree over (the training group, or the exit group)."""
+    rank = agreement.rank
+    if not agreement.active:
+        settle_local(run, settings, rank, blocking=blocking)
+        run.failures.raise_local()
+        return
+    if not (force or run.count.unsettled()):
+        return
+    count = run.count
+    while True:
+        settle_local(run, settings, rank, blocking=False)
+        ready_through = run.pending.ready_through(count.announced)
+        copying = run.copying.request.seq if run.copying is not None else None  # a lazy snapshot not handed over
+        if copying is not None:
+            ready_through = min(ready_through, copying - 1)
+        first_failed = run.failures.first_failed_seq(after_all=count.announced + 1)
+        progress = [-ready_through, int(bool(run.failures)), int(bool(run.unsettled())), -first_failed]
+        if deadline is not None:
+            progress.append(int(time.monotonic() > deadline))
+        neg_ready, any_failed, any_pending, neg_first_failed, *out_of_time = agreement.all_max(progress)
+        while (head := run.pending.head()) is not None and head.written is not None \
+                and head.seq <= -neg_ready and head.seq < -neg_first_failed:
+            commit_collective(run, agreement, head)  # same saves, same order, on every rank
+        if any(out_of_time):
+            return
+        if any_failed:
+            if -neg_ready + 1 >= -neg_first_failed:
+                raise_agreed_failures(run, agreement)
+            # A save before the failed one is still being written on some rank: it commits first. Every
+            # rank takes this branch.
+            time.sleep(settings.poll_interval_s)
+            continue
+        count.reported = max(count.reported, -neg_ready)
+        if not blocking or (not any_pending and count.reported >= count.announced):
+            return
+        time.sleep(settings.poll_interval_s)
+
+
+def raise_agreed_failures(run: Run, agreement: Agreement) -> None:
+    """(all ranks) Every rank stops its other collective saves, learns every failure, and raises the
+    same error."""
+    drop_collective_pending(run, agreement.rank)
+    error = run.failures.gather(agreement)
+    remove_doomed(run)  # every rank has stopped its writers before the gather
+    raise error

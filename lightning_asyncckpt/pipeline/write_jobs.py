@@ -1,0 +1,104 @@
+"""What the worker is given for one save: the job that writes a ``torch.save`` file, or this rank's planned
+part of a DCP directory, with the small files beside it (provenance, skeleton, ``meta.pt``).
+
+Runs on the training thread of each saving rank, inside the hand-over (``scheduler``).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_asyncckpt.faults.policy import with_hook
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.format.layout import Layout
+from lightning_asyncckpt.pipeline import dcp_plan
+from lightning_asyncckpt.pipeline.agreement import Agreement
+from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan
+from lightning_asyncckpt.pipeline.run import Run, Settings
+from lightning_asyncckpt.pipeline.save import HandOver, SaveRequest
+from lightning_asyncckpt.snapshot import handback
+from lightning_asyncckpt.version import __version__
+from lightning_asyncckpt.write import dcp_writer, torch_file
+
+
+def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, float] | None,
+             back: handback.Written | None = None) -> Any:
+    r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU.
+    ``back``: where it hands the staged tensors back as it writes them (:mod:`lightning_asyncckpt.snapshot.handback`)."""
+    assert run.engine is not None and ready.skeleton is not None and ready.shape is not None
+    # The non-tensor state was serialized at save time, once: it is then a snapshot of this step (the
+    # worker's queue would pickle it later, in a feeder thread, while training may change a leaf object).
+    request = ready.request
+    request.faults.check(request.faults.at_handover, request.path)
+    return run.engine.schedule(torch_file.write_file_job, (
+        ready.skeleton, ready.snapshot.tensors, str(ready.tmp), str(result_path),
+        with_hook(request.faults, ready.write_hook), ready.shape.aliases, ready.shape.locations, ready.shape.same_object,
+        gate, str(back.path) if back is not None else None,
+    ))
+
+
+def plan_dcp(run: Run, agreement: Agreement, settings: Settings, ready: HandOver) -> DcpPlan:
+    """Plans this rank's part of a DCP directory (collectively when all ranks write: every rank calls it
+    for the same save, at save time)."""
+    request, snapshot, tmp, rank = ready.request, ready.snapshot, ready.tmp, ready.rank
+    assert run.engine is not None and isinstance(tmp, Path)
+    extra = [(str(tmp / name), data) for name, data in request.extra_files]
+    planner_data = None
+    if request.layout is Layout.SHARDED:
+        state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
+    else:  # flat items; where they sit in the dict for plain DCP readers; the exact skeleton beside them
+        state, planner_data = dcp_plan.replicated_items(snapshot.skeleton, snapshot.tensors, everything=rank == 0)
+        if rank == 0:
+            assert ready.skeleton is not None
+            extra.append((str(tmp / dcp_format.SKELETON_FILE), ready.skeleton))
+    plan = dcp_plan.plan_save(
+        state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
+        request.collective, flatten=request.layout is Layout.SHARDED, planner_data=planner_data if rank == 0 else None,
+        cache=run.plans,
+    )
+    if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
+        extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
+    return DcpPlan(plan, extra)
+
+
+def dcp_job(run: Run, ready: HandOver, planned: DcpPlan, result_path: Path, gate: tuple[str, float] | None) -> Any:
+    """Hands this rank's planned part of a DCP directory to the worker (its buffers hold the snapshot)."""
+    request, tmp = ready.request, ready.tmp
+    assert run.engine is not None
+    request.faults.check(request.faults.at_handover, request.path)
+    plan = planned.plan
+    return run.engine.schedule(
+        dcp_writer.write_job,
+        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, ready.write_hook),
+         planned.extra, (str(tmp), request.path) if isinstance(request.path, str) else None, gate),
+    )
+
+
+def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:
+    """(global rank 0 of a sharded save) ``meta.pt``, serialized now: a snapshot of the non-tensor state."""
+    buf = io.BytesIO()
+    torch.save(meta, buf)
+    return dcp_format.META_FILE, buf.getvalue()
+
+
+def writer_info(run: Run, agreement: Agreement, settings: Settings, request: SaveRequest) -> dict[str, Any]:
+    """The provenance file's content: who wrote the checkpoint, how, and when."""
+    world = agreement.world_size
+    return {
+        "writer": f"lightning-asyncckpt {__version__}",
+        "engine": settings.engine,
+        "engine_version": getattr(run.engine, "version", None),
+        "worker": settings.worker,
+        "layout": (request.layout if request.layout is Layout.SHARDED or request.collective else Layout.SINGLE_WRITER).value,
+        "world_size": world,
+        "writing_ranks": world if request.collective else 1,
+        "global_step": request.step,
+        "torch": torch.__version__,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

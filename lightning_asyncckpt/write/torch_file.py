@@ -1,0 +1,242 @@
+"""The single-file checkpoint format: stock Lightning's one ``torch.save`` file, written by the worker.
+
+Stock ``TorchCheckpointIO`` writes ``torch.save(checkpoint)`` at the checkpoint path. Here the
+background writer rebuilds the same checkpoint dict from a snapshot (``staging.join`` of the skeleton
+and the staged shared-memory copies) and ``torch.save``\\ s it into a hidden sibling of the final path
+(``commit.tmp_for``, so that ``commit.cleanup_leftovers`` removes the remains of an interrupted save),
+flushed and fsync'd; the trainer then publishes it with one ``os.replace`` and an fsync of the directory.
+
+For a CPU checkpoint written with its ``layout``, the file is byte for byte stock's: both ``torch.save``
+into a Python file object (stock into a ``BytesIO``), so the zip records are named alike. A file object
+is also needed because torch's own path writer refuses a file name starting with ``.`` (the hidden
+temporary name). What the file holds, compared with stock's file for the same checkpoint dict:
+
+- the same keys, nesting and non-tensor values (the skeleton keeps dict subclasses, namedtuples,
+  ``AttributeDict`` hyper-parameters, int keys), the same tensor values, dtypes and shapes;
+- devices: each storage is tagged with the device of the tensor it was copied from when ``locations``
+  is given (``layout(checkpoint)``), so ``torch.load`` without ``map_location`` puts tensors where stock's
+  file would; without it every tensor is tagged ``cpu`` (the staged copies' device). Lightning's own
+  loader maps every storage to CPU either way, and for CPU training both are the same;
+- storage sharing: tensors that are the same view of one storage in the original (tied weights) are
+  written once and load sharing one storage, as stock's are, when ``aliases`` is given
+  (``layout(checkpoint)``). Partial views of one storage (a slice and its base) are written as separate
+  tensors: same values, and ours never holds bytes that no saved tensor covers;
+- no bloat from views: ``torch.save`` of a view writes its whole storage, so a staged tensor that is a
+  slice of a larger buffer is re-wrapped, without a copy, as a tensor whose storage is exactly its bytes.
+
+Runs in the writer process: imports torch and this package's Lightning-free modules only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_asyncckpt.faults.policy import after_write
+from lightning_asyncckpt.format import commit, remote
+from lightning_asyncckpt.snapshot import handback, staging, tree
+from lightning_asyncckpt.write import direct_io, worker, zip_crc
+from lightning_asyncckpt.write import gate as _gate
+
+# Stock ``torch.save``'s defaults: pickle protocol 2 and the zip format.
+_PICKLE_PROTOCOL = 2
+
+
+@dataclass
+class FileLayout:
+    """What the staged copies no longer know about the original tensors (computed in the trainer).
+
+    ``aliases``: fqn -> the first fqn that is the same view of the same storage (tied weights).
+    ``same_object``: those aliases that are the very same tensor object as their target (a dict holding
+    one tensor twice), which pickle stores once and loads as one object.
+    ``locations``: fqn -> device location tag (``"cuda:0"``) for tensors not on the CPU.
+    """
+
+    aliases: dict[str, str] = field(default_factory=dict)
+    same_object: set[str] = field(default_factory=set)
+    locations: dict[str, str] = field(default_factory=dict)
+
+
+def layout(checkpoint: dict[str, Any]) -> FileLayout:
+    """(trainer) The aliases and devices of ``checkpoint``'s tensors, named as ``staging.split`` names
+    them. Reads metadata only: no tensor data is touched or copied."""
+    out = FileLayout()
+    first: dict[tuple, tuple[str, torch.Tensor]] = {}
+    namer = tree.FqnNamer()
+
+    def visit(path: tuple, t: torch.Tensor) -> torch.Tensor:
+        name = namer(path)
+        if t.device.type == "meta":
+            return t
+        if t.device.type != "cpu":
+            out.locations[name] = str(t.device)
+        if t.numel() == 0 or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return t  # a tensor subclass is written as its own plain (dequantized) copy: never an alias
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        target, obj = first.setdefault(key, (name, t))
+        if target != name:
+            out.aliases[name] = target
+            if obj is t:
+                out.same_object.add(name)
+        return t
+
+    tree.walk(checkpoint, (), visit)
+    return out
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on a storage holding exactly its bytes, so that ``torch.save`` writes no more than them.
+
+    A contiguous slice of a larger host buffer is re-wrapped in place (no copy); the caller keeps the
+    buffer alive while the result is in use. Other views (gaps between elements) are copied."""
+    nbytes = t.numel() * t.element_size()
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    if t.untyped_storage().nbytes() == nbytes:
+        return t  # the whole storage (possibly permuted strides): written as it is
+    if t.device.type == "cpu" and t.is_contiguous():
+        raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+        return torch.frombuffer(raw, dtype=t.dtype, count=t.numel()).view(t.shape)
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+# Storage location tags for one write: the tagger below answers from this map (data_ptr -> location),
+# before torch's own taggers, while a write with ``locations`` runs in this thread.
+_tags = threading.local()
+_tagger_lock = threading.Lock()
+_tagger_registered = False
+
+
+def _tag(storage: Any) -> str | None:
+    tags = getattr(_tags, "by_ptr", None)
+    if not tags:
+        return None
+    return tags.get(storage.data_ptr())
+
+
+def _no_restore(storage: Any, location: str) -> None:
+    return None  # loading is left to torch's own deserializers
+
+
+def _register_tagger() -> None:
+    global _tagger_registered
+    with _tagger_lock:
+        if not _tagger_registered:
+            torch.serialization.register_package(1, _tag, _no_restore)  # before "cpu" (10) and "cuda" (20)
+            _tagger_registered = True
+
+
+def rebuild(
+    skeleton: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None,
+    same_object: set[str] | frozenset[str] = frozenset(),
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The checkpoint dict to save: the skeleton with the staged tensors put back (each on an exact
+    storage, aliases on their target's storage). Also returns the tensors used, by fqn."""
+    used = {name: _exact(t) for name, t in tensors.items()}
+    for name, target in (aliases or {}).items():
+        if target in used:
+            # The storage is written once either way. Tied weights in a state_dict are two tensor objects
+            # on one storage (a new one here); one object held twice is pickled once (the same one here).
+            used[name] = used[target] if name in same_object else used[target].detach()
+    return staging.join(skeleton, used), used
+
+
+def write_file(
+    skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str | os.PathLike,
+    aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
+    same_object: set[str] | frozenset[str] = frozenset(), released: str | None = None,
+) -> int:
+    """(writer) Writes the checkpoint as stock's ``torch.save`` file at ``tmp_path`` (the hidden sibling
+    of the final path), flushed and fsync'd; or streams it to a remote URL, where it appears only once
+    complete (:func:`remote.write_object`). Returns the file's size in bytes. ``released``: a local file
+    write hands each of ``tensors`` back there once it no longer reads it (:mod:`lightning_asyncckpt.snapshot.handback`)."""
+    checkpoint, used = rebuild(skeleton, tensors, aliases, same_object)
+    by_ptr = {}
+    if locations:
+        _register_tagger()
+        by_ptr = {used[n].untyped_storage().data_ptr(): loc for n, loc in locations.items()
+                  if n in used and used[n].numel() > 0}
+    _tags.by_ptr = by_ptr
+    try:
+        if remote.is_remote(tmp_path):
+            return remote.write_object(str(tmp_path), lambda f: torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL))
+        os.makedirs(os.path.dirname(os.path.abspath(tmp_path)), exist_ok=True)
+        # The tensor bytes go from the staged copies straight to the disk (``direct_io``): no page-cache
+        # copy. torch.save records the file with CRC32 off (milliseconds), ``zip_crc`` fills in each
+        # record's CRC32 at several times torch's speed, and the writes start behind it. The file's bytes
+        # are what torch.save writes with CRC32 on.
+        back = handback.Releases(released, list(tensors.values())) if released else None
+        try:
+            with direct_io.DirectFile(str(tmp_path), direct_io.storage_regions(used.values()), hold=True,
+                                      on_consumed=back.consumed if back is not None else None) as f:
+                with zip_crc.crc32_off():
+                    torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL)
+                if back is not None:  # before any chunk is released to the writer threads
+                    back.recorded(f.recorded.starts, f.recorded.parts)
+                zip_crc.fill(f.recorded, f.release)
+        finally:
+            if back is not None:
+                back.close()
+        return f.tell()
+    finally:
+        _tags.by_ptr = None
+
+
+def hook_buckets(tmp_path: str | os.PathLike) -> list:
+    """What a write hook (``testing`` faults, a user's ``write_hook``) receives for a file write: one
+    bucket shaped like DCP's ``(path, name, data)``, its path the file about to be written."""
+    tmp_path = str(tmp_path)
+    return [(tmp_path, os.path.basename(tmp_path), None)]
+
+
+def write_file_job(
+    skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str, result_path: str, hook: Any | None = None,
+    aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
+    same_object: set[str] | frozenset[str] = frozenset(), gate: tuple[str, float] | None = None,
+    released: str | None = None,
+) -> None:
+    """The async function handed to the engine's queue (like ``dcp_writer.write_job``): waits at ``gate``
+    (``(path, timeout_s)``: a lazy snapshot still being copied, :mod:`lightning_asyncckpt.write.gate`), runs ``hook``, writes
+    the file, then reports in the same result file: ``ok``, ``results`` (empty: no DCP write results),
+    ``nbytes`` (the file's size), ``write_s``, ``pid``; or ``ok=False`` with ``error_type``, ``message``
+    and ``errno``. ``released``: see :func:`write_file`. ``skeleton`` may come serialized (``torch.save``
+    bytes, made by the trainer at save time so that it holds that step's non-tensor state)."""
+    t0, buckets = time.monotonic(), hook_buckets(tmp_path)
+    worker.keep_mapped(tensors.values())
+    try:
+        if gate is not None:
+            _gate.wait(*gate)
+            t0 = time.monotonic()  # the write's own time counts from the moment its bytes may be read
+        if isinstance(skeleton, (bytes, bytearray)):  # the trainer's own bytes: trusted
+            skeleton = torch.load(io.BytesIO(skeleton), weights_only=False)
+        if hook is not None:
+            hook(buckets)
+        nbytes = write_file(skeleton, tensors, tmp_path, aliases, locations, same_object, released)
+        if hook is not None:
+            after_write(hook, buckets)
+        outcome: dict[str, Any] = {"ok": True, "results": [], "nbytes": nbytes}
+    except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
+        outcome = {"ok": False, **worker.describe_failure(e, buckets)}
+    worker.report(result_path, outcome, t0)
+
+
+def publish_file(tmp: Path, path: Path) -> None:
+    """(trainer) Makes the complete file ``tmp`` visible at ``path``: one ``os.replace`` (atomic on every
+    POSIX filesystem; an existing ``path``, e.g. ``last.ckpt``, is replaced in the same step), then an
+    fsync of the directory so that the rename itself is durable."""
+    tmp, path = Path(tmp), Path(path)
+    if not tmp.is_file():
+        raise FileNotFoundError(f"refusing to publish {tmp}: it is not a written checkpoint file")
+    if path.is_dir() and not path.is_symlink():
+        commit.replace_dir_with_file(tmp, path)  # a checkpoint directory of 0.1 (format="dcp") at that path
+        return
+    os.replace(tmp, path)
+    commit.fsync_dir(path.parent)
