@@ -16,7 +16,7 @@
 #    (save call + wait before the optimizer step) against the pinned D2H floor (target: 0.1x or less),
 #    eager beside it;
 # 4. saves faster than the disk (bench_lazy.py --overlap, 1 GiB): a lazy save's device-to-host copy follows the
-#    write in flight tensor by tensor (handback.py), one staging copy against eager's two; blocked, pace and
+#    write in flight once it ends, one staging copy against eager's two; blocked, pace and
 #    how busy the writer stays.
 #
 # Python: $PYTHON (default python3) must have a CUDA torch. Missing packages can be installed from

@@ -368,23 +368,17 @@ def _staged_bytes(io):
     return sum(b.numel() * b.element_size() for b in io.staging_buffers())
 
 
-@pytest.mark.parametrize("held_at", ["start", "end"])
-def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path, held_at):
+def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path):
     """A lazy save that finds the only staging copy still being written takes no second copy: its copy follows
     that write, off the save call, and neither checkpoint is torn (the first holds its own step's values, not
-    the second's; the second its own step's, not the step after the wait).
-
-    The write before it is held before its first byte, or after its last (``held_at="end"``): it hands each
-    tensor back once it has read it (``handback``), so the follower's copy then ends while that write is
-    still unreported, instead of waiting for its report."""
+    the second's; the second its own step's, not the step after the wait). The write before it is held before
+    its first byte."""
     model, opt, forward_backward = _fabric_loop_parts()
     forward_backward()
     opt.step()
     _, tensors = staging.split(_torch_state(model, opt, 0))
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    # held at the end far longer than the copy needs: without the hand-back the follower waits out the hold
-    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "started"), at=held_at,
-                             timeout_s=20 if held_at == "end" else 120)
+    hold = testing.HoldWrite(str(tmp_path / "release"), started_file=str(tmp_path / "started"), timeout_s=120)
     with _lazy_io() as io:
         io.track_optimizers([opt])
         io.write_hook = hold
@@ -398,12 +392,8 @@ def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path,
         io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")  # returns: its copy follows a's write
         assert io.num_pending == 2 and _staged_bytes(io) == state_bytes
         forward_backward()
-        if held_at == "start":
-            hold.release()
+        hold.release()
         io.wait_for_snapshot()  # b's copy is done
-        if held_at == "end":
-            assert io.num_pending == 2  # ... while a is still held, unreported (it would have failed at 20 s)
-            hold.release()
         opt.step()  # changes nothing b holds
         io.finalize(blocking=True)
         assert _staged_bytes(io) == state_bytes

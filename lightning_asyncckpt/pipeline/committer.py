@@ -155,8 +155,6 @@ def record_failure(run: Run, save: PendingSave, failure: RankFailure, rank: int)
         os.unlink(save.result_path)
     except OSError:
         pass  # the worker never reported
-    if save.handback is not None:
-        save.handback.remove()
     run.failures.record(Failed(save.order, str(save.path), failure, save.seq))
     log.error("lightning-asyncckpt: save to %s failed: %s", save.path, failure.describe())
 

@@ -42,7 +42,6 @@ class PendingSave:
     started: float = field(default_factory=time.monotonic)
     call: int = 0  # the save call of this rank it came from (``SavePipeline.saves_scheduled``)
     lazy_nbytes: int = 0  # bytes its lazy snapshot copied after the save call returned
-    handback: Any = None  # handback.Written: a file write hands its staged tensors back there as it goes
     # A lazy single-writer save is handed over inside the save call, its worker waiting at ``gate``
     # (gate.Gate) until ``copy`` (lazy.BackgroundCopy) is proven. ``behind_gate`` until the training thread
     # has settled the copy (scheduler.finish_copy); a save whose worker is lost meanwhile is handed over

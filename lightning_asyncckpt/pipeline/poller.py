@@ -115,8 +115,6 @@ def wait_for_room(run: Run, settings: Settings, rank: int) -> None:
 
 def read_outcome(save: PendingSave, rank: int) -> tuple[list, RankFailure | None]:
     """The worker's report for ``save``: its write results, or what went wrong."""
-    if save.handback is not None:  # the write ended (its lease released first): nothing more is handed back
-        save.handback.remove()
     try:
         with open(save.result_path, "rb") as f:
             outcome = pickle.load(f)

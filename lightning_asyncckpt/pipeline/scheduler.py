@@ -27,7 +27,7 @@ from lightning_asyncckpt.pipeline.failures import Failed, filesystem_failures
 from lightning_asyncckpt.pipeline.pending import PendingSave
 from lightning_asyncckpt.pipeline.run import Run, Settings
 from lightning_asyncckpt.pipeline.save import HandOver, SaveRequest
-from lightning_asyncckpt.snapshot import handback, lazy, staging
+from lightning_asyncckpt.snapshot import lazy, staging
 from lightning_asyncckpt.write import torch_file
 from lightning_asyncckpt.write.gate import Gate
 
@@ -164,7 +164,7 @@ def schedule(
 
 
 def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandOver,
-                follow: handback.Follow | None) -> None:
+                follow: lazy.AfterWrite | None) -> None:
     """Starts a lazy snapshot's background copy (``run.copying`` until :func:`finish_copy`). A single-writer
     save is handed to the worker first, behind a gate the copy opens once it is proven (``gate.py``), so
     that its write starts the moment its bytes are copied, not at the next optimizer step. A collective
@@ -194,16 +194,15 @@ def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandO
     log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", request.path, ready.copy.nbytes)
 
 
-def _follow(run: Run, settings: Settings, ready: HandOver) -> handback.Follow | None:
-    """What the lazy copy waits for: nothing, or the write whose buffers it follows into (tensor by tensor,
-    as that write hands them back)."""
+def _follow(run: Run, settings: Settings, ready: HandOver) -> lazy.AfterWrite | None:
+    """What the lazy copy waits for: nothing, or the end of the write whose buffers it follows into."""
     lease = ready.snapshot.buffer_set
     if lease is None or lease.ready.is_set():
         return None
     newest = _newest_write(run)
     assert newest is not None and newest.buffer_set.buffer_set is lease.buffer_set
     ready.follows = newest.order
-    return handback.Follow(lease.ready, newest.result_path, newest.handback, lease.buffers, settings.timeout_s)
+    return lazy.AfterWrite(lease.ready, newest.result_path, settings.timeout_s)
 
 
 def _lazy_rule(run: Run, settings: Settings) -> staging.Defer | None:
@@ -235,13 +234,9 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
     request, snapshot = ready.request, ready.snapshot
     result_path = run.results_dir / f"{ready.order}.result"
     gated = (gate.path, settings.timeout_s) if gate is not None else None
-    # a local file write hands its tensors back as it goes, for a lazy save that may follow it (handback.py);
-    # only lazy saves ever follow a write, so eager runs skip the bookkeeping
-    back = handback.Written.of(run.results_dir / f"{ready.order}.released", snapshot.tensors) \
-        if request.writes_file and isinstance(ready.tmp, Path) and settings.snapshot == "lazy" and run.stager.copy_cpu else None
     try:
         if request.writes_file:
-            ticket, plan = write_jobs.file_job(run, ready, result_path, gated, back), None
+            ticket, plan = write_jobs.file_job(run, ready, result_path, gated), None
         else:
             planned = ready.planned or write_jobs.plan_dcp(run, agreement, settings, ready)
             ticket, plan = write_jobs.dcp_job(run, ready, planned, result_path, gated), planned.plan
@@ -254,7 +249,6 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOve
         result_path=result_path, buffer_set=snapshot.buffer_set, stall_s=stall_s,
         nbytes=snapshot.nbytes, step=request.step, collective=request.collective, faults=request.faults,
         writes_file=request.writes_file, call=request.call, lazy_nbytes=ready.copy.nbytes if ready.copy else 0,
-        handback=back,
     )
     run.pending.append(save)
     log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", request.path, snapshot.nbytes, save.stall_s)

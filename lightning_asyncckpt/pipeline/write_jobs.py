@@ -22,15 +22,13 @@ from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan
 from lightning_asyncckpt.pipeline.run import Run, Settings
 from lightning_asyncckpt.pipeline.save import HandOver, SaveRequest
-from lightning_asyncckpt.snapshot import handback
 from lightning_asyncckpt.version import __version__
 from lightning_asyncckpt.write import dcp_writer, torch_file
 
 
-def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, float] | None,
-             back: handback.Written | None = None) -> Any:
+def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, float] | None) -> Any:
     r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU.
-    ``back``: where it hands the staged tensors back as it writes them (:mod:`lightning_asyncckpt.snapshot.handback`)."""
+"""
     assert run.engine is not None and ready.skeleton is not None and ready.shape is not None
     # The non-tensor state was serialized at save time, once: it is then a snapshot of this step (the
     # worker's queue would pickle it later, in a feeder thread, while training may change a leaf object).
@@ -39,7 +37,7 @@ def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, floa
     return run.engine.schedule(torch_file.write_file_job, (
         ready.skeleton, ready.snapshot.tensors, str(ready.tmp), str(result_path),
         with_hook(request.faults, ready.write_hook), ready.shape.aliases, ready.shape.locations, ready.shape.same_object,
-        gate, str(back.path) if back is not None else None,
+        gate,
     ))
 
 

@@ -25,7 +25,6 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory (the largest logical block size in use)
@@ -191,15 +190,10 @@ class DirectFile(Recorder):
 
     Use as a context manager: on a clean exit the file is complete, truncated to its size and fsync'd;
     an error of any write is raised there with its errno. ``regions``: see :class:`Recorder`.
-
-    ``on_consumed(upto)`` (called from the writer threads, with ``upto`` growing) says that no byte of the
-    file before ``upto`` will be read from memory again: every chunk before it has been copied into its
-    write buffer, so the caller's memory behind those bytes may be reused while the rest is written
-    (:mod:`lightning_asyncckpt.snapshot.handback`).
     """
 
     def __init__(self, path: str, regions: list[tuple[int, int]], threads: int = THREADS, chunk: int = CHUNK,
-                 direct: bool = True, hold: bool = False, on_consumed: Callable[[int], None] | None = None):
+                 direct: bool = True, hold: bool = False):
         super().__init__(regions)
         if chunk % _ALIGN:
             raise ValueError(f"DirectFile(chunk={chunk}) must be a multiple of {_ALIGN}")
@@ -209,10 +203,6 @@ class DirectFile(Recorder):
         self._done = False  # the file is complete: every byte is final
         self._ready = 0  # bytes before this offset are final
         self._next = 0  # the next chunk a thread takes
-        self._on_consumed = on_consumed
-        self._filled: set[int] = set()  # chunks copied into a write buffer, past the consumed prefix
-        self._consumed = 0  # chunks before this one are all copied into a write buffer
-        self._consumed_lock = threading.Lock()  # keeps on_consumed's offsets in order
         self._errors: list[BaseException] = []
         self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(self._threads)]
         for t in self._workers:
@@ -259,8 +249,6 @@ class DirectFile(Recorder):
             while (span := self._take()) is not None:
                 start, end = span
                 _fill(addr, self.recorded, start, end)
-                if self._on_consumed is not None:
-                    self._filled_chunk(start // self._chunk)
                 n = end - start
                 if self.direct and n % _ALIGN:  # the file's tail: padded, truncated at close
                     padded = -(-n // _ALIGN) * _ALIGN
@@ -276,21 +264,6 @@ class DirectFile(Recorder):
         finally:
             view.release()
             buf.close()
-
-    def _filled_chunk(self, index: int) -> None:
-        """(writer threads) Chunk ``index`` is in a write buffer: reports the new consumed prefix, if it grew.
-        Chunks are taken in order but filled by several threads at once. Only the file's last chunk is short
-        (it is taken once the file is complete), so the prefix ends at the file's size at most."""
-        with self._consumed_lock:
-            self._filled.add(index)
-            grew = False
-            while self._consumed in self._filled:
-                self._filled.remove(self._consumed)
-                self._consumed += 1
-                grew = True
-            if grew:
-                assert self._on_consumed is not None
-                self._on_consumed(min(self._consumed * self._chunk, self.recorded.size))
 
     def _finish(self) -> None:
         with self._cond:

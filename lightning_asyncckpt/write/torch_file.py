@@ -42,7 +42,7 @@ import torch
 
 from lightning_asyncckpt.faults.policy import after_write
 from lightning_asyncckpt.format import commit, remote
-from lightning_asyncckpt.snapshot import handback, staging, tree
+from lightning_asyncckpt.snapshot import staging, tree
 from lightning_asyncckpt.write import direct_io, worker, zip_crc
 from lightning_asyncckpt.write import gate as _gate
 
@@ -152,12 +152,11 @@ def rebuild(
 def write_file(
     skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str | os.PathLike,
     aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
-    same_object: set[str] | frozenset[str] = frozenset(), released: str | None = None,
+    same_object: set[str] | frozenset[str] = frozenset(),
 ) -> int:
     """(writer) Writes the checkpoint as stock's ``torch.save`` file at ``tmp_path`` (the hidden sibling
     of the final path), flushed and fsync'd; or streams it to a remote URL, where it appears only once
-    complete (:func:`remote.write_object`). Returns the file's size in bytes. ``released``: a local file
-    write hands each of ``tensors`` back there once it no longer reads it (:mod:`lightning_asyncckpt.snapshot.handback`)."""
+    complete (:func:`remote.write_object`). Returns the file's size in bytes."""
     checkpoint, used = rebuild(skeleton, tensors, aliases, same_object)
     by_ptr = {}
     if locations:
@@ -173,18 +172,10 @@ def write_file(
         # copy. torch.save records the file with CRC32 off (milliseconds), ``zip_crc`` fills in each
         # record's CRC32 at several times torch's speed, and the writes start behind it. The file's bytes
         # are what torch.save writes with CRC32 on.
-        back = handback.Releases(released, list(tensors.values())) if released else None
-        try:
-            with direct_io.DirectFile(str(tmp_path), direct_io.storage_regions(used.values()), hold=True,
-                                      on_consumed=back.consumed if back is not None else None) as f:
-                with zip_crc.crc32_off():
-                    torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL)
-                if back is not None:  # before any chunk is released to the writer threads
-                    back.recorded(f.recorded.starts, f.recorded.parts)
-                zip_crc.fill(f.recorded, f.release)
-        finally:
-            if back is not None:
-                back.close()
+        with direct_io.DirectFile(str(tmp_path), direct_io.storage_regions(used.values()), hold=True) as f:
+            with zip_crc.crc32_off():
+                torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL)
+            zip_crc.fill(f.recorded, f.release)
         return f.tell()
     finally:
         _tags.by_ptr = None
@@ -201,13 +192,12 @@ def write_file_job(
     skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str, result_path: str, hook: Any | None = None,
     aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
     same_object: set[str] | frozenset[str] = frozenset(), gate: tuple[str, float] | None = None,
-    released: str | None = None,
 ) -> None:
     """The async function handed to the engine's queue (like ``dcp_writer.write_job``): waits at ``gate``
     (``(path, timeout_s)``: a lazy snapshot still being copied, :mod:`lightning_asyncckpt.write.gate`), runs ``hook``, writes
     the file, then reports in the same result file: ``ok``, ``results`` (empty: no DCP write results),
     ``nbytes`` (the file's size), ``write_s``, ``pid``; or ``ok=False`` with ``error_type``, ``message``
-    and ``errno``. ``released``: see :func:`write_file`. ``skeleton`` may come serialized (``torch.save``
+    and ``errno``. ``skeleton`` may come serialized (``torch.save``
     bytes, made by the trainer at save time so that it holds that step's non-tensor state)."""
     t0, buckets = time.monotonic(), hook_buckets(tmp_path)
     worker.keep_mapped(tensors.values())
@@ -219,7 +209,7 @@ def write_file_job(
             skeleton = torch.load(io.BytesIO(skeleton), weights_only=False)
         if hook is not None:
             hook(buckets)
-        nbytes = write_file(skeleton, tensors, tmp_path, aliases, locations, same_object, released)
+        nbytes = write_file(skeleton, tensors, tmp_path, aliases, locations, same_object)
         if hook is not None:
             after_write(hook, buckets)
         outcome: dict[str, Any] = {"ok": True, "results": [], "nbytes": nbytes}
