@@ -42,6 +42,7 @@ from lightning_asyncckpt.pipeline import dcp_plan
 from lightning_asyncckpt.snapshot import staging
 from lightning_asyncckpt.units import human_bytes
 from lightning_asyncckpt.write import dcp_writer, direct_io, torch_file
+from lightning_asyncckpt.write.jobs import DcpJob
 
 VARIANTS = ("dcp", "file", "file_torch_crc", "file_path")
 
@@ -73,7 +74,7 @@ def _child(variant: str, snap: staging.Snapshot, target: str, report: str, engin
         plan = dcp_plan.plan_save(state, Path(target), eng.writer_cls, threads, eng.split_by_size, False)
         os.makedirs(target, exist_ok=True)
         result_path = report + ".result"
-        dcp_writer.write_job(eng.writer_cls, plan.transforms, plan.buckets, result_path)
+        dcp_writer.write_job(DcpJob(eng.writer_cls, plan.transforms, plan.buckets, result_path))
         with open(result_path, "rb") as f:
             outcome = pickle.load(f)
         assert outcome["ok"], outcome

@@ -81,6 +81,7 @@ def test_dcp_shards_are_the_engines_own_bytes_and_results(tmp_path, engine):
     from lightning_asyncckpt import engines
     from lightning_asyncckpt.snapshot import staging
     from lightning_asyncckpt.write import dcp_writer
+    from lightning_asyncckpt.write.jobs import DcpJob
 
     state = {"w": torch.randn(256, 300), "b": torch.arange(10_000, dtype=torch.int64), "step": 7, "name": "x"}
     snap = staging.Stager(shared=False, copy_cpu=True).snapshot(state)
@@ -103,7 +104,7 @@ def test_dcp_shards_are_the_engines_own_bytes_and_results(tmp_path, engine):
                 assert not isinstance(res, BaseException), res
                 results.extend(res)
         else:
-            dcp_writer.write_job(eng.writer_cls, plan.transforms, plan.buckets, str(tmp_path / "result"))
+            dcp_writer.write_job(DcpJob(eng.writer_cls, plan.transforms, plan.buckets, str(tmp_path / "result")))
             with open(tmp_path / "result", "rb") as f:
                 outcome = pickle.load(f)
             assert outcome["ok"], outcome

@@ -27,6 +27,7 @@ from lightning_asyncckpt.engines.persistent import resource_tracker_running, sto
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.snapshot import staging
 from lightning_asyncckpt.write import torch_file
+from lightning_asyncckpt.write.jobs import FileJob
 
 
 class TiedModel(L.LightningModule):
@@ -77,9 +78,9 @@ def _sharing(ckpt: dict) -> list[set[str]]:
     return sorted((g for g in groups.values() if len(g) > 1), key=sorted)
 
 
-def _run_job(ctx_name: str, args: tuple, kwargs: dict | None = None) -> dict | None:
+def _run_job(ctx_name: str, args: tuple) -> dict | None:
     tracker_before = resource_tracker_running()
-    proc = mp.get_context(ctx_name).Process(target=torch_file.write_file_job, args=args, kwargs=kwargs or {})
+    proc = mp.get_context(ctx_name).Process(target=torch_file.write_file_job, args=(FileJob(*args),))
     proc.start()
     proc.join(120)
     if not tracker_before:  # spawning started multiprocessing's helper process: leave none behind
@@ -110,7 +111,7 @@ def test_worker_file_equals_stock_file(tmp_path):
     assert commit.is_leftover(tmp.name)
     result = tmp_path / "1.result"
     outcome = _run_job("spawn", (snap.skeleton, snap.tensors, str(tmp), str(result), None, lay.aliases, lay.locations,
-                                 lay.same_object))
+                                 frozenset(lay.same_object)))
     assert outcome is not None and outcome["ok"], outcome
     assert outcome["pid"] != os.getpid()
     assert outcome["nbytes"] == tmp.stat().st_size and outcome["write_s"] > 0

@@ -24,6 +24,7 @@ from lightning_asyncckpt.pipeline.run import Run, Settings
 from lightning_asyncckpt.pipeline.save import HandOver, SaveRequest
 from lightning_asyncckpt.version import __version__
 from lightning_asyncckpt.write import dcp_writer, torch_file
+from lightning_asyncckpt.write.jobs import DcpJob, FileJob
 
 
 def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, float] | None) -> Any:
@@ -34,11 +35,10 @@ def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, floa
     # worker's queue would pickle it later, in a feeder thread, while training may change a leaf object).
     request = ready.request
     request.faults.check(request.faults.at_handover, request.path)
-    return run.engine.schedule(torch_file.write_file_job, (
-        ready.skeleton, ready.snapshot.tensors, str(ready.tmp), str(result_path),
-        with_hook(request.faults, ready.write_hook), ready.shape.aliases, ready.shape.locations, ready.shape.same_object,
-        gate,
-    ))
+    job = FileJob(ready.skeleton, ready.snapshot.tensors, str(ready.tmp), str(result_path),
+                  with_hook(request.faults, ready.write_hook), ready.shape.aliases, ready.shape.locations,
+                  frozenset(ready.shape.same_object), gate)
+    return run.engine.schedule(torch_file.write_file_job, (job,))
 
 
 def plan_dcp(run: Run, agreement: Agreement, settings: Settings, ready: HandOver) -> DcpPlan:
@@ -71,11 +71,10 @@ def dcp_job(run: Run, ready: HandOver, planned: DcpPlan, result_path: Path, gate
     assert run.engine is not None
     request.faults.check(request.faults.at_handover, request.path)
     plan = planned.plan
-    return run.engine.schedule(
-        dcp_writer.write_job,
-        (run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path), with_hook(request.faults, ready.write_hook),
-         planned.extra, (str(tmp), request.path) if isinstance(request.path, str) else None, gate),
-    )
+    job = DcpJob(run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path),
+                 with_hook(request.faults, ready.write_hook), planned.extra,
+                 (str(tmp), request.path) if isinstance(request.path, str) else None, gate)
+    return run.engine.schedule(dcp_writer.write_job, (job,))
 
 
 def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:

@@ -17,8 +17,9 @@ from typing import Any
 
 from lightning_asyncckpt.faults.policy import after_write
 from lightning_asyncckpt.format import remote
-from lightning_asyncckpt.write import direct_io, shard_file
+from lightning_asyncckpt.write import fast_file
 from lightning_asyncckpt.write import gate as _gate
+from lightning_asyncckpt.write.jobs import DcpJob
 from lightning_asyncckpt.write.worker import describe_failure, keep_mapped, report
 
 
@@ -74,7 +75,7 @@ def _engine_open(writer_cls: type, params: Any, opener: Any) -> Iterator[None]:
 def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
     """Writes every bucket with the engine's ``write_preloaded_data``, one thread per shard file.
 
-    The engine writes each shard through a :class:`shard_file.ShardFile`: its tensor bytes go from the
+    The engine writes each shard through the file :func:`fast_file.shard_opener` gives: its tensor bytes go from the
     staged copies to the disk with ``O_DIRECT``, never through the page cache (whose copy and writeback
     cost 1.5 to 3.5 CPU-seconds per GiB on the machines measured; ``benchmarks/README.md``), and each
     item's CRC32 is computed by ISA-L rather than inside ``torch.save``. The engine's code, items, offsets
@@ -84,14 +85,13 @@ def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
     outcomes: queue.Queue[tuple[int, Any]] = queue.Queue()
     params = inspect.signature(writer_cls.write_preloaded_data).parameters
     # a bucket is (file, storage key, (bytes_data, tensor_data)); its tensors are the staged copies
-    opener = direct_io.Opener({b[0]: direct_io.storage_regions(t for _, t in b[2][1]) for b in buckets},
-                              shard_file.ShardFile)
+    opener = fast_file.shard_opener(buckets)
 
     def run(i: int, bucket: Any) -> None:
         count: queue.Queue = queue.Queue()
         count.put(i)
-        try:  # torch.save's CRC32 off (a per-thread setting): each archive gets its CRC32 from ShardFile
-            with shard_file.crc32_off_for(transforms):
+        try:  # fast: torch.save's CRC32 off (a per-thread setting), each archive gets its CRC32 from the shard file
+            with fast_file.shard_crc(transforms):
                 writer_cls.write_preloaded_data(**write_call_kwargs(params, transforms, i, bucket, outcomes, count, opener))
         except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
             outcomes.put((i, e))
@@ -122,32 +122,29 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def write_job(
-    writer_cls: type, transforms: list, buckets: list, result_path: str, hook: Any | None = None,
-    extra_files: list | tuple = (), upload: tuple[str, str] | None = None, gate: tuple[str, float] | None = None,
-) -> None:
-    """The async function handed to the engine's queue: writes the shards (and small extra files,
-    such as a sharded checkpoint's ``meta.pt``), then reports. ``upload``: ``(local dir, url)``, the
-    written files go to the object store (``remote.upload_dir``) before the report. ``gate``:
-    ``(path, timeout_s)``, waited at first (:mod:`lightning_asyncckpt.write.gate`: a lazy snapshot being copied)."""
-    t0 = time.monotonic()
+def write_job(job: DcpJob) -> None:
+    """(writer) The async function handed to the engine's queue: waits at the job's gate (a lazy snapshot
+    being copied, :mod:`lightning_asyncckpt.write.gate`), writes the shards and the small extra files (such as
+    a sharded checkpoint's ``meta.pt``), uploads them where the directory is remote
+    (``remote.upload_dir``), then reports."""
+    t0, buckets, hook = time.monotonic(), job.buckets, job.hook
     keep_mapped(t for b in buckets for _, t in b[2][1])
     try:
-        if gate is not None:
-            _gate.wait(*gate)
+        if job.gate is not None:
+            _gate.wait(*job.gate)
             t0 = time.monotonic()  # the write's own time counts from the moment its bytes may be read
         if hook is not None:
             hook(buckets)
-        outcome: dict[str, Any] = {"ok": True, "results": _write_all(writer_cls, transforms, buckets)}
-        for path, data in extra_files:
+        outcome: dict[str, Any] = {"ok": True, "results": _write_all(job.writer_cls, job.transforms, buckets)}
+        for path, data in job.extra_files:
             _write_file(path, data)
-        if upload is not None:
-            remote.upload_dir(*upload)
+        if job.upload is not None:
+            remote.upload_dir(*job.upload)
         if hook is not None:
             after_write(hook, buckets)
     except BaseException as e:  # noqa: BLE001
         outcome = {"ok": False, **describe_failure(e, buckets)}
-    report(result_path, outcome, t0)
+    report(job.result_path, outcome, t0)
     # Each write leaves reference cycles (torch.save of tensors rebuilt from shared memory). In a
     # long-lived worker they are otherwise only freed by a rare full collection, and memory grows by
     # kilobytes per save; collecting the young generations (well under a millisecond) frees them.

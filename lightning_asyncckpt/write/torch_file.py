@@ -43,8 +43,9 @@ import torch
 from lightning_asyncckpt.faults.policy import after_write
 from lightning_asyncckpt.format import commit, remote
 from lightning_asyncckpt.snapshot import staging, tree
-from lightning_asyncckpt.write import direct_io, worker, zip_crc
+from lightning_asyncckpt.write import fast_file, worker
 from lightning_asyncckpt.write import gate as _gate
+from lightning_asyncckpt.write.jobs import FileJob
 
 # Stock ``torch.save``'s defaults: pickle protocol 2 and the zip format.
 _PICKLE_PROTOCOL = 2
@@ -168,15 +169,8 @@ def write_file(
         if remote.is_remote(tmp_path):
             return remote.write_object(str(tmp_path), lambda f: torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL))
         os.makedirs(os.path.dirname(os.path.abspath(tmp_path)), exist_ok=True)
-        # The tensor bytes go from the staged copies straight to the disk (``direct_io``): no page-cache
-        # copy. torch.save records the file with CRC32 off (milliseconds), ``zip_crc`` fills in each
-        # record's CRC32 at several times torch's speed, and the writes start behind it. The file's bytes
-        # are what torch.save writes with CRC32 on.
-        with direct_io.DirectFile(str(tmp_path), direct_io.storage_regions(used.values()), hold=True) as f:
-            with zip_crc.crc32_off():
-                torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL)
-            zip_crc.fill(f.recorded, f.release)
-        return f.tell()
+        # fast by default: staged bytes straight to the disk, CRC32s by ISA-L (fast_file); the same bytes as plain
+        return fast_file.save(checkpoint, str(tmp_path), used.values(), _PICKLE_PROTOCOL)
     finally:
         _tags.by_ptr = None
 
@@ -188,34 +182,29 @@ def hook_buckets(tmp_path: str | os.PathLike) -> list:
     return [(tmp_path, os.path.basename(tmp_path), None)]
 
 
-def write_file_job(
-    skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str, result_path: str, hook: Any | None = None,
-    aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
-    same_object: set[str] | frozenset[str] = frozenset(), gate: tuple[str, float] | None = None,
-) -> None:
-    """The async function handed to the engine's queue (like ``dcp_writer.write_job``): waits at ``gate``
-    (``(path, timeout_s)``: a lazy snapshot still being copied, :mod:`lightning_asyncckpt.write.gate`), runs ``hook``, writes
-    the file, then reports in the same result file: ``ok``, ``results`` (empty: no DCP write results),
-    ``nbytes`` (the file's size), ``write_s``, ``pid``; or ``ok=False`` with ``error_type``, ``message``
-    and ``errno``. ``skeleton`` may come serialized (``torch.save``
-    bytes, made by the trainer at save time so that it holds that step's non-tensor state)."""
-    t0, buckets = time.monotonic(), hook_buckets(tmp_path)
-    worker.keep_mapped(tensors.values())
+def write_file_job(job: FileJob) -> None:
+    """(writer) The async function handed to the engine's queue (like ``dcp_writer.write_job``): waits at
+    the job's gate (a lazy snapshot still being copied, :mod:`lightning_asyncckpt.write.gate`), runs its
+    hook, writes the file, then reports in the same result file: ``ok``, ``results`` (empty: no DCP write
+    results), ``nbytes`` (the file's size), ``write_s``, ``pid``; or ``ok=False`` with ``error_type``,
+    ``message`` and ``errno``."""
+    t0, buckets, hook, skeleton = time.monotonic(), hook_buckets(job.tmp_path), job.hook, job.skeleton
+    worker.keep_mapped(job.tensors.values())
     try:
-        if gate is not None:
-            _gate.wait(*gate)
+        if job.gate is not None:
+            _gate.wait(*job.gate)
             t0 = time.monotonic()  # the write's own time counts from the moment its bytes may be read
         if isinstance(skeleton, (bytes, bytearray)):  # the trainer's own bytes: trusted
             skeleton = torch.load(io.BytesIO(skeleton), weights_only=False)
         if hook is not None:
             hook(buckets)
-        nbytes = write_file(skeleton, tensors, tmp_path, aliases, locations, same_object)
+        nbytes = write_file(skeleton, job.tensors, job.tmp_path, job.aliases, job.locations, job.same_object)
         if hook is not None:
             after_write(hook, buckets)
         outcome: dict[str, Any] = {"ok": True, "results": [], "nbytes": nbytes}
     except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
         outcome = {"ok": False, **worker.describe_failure(e, buckets)}
-    worker.report(result_path, outcome, t0)
+    worker.report(job.result_path, outcome, t0)
 
 
 def publish_file(tmp: Path, path: Path) -> None:
