@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from lightning_asyncckpt import AsyncCheckpointIO
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.snapshot import staging
+from lightning_asyncckpt.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -530,4 +532,6 @@ def test_console_script_is_declared():
     pyproject = (ROOT / "pyproject.toml").read_text()  # (no tomllib: Python 3.10 is supported)
     section = re.search(r"^\[project\.scripts\]\n(.*?)(?:^\[|\Z)", pyproject, re.M | re.S)
     assert section is not None
-    assert re.search(r'^lightning-asyncckpt = "lightning_asyncckpt\.cli:main"$', section.group(1), re.M)
+    declared = re.search(r'^lightning-asyncckpt = "([\w.]+):(\w+)"$', section.group(1), re.M)
+    assert declared is not None
+    assert getattr(importlib.import_module(declared.group(1)), declared.group(2)) is cli.main

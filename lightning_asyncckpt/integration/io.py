@@ -12,6 +12,7 @@ One save, and the module that owns each step:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -30,14 +31,22 @@ from lightning_asyncckpt.pipeline.committer import request_removal
 from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.pipeline import SavePipeline
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
-from lightning_asyncckpt.snapshot import lazy
+from lightning_asyncckpt.pipeline.settings import Settings
 
 __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 
-FORMATS = ("auto", "dcp")
-SNAPSHOTS = lazy.SNAPSHOT_MODES
 
 logsetup.configure()
+
+
+def _setting(name: str) -> property:
+    def get(self: AsyncCheckpointIO) -> Any:
+        return getattr(self.settings, name)
+
+    def set_(self: AsyncCheckpointIO, value: Any) -> None:
+        self.settings = dataclasses.replace(self.settings, **{name: value})
+
+    return property(get, set_, doc=f"``{name}``: see the class docstring.")
 
 
 class AsyncCheckpointIO(SavePipeline, CheckpointIO):
@@ -87,28 +96,15 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         format: str = "auto", faults: FaultPolicy | None = None, snapshot: str = "eager", worker_nice: int = 0,
     ) -> None:
         CheckpointIO.__init__(self)
-        for name, ok, want in (("thread_count", thread_count >= 1, "at least 1"), ("max_pending", max_pending >= 1, "at least 1"),
-                               ("timeout_s", timeout_s > 0, "positive"), ("drain_timeout_s", drain_timeout_s >= 0, "at least 0")):
-            if not ok:
-                raise ValueError(f"`AsyncCheckpointIO({name}={locals()[name]})` must be {want}.")
-        if format not in FORMATS:
-            raise ValueError(f"`AsyncCheckpointIO(format={format!r})` is not valid; choose one of {', '.join(map(repr, FORMATS))}.")
-        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
-            raise ValueError(
-                f"`AsyncCheckpointIO(worker_nice={worker_nice!r})` must be an integer nice value from 0 (the trainer's "
-                "priority) to 19 (the lowest)."
-            )
-        if snapshot not in SNAPSHOTS:
-            raise ValueError(
-                f"`AsyncCheckpointIO(snapshot={snapshot!r})` is not valid; choose one of {', '.join(map(repr, SNAPSHOTS))}."
-            )
+        worker_mode = engines.parse_worker(worker)
+        settings = dict(thread_count=thread_count, timeout_s=timeout_s, max_pending=max_pending,
+                        poll_interval_s=poll_interval_s, drain_timeout_s=drain_timeout_s, format=format,
+                        snapshot=snapshot, worker_nice=worker_nice)
+        Settings(engines.EngineName.NVRX, worker_mode, **settings)  # bad arguments first, before any import
         versions.check_installed("torch", "lightning")  # before anything is written that could not be read back
         engine = engines.resolve(strategy)
         versions.check_installed(versions.ENGINE_PACKAGES[engine.value])
-        SavePipeline.__init__(self, engine, engines.parse_worker(worker))
-        self.format, self.snapshot, self.worker_nice = format, snapshot, worker_nice
-        self.thread_count, self.max_pending = thread_count, max_pending
-        self.timeout_s, self.poll_interval_s, self.drain_timeout_s = float(timeout_s), poll_interval_s, float(drain_timeout_s)
+        SavePipeline.__init__(self, Settings(engine, worker_mode, **settings))
         self.faults: FaultPolicy = faults if faults is not None else EnvironmentFaults()
         self.write_hook: Any = None  # picklable; the worker calls it with the buckets before writing
         self.copy_hook: Any = None  # a lazy snapshot's copy thread calls it before copying (testing.HoldCopy)
@@ -117,11 +113,22 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     @property
     def engine(self) -> str:
         """``"nvrx"`` or ``"mcore"``: the engine ``strategy`` resolved to (in ``__init__``, on every rank)."""
-        return self._engine_name.value
+        return self.settings.engine
 
     @property
     def worker(self) -> str:
-        return self._worker_mode.value  # "persistent" or "fork"
+        return self.settings.worker  # "persistent" or "fork"
+
+    # the arguments, read back; assigning one validates it and replaces the frozen settings (the next
+    # save uses it)
+    thread_count = _setting("thread_count")
+    timeout_s = _setting("timeout_s")
+    max_pending = _setting("max_pending")
+    poll_interval_s = _setting("poll_interval_s")
+    drain_timeout_s = _setting("drain_timeout_s")
+    format = _setting("format")
+    snapshot = _setting("snapshot")
+    worker_nice = _setting("worker_nice")
 
     @property
     def num_pending(self) -> int:

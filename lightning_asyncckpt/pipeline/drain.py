@@ -20,7 +20,8 @@ from lightning_asyncckpt.errors import CheckpointWriteError
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.poller import settle_local
-from lightning_asyncckpt.pipeline.run import Run, Settings
+from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
 

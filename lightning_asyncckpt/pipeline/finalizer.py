@@ -13,7 +13,8 @@ import time
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.committer import commit_collective, drop_collective_pending, remove_doomed
 from lightning_asyncckpt.pipeline.poller import settle_local
-from lightning_asyncckpt.pipeline.run import Run, Settings
+from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.settings import Settings
 
 
 def finalize(

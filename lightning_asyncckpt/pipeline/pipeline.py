@@ -29,6 +29,7 @@ from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import SaveRequest
+from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.snapshot.lazy import TrackedState
 
 log = logging.getLogger(__name__)
@@ -37,18 +38,12 @@ log = logging.getLogger(__name__)
 class SavePipeline:
     """A run of saves: made at the first save (or ``begin_run``/``warmup``), dropped at close."""
 
-    engine: str
-    worker: str
-    format: str
-    snapshot: str
-    worker_nice: int
-    drain_timeout_s: float
     faults: FaultPolicy
     write_hook: Any
     copy_hook: Any
 
-    def __init__(self, engine_name: Any, worker_mode: Any) -> None:
-        self._engine_name, self._worker_mode = engine_name, worker_mode
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings  # frozen: replaced whole (and validated again) when a setting is assigned
         self.history: list[SaveRecord] = []  # every committed save, oldest first
         self._agreement = Agreement()
         self._run: Run | None = None
@@ -109,7 +104,7 @@ class SavePipeline:
             self.begin_collective_saves()
 
     def begin_collective_saves(self) -> None:
-        self._exit_group.make(self._agreement, self.drain_timeout_s)  # (all ranks, together)
+        self._exit_group.make(self._agreement, self.settings.drain_timeout_s)  # (all ranks, together)
 
     def announce(self) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts a save that the plugin will be called for
@@ -144,7 +139,7 @@ class SavePipeline:
         group, else by the next ``finalize`` on every rank. A change made through ``.data`` is invisible
         to that check: such code needs ``snapshot="eager"``."""
         if self._run is not None and self._run.copying is not None:
-            scheduler.finish_copy(self._run, self._agreement, self)
+            scheduler.finish_copy(self._run, self._agreement, self.settings)
 
     def settle_snapshot(self, blocking: bool) -> None:
         """(the saving ranks, in finalize) ``blocking``: :meth:`wait_for_snapshot`. Else only a lazy copy that
@@ -159,7 +154,7 @@ class SavePipeline:
         is announced and unsettled, so that steps without pending saves pay no collective."""
         if self._run is not None:
             self.settle_snapshot(blocking)
-            finalize(self._run, self._agreement, self, blocking, force=False)
+            finalize(self._run, self._agreement, self.settings, blocking, force=False)
 
     def wait_for_local_writes(self) -> None:
         """(this rank, no collectives) Waits for this rank's writes in flight: single-writer saves commit;
@@ -167,21 +162,22 @@ class SavePipeline:
         the way out). Failures are raised by the next finalize, on every rank."""
         if self._run is not None:
             self.wait_for_snapshot()
-            poller.wait_for_local_writes(self._run, self, self._agreement.rank)
+            poller.wait_for_local_writes(self._run, self.settings, self._agreement.rank)
 
     def abort(self) -> None:
         """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then
         stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
         if self._run is not None and not self._closed:
-            deadline = time.monotonic() + self.drain_timeout_s  # one bound for the lazy copy's wait and the drain
+            drain_timeout_s = self.settings.drain_timeout_s
+            deadline = time.monotonic() + drain_timeout_s  # one bound for the lazy copy's wait and the drain
             try:
                 if self._run.copying is not None:  # a clean lazy snapshot is handed over, to land like the others
-                    scheduler.finish_copy(self._run, self._agreement, self, within_s=self.drain_timeout_s)
+                    scheduler.finish_copy(self._run, self._agreement, self.settings, within_s=drain_timeout_s)
             except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
                 log.exception("lightning-asyncckpt: the lazy snapshot in flight failed")
             try:
                 left = max(0.0, deadline - time.monotonic())
-                drain(self._run, self, self._agreement.rank, self._exit_group, left)
+                drain(self._run, self.settings, self._agreement.rank, self._exit_group, left)
             except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
                 log.exception("lightning-asyncckpt: error while draining the saves in flight")
         try:
@@ -197,12 +193,13 @@ class SavePipeline:
         collective = layout.all_ranks_write(self._agreement.active)
         request = SaveRequest(
             checkpoint, path, layout, collective, seq=run.count.claim(collective), started=time.perf_counter(),
-            writes_file=layout is Layout.SINGLE_WRITER and self.format == "auto",
+            writes_file=layout is Layout.SINGLE_WRITER and self.settings.format == "auto",
             step=step if step is not None else global_step(checkpoint), extra_files=extra_files or [],
-            faults=self.faults.for_save(rank, self._save_calls, self.engine, self.worker), call=self._save_calls,
+            faults=self.faults.for_save(rank, self._save_calls, self.settings.engine, self.settings.worker), call=self._save_calls,
         )
         self._at_exit.arm(self, SavePipeline.abort)
-        scheduler.submit(run, self._agreement, self, request, storage_options, self.write_hook, self.begin_collective_saves)
+        scheduler.submit(run, self._agreement, self.settings, request, storage_options, self.write_hook, self.copy_hook,
+                         self.begin_collective_saves)
         if self._closed or (trainer_save and not self._began):
             self._complete_now(collective)
 
@@ -212,7 +209,7 @@ class SavePipeline:
         try:
             self.wait_for_snapshot()
             agreement = self._agreement if collective else Agreement.alone()
-            finalize(self._ensure_run(), agreement, self, blocking=True, force=True)
+            finalize(self._ensure_run(), agreement, self.settings, blocking=True, force=True)
         finally:
             self._close(abort=False)
 
@@ -221,7 +218,7 @@ class SavePipeline:
         try:
             if self._run is not None and not self._closed:
                 self.wait_for_snapshot()
-                finalize(self._run, self._agreement, self, blocking=True, force=True)
+                finalize(self._run, self._agreement, self.settings, blocking=True, force=True)
         finally:
             self._close(abort=False)
 
@@ -232,8 +229,8 @@ class SavePipeline:
 
     def _ensure_run(self) -> Run:
         if self._run is None:
-            self._run = Run(self._engine_name, self._worker_mode, self.history, self._committed_calls,
-                            worker_nice=self.worker_nice)
+            s = self.settings
+            self._run = Run(s.engine_name, s.worker_mode, self.history, self._committed_calls, worker_nice=s.worker_nice)
             self._run.tracked = self._tracked
             self._handling_at_start = sys.exc_info()[1]
         return self._run

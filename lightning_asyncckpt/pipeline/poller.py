@@ -17,7 +17,8 @@ from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.pipeline.committer import commit_save, record_failure, settle_publishing
 from lightning_asyncckpt.pipeline.pending import PendingSave
-from lightning_asyncckpt.pipeline.run import Run, Settings
+from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.write.gate import Skipped
 
 log = logging.getLogger(__name__)

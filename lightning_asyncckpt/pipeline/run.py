@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lightning_asyncckpt import engines
 from lightning_asyncckpt.format import commit, remote
@@ -30,25 +30,6 @@ from lightning_asyncckpt.snapshot.staging import Stager
 log = logging.getLogger(__name__)
 
 COPY_AT_CLOSE_S = 300.0  # a memcpy of the state: far longer than it ever takes
-
-
-class Settings(Protocol):
-    """What the pipeline reads of ``AsyncCheckpointIO``'s settings (its public attributes)."""
-
-    thread_count: int
-    timeout_s: float
-    max_pending: int
-    poll_interval_s: float
-    drain_timeout_s: float
-    format: str
-    snapshot: str  # "eager" or "lazy"
-    copy_hook: Any  # called in a lazy snapshot's copy thread before it copies (tests)
-
-    @property
-    def engine(self) -> str: ...
-
-    @property
-    def worker(self) -> str: ...
 
 
 @dataclass

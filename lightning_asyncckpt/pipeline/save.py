@@ -48,6 +48,7 @@ class HandOver:
     skeleton: bytes | None  # the skeleton, torch.save'd at save time (None for a sharded save)
     shape: torch_file.FileLayout | None  # aliases and devices, for a torch.save file
     write_hook: Any
+    copy_hook: Any  # a lazy snapshot's copy thread calls it before it copies (testing.HoldCopy)
     stall_s: float = 0.0  # how long the save call held training
     copy: lazy.BackgroundCopy | None = None  # a lazy snapshot's copy in flight
     follows: int | None = None  # the order of the write whose buffers the copy waits for

@@ -25,8 +25,9 @@ from lightning_asyncckpt.pipeline import poller, write_jobs
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.failures import Failed, filesystem_failures
 from lightning_asyncckpt.pipeline.pending import PendingSave
-from lightning_asyncckpt.pipeline.run import Run, Settings
+from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import HandOver, SaveRequest
+from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.snapshot import lazy, staging
 from lightning_asyncckpt.write import torch_file
 from lightning_asyncckpt.write.gate import Gate
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def submit(
     run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, storage_options: Any, write_hook: Any,
-    on_first_collective: Callable[[], None],
+    copy_hook: Any, on_first_collective: Callable[[], None],
 ) -> None:
     """(the saving ranks; every rank for a collective save) The save-time half of a save: validate, wait for
     room, snapshot (agreed across the ranks when collective: a rank that failed before the collective
@@ -68,7 +69,7 @@ def submit(
             if local_error is not None:
                 raise local_error
             return
-        schedule(run, agreement, settings, request, snapshot, write_hook, on_first_collective)
+        schedule(run, agreement, settings, request, snapshot, write_hook, copy_hook, on_first_collective)
     except (Exception, CheckpointException) as e:
         if isinstance(e, CheckpointWriteError):
             raise
@@ -132,7 +133,7 @@ def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_coll
 
 def schedule(
     run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, snapshot: staging.Snapshot | None,
-    write_hook: Any, on_first_collective: Callable[[], None],
+    write_hook: Any, copy_hook: Any, on_first_collective: Callable[[], None],
 ) -> None:
     """Snapshots, plans and hands over one save (pending once handed over). A lazy snapshot's copy is left
     running (``run.copying``) and the hand-over waits for :func:`finish_copy`. On an error nothing of the
@@ -148,7 +149,7 @@ def schedule(
         if request.layout is not Layout.SHARDED and (request.writes_file or rank == 0):
             skeleton = _serialize(snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
         shape = torch_file.layout(request.checkpoint) if request.writes_file else None  # metadata only
-        ready = HandOver(request, snapshot, run.order, tmp, rank, skeleton, shape, write_hook)
+        ready = HandOver(request, snapshot, run.order, tmp, rank, skeleton, shape, write_hook, copy_hook)
         follow = None
         if snapshot.deferred:
             if not request.writes_file:  # planning reads shapes, not values: now, while every rank is here
@@ -178,7 +179,7 @@ def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandO
         ready.pending = hand_over(run, agreement, settings, ready, 0.0, gate)  # raises having dropped the save
         ready.pending.gate, ready.pending.behind_gate = gate, True
     try:
-        ready.copy = lazy.BackgroundCopy(snapshot.deferred, settings.copy_hook, follow, gate)
+        ready.copy = lazy.BackgroundCopy(snapshot.deferred, ready.copy_hook, follow, gate)
     except BaseException:
         if ready.pending is None:
             _drop(run, request, ready.tmp, snapshot)

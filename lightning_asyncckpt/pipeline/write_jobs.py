@@ -20,8 +20,9 @@ from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import dcp_plan
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan
-from lightning_asyncckpt.pipeline.run import Run, Settings
+from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import HandOver, SaveRequest
+from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.version import __version__
 from lightning_asyncckpt.write import dcp_writer, torch_file
 from lightning_asyncckpt.write.jobs import DcpJob, FileJob
