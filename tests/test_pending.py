@@ -1,0 +1,55 @@
+"""The control plane's bookkeeping as pure logic (no engine, no process): the cross-rank save count and
+the pending queue's ordering invariants. The real-process tests (``test_io``, ``test_ddp``) prove the
+same behaviour end to end; these name the rule that breaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning_asyncckpt.engines import Ticket
+from lightning_asyncckpt.pipeline.pending import PendingQueue, PendingSave
+from lightning_asyncckpt.pipeline.run import SaveCount
+
+
+def _save(order: int, seq: int | None = None, collective: bool = False) -> PendingSave:
+    return PendingSave(order=order, seq=seq, path=Path(f"/c/{order}"), tmp=Path(f"/c/.t{order}"),
+                       ticket=Ticket(call_idx=order, scheduled_at=0.0), plan=None, result_path=Path(f"/r/{order}"),
+                       buffer_set=None, stall_s=0.0, nbytes=1, collective=collective)
+
+
+def test_a_save_takes_the_announced_number_or_a_collective_one_counts_itself():
+    count = SaveCount()
+    assert count.claim(collective=False) is None  # rank 0 saving what no rank announced: uncounted
+    count.announced += 1  # every rank was told of a save (on_save_checkpoint)
+    assert count.unsettled()
+    assert count.claim(collective=False) == 1
+    assert count.claim(collective=True) == 2  # Fabric's collective save: every rank is here, it counts itself
+    count.settle_all()
+    assert not count.unsettled() and count.reported == count.consumed == 2
+
+
+def test_a_single_writer_save_is_polled_only_at_the_head_behind_collective_ones():
+    queue = PendingQueue()
+    shared, solo = _save(1, seq=1, collective=True), _save(2, seq=2)
+    queue.append(shared)
+    queue.append(solo)
+    assert queue.next_to_poll() is shared
+    shared.written = []  # this rank's part is on disk; the ranks commit it together later
+    assert queue.next_to_poll() is None  # the single writer behind it waits for that commit
+    assert queue.solo_waiting() == []
+    assert queue.ready_through(announced=2) == 1  # the single writer (seq 2) is not committed yet
+    queue.remove(shared)
+    assert queue.next_to_poll() is solo and queue.solo_waiting() == [solo]
+    assert queue.next_to_poll(until=1) is None  # not past the bound the caller gives
+
+
+def test_ready_through_stops_below_the_oldest_unwritten_counted_save():
+    queue = PendingQueue()
+    for save in (_save(1, seq=1, collective=True), _save(2, seq=3, collective=True), _save(3)):
+        queue.append(save)
+    assert queue.ready_through(announced=5) == 0
+    next(iter(queue)).written = []
+    assert queue.ready_through(announced=5) == 2  # seq 3 is still being written here
+    taken = queue.take_where(lambda s: s.collective)
+    assert [s.order for s in taken] == [1, 2] and [s.order for s in queue] == [3]
+    assert queue.ready_through(announced=5) == 5
