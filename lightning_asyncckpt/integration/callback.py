@@ -13,6 +13,7 @@ from typing_extensions import override
 from lightning_asyncckpt.integration import resume
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.integration.logger_relay import LoggerRelay
+from lightning_asyncckpt.integration.patches import InstancePatches
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,7 @@ class AsyncFinalizerCallback(Callback):
         self._prepare_pending = False
         self._writes_everywhere = False
         self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
-        self._wrapped: Any = None  # (strategy, our save_checkpoint wrapper)
-        self._renamed: list = []  # checkpoint callbacks whose file_exists counts pending saves
+        self._patches = InstancePatches()  # the strategy's save_checkpoint, the checkpoint callbacks' file_exists
         self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
 
     @property
@@ -131,55 +131,44 @@ class AsyncFinalizerCallback(Callback):
         which Lightning runs no callback hook). There: count the saves ``on_save_checkpoint`` did not, so
         that an error of a weights-only save reaches every rank within a step or two as well; and finish
         the write of a SLURM requeue save before it returns."""
-        if self._wrapped is not None and self._wrapped[0] is strategy:
-            return
-        original = strategy.save_checkpoint
+        def make(original: Any) -> Any:
+            def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+                if self._io is not None and checkpoint is not self._counted:
+                    self._io.announce()
+                self._counted = None
+                original(checkpoint, filepath, storage_options=storage_options)
+                if self._io is not None and _REQUEUE_SAVE.fullmatch(os.path.basename(str(filepath))):
+                    # the requeue that follows stops this job: the write must not still be running then
+                    self._io.wait_for_local_writes()
 
-        def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-            if self._io is not None and checkpoint is not self._counted:
-                self._io.announce()
-            self._counted = None
-            original(checkpoint, filepath, storage_options=storage_options)
-            if self._io is not None and _REQUEUE_SAVE.fullmatch(os.path.basename(str(filepath))):
-                # the requeue that follows stops this job: the write must not still be running then
-                self._io.wait_for_local_writes()
+            return save_checkpoint
 
-        strategy.save_checkpoint = save_checkpoint
-        self._wrapped = (strategy, save_checkpoint)
+        self._patches.wrap(strategy, "save_checkpoint", make)
 
     def _watch_names(self, trainer: Trainer) -> None:
         """``ModelCheckpoint`` picks a free name (``-v1``, ``-v2``) by asking whether a file exists; a save still
         being written does not yet, so a later save could take its name. Each of the trainer's
         checkpoint callbacks also counts pending saves as existing (decided on global rank 0, as stock)."""
         io = self._io
-        for cb in trainer.checkpoint_callbacks:
-            original = getattr(cb, "file_exists", None)
-            if original is None or getattr(original, "_asyncckpt", False):
-                continue
 
-            def file_exists(filepath: Any, trainer: Trainer, _original: Any = original) -> bool:
-                if _original(filepath, trainer):
+        def make(original: Any) -> Any:
+            def file_exists(filepath: Any, trainer: Trainer) -> bool:
+                if original(filepath, trainer):
                     return True
                 pending = bool(trainer.is_global_zero and io is not None and io.is_pending(filepath))
                 return trainer.strategy.reduce_boolean_decision(pending, all=False)
 
-            file_exists._asyncckpt = True  # type: ignore[attr-defined]
-            cb.file_exists = file_exists
-            self._renamed.append(cb)
+            return file_exists
+
+        for cb in trainer.checkpoint_callbacks:
+            self._patches.wrap(cb, "file_exists", make)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """(all ranks) Gives the strategy its own ``save_checkpoint`` back, and the checkpoint callbacks their
         own ``file_exists``, and the loggers their own ``after_save_checkpoint``."""
         self._relay.detach()
-        for cb in self._renamed:
-            vars(cb).pop("file_exists", None)
-        self._renamed = []
-        if self._wrapped is not None:
-            strategy, wrapper = self._wrapped
-            if vars(strategy).get("save_checkpoint") is wrapper:
-                del strategy.save_checkpoint
-            self._wrapped = None
+        self._patches.undo()
         self._counted = None
 
     @override

@@ -30,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_asyncckpt.integration.patches import InstancePatches
+
 log = logging.getLogger(__name__)
 
 _HOOK = "after_save_checkpoint"
@@ -49,7 +51,7 @@ class LoggerRelay:
         self._io: Any = None
         self._since = 0  # io.saves_scheduled at attach, then through which save every call was settled
         self._deferred: deque[_Call] = deque()
-        self._wrapped: list[tuple[Any, Any, Any]] = []  # (logger, our wrapper, its instance attribute before)
+        self._patches = InstancePatches()  # each logger's after_save_checkpoint, ours until detach
 
     @property
     def num_deferred(self) -> int:
@@ -62,19 +64,7 @@ class LoggerRelay:
         self.detach()
         self._io, self._since = io, io.saves_scheduled
         for logger in loggers:
-            before = vars(logger).get(_HOOK) if hasattr(logger, "__dict__") else None
-            if getattr(before, "_asyncckpt", False):
-                continue
-            original = getattr(logger, _HOOK)
-
-            def after_save_checkpoint(checkpoint_callback: Any, _original: Any = original) -> None:
-                self._deferred.append(_Call(_original, _as_of_now(checkpoint_callback), self._io.saves_scheduled))
-                self._io.hold_removals(True)
-                self.replay()
-
-            after_save_checkpoint._asyncckpt = True  # type: ignore[attr-defined]
-            setattr(logger, _HOOK, after_save_checkpoint)
-            self._wrapped.append((logger, after_save_checkpoint, before))
+            self._patches.wrap(logger, _HOOK, self._deferring)
 
     def replay(self, quiet: bool = False) -> None:
         """(all ranks, after each finalize) Makes, in order, the recorded calls whose saves all committed;
@@ -116,14 +106,18 @@ class LoggerRelay:
             self._deferred.clear()
             if self._io is not None:
                 self._io.hold_removals(False)
-        for logger, wrapper, before in self._wrapped:
-            if vars(logger).get(_HOOK) is wrapper:
-                if before is None:
-                    delattr(logger, _HOOK)
-                else:
-                    setattr(logger, _HOOK, before)
-        self._wrapped = []
+        self._patches.undo()
         self._io = None
+
+    def _deferring(self, original: Any) -> Any:
+        """A logger's ``after_save_checkpoint`` that records the call, to be made by :meth:`replay`."""
+
+        def after_save_checkpoint(checkpoint_callback: Any) -> None:
+            self._deferred.append(_Call(original, _as_of_now(checkpoint_callback), self._io.saves_scheduled))
+            self._io.hold_removals(True)
+            self.replay()
+
+        return after_save_checkpoint
 
 
 def _as_of_now(checkpoint_callback: Any) -> Any:

@@ -13,24 +13,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_asyncckpt.integration import patches
+
 
 def install() -> None:
     """(any process, idempotent) Wraps ``ModelCheckpoint._find_last_checkpoints`` as described above."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    original = ModelCheckpoint._find_last_checkpoints
-    if getattr(original, "_asyncckpt", False):
-        return
+    def make(original: Any) -> Any:
+        def _find_last_checkpoints(self: ModelCheckpoint, trainer: Any) -> set[str]:
+            found = original(self, trainer)
+            if not found or not _saves_async(trainer) or _is_local(self._fs):
+                return found
+            # a DCP directory has no modification time for Lightning to compare: left as Lightning finds it
+            return {self._fs.unstrip_protocol(p) if self._fs.isfile(p) else p for p in found}
 
-    def _find_last_checkpoints(self: ModelCheckpoint, trainer: Any) -> set[str]:
-        found = original(self, trainer)
-        if not found or not _saves_async(trainer) or _is_local(self._fs):
-            return found
-        # a DCP directory has no modification time for Lightning to compare: left as Lightning finds it
-        return {self._fs.unstrip_protocol(p) if self._fs.isfile(p) else p for p in found}
+        return _find_last_checkpoints
 
-    _find_last_checkpoints._asyncckpt = True  # type: ignore[attr-defined]
-    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints  # type: ignore[method-assign]
+    patches.wrap_class(ModelCheckpoint, "_find_last_checkpoints", make)
 
 
 def _saves_async(trainer: Any) -> bool:

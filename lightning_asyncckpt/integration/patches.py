@@ -1,0 +1,101 @@
+"""Every change this package makes to Lightning's own objects, made and undone in one place.
+
+Lightning gives a plugin no hook for these, so the package wraps four methods:
+
+- a strategy's ``save_checkpoint`` (instance, the callback): counts weights-only saves, finishes a SLURM
+  requeue save before it returns;
+- each ``ModelCheckpoint``'s ``file_exists`` (instance, the callback): a save still being written counts as
+  existing, so that a later save does not take its name;
+- each logger's ``after_save_checkpoint`` (instance, the logger relay): deferred until the save commits;
+- ``ModelCheckpoint._find_last_checkpoints`` (the class, ``resume``): ``ckpt_path="last"`` on object stores.
+
+Instance wrappers are given back by :meth:`InstancePatches.undo` (the callback's ``teardown``); the class
+wrapper by :func:`undo_class_patches`. Each wrapper carries a mark, so nothing is wrapped twice. A method
+that this Lightning does not have is left alone, with one warning naming the Lightning version, rather
+than patched blindly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MARK = "_asyncckpt"  # set on every wrapper this package installs
+_class_patches: list[tuple[type, str, Any]] = []  # (class, name, its own attribute before)
+_warned: set[str] = set()
+
+
+def is_ours(fn: Any) -> bool:
+    return bool(getattr(fn, MARK, False))
+
+
+def _missing(owner: Any, name: str) -> None:
+    what = f"{type(owner).__name__ if not isinstance(owner, type) else owner.__name__}.{name}"
+    if what not in _warned:
+        _warned.add(what)
+        from lightning_asyncckpt.integration.versions import installed_version
+
+        log.warning("lightning-asyncckpt: Lightning %s has no %s; the package leaves it as it is",
+                    installed_version("lightning"), what)
+
+
+class InstancePatches:
+    """(one callback or relay, on every rank) The instance attributes it put on Lightning objects."""
+
+    def __init__(self) -> None:
+        self._made: list[tuple[Any, str, Any, Any]] = []  # (object, name, our wrapper, its own attribute before)
+
+    def wrap(self, obj: Any, name: str, make: Callable[[Any], Any]) -> Any | None:
+        """Sets ``obj.name`` to ``make(current)``; returns the wrapper, or None where ``obj`` has no such method
+        or it is ours already."""
+        current = getattr(obj, name, None)
+        if current is None:
+            _missing(obj, name)
+            return None
+        if is_ours(current):
+            return None
+        before = vars(obj).get(name) if hasattr(obj, "__dict__") else None
+        wrapper = make(current)
+        setattr(wrapper, MARK, True)
+        setattr(obj, name, wrapper)
+        self._made.append((obj, name, wrapper, before))
+        return wrapper
+
+    def undo(self) -> None:
+        """Gives each object its own attribute back, unless someone replaced our wrapper since."""
+        for obj, name, wrapper, before in reversed(self._made):
+            if vars(obj).get(name) is wrapper:
+                if before is None:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, before)
+        self._made = []
+
+
+def wrap_class(cls: type, name: str, make: Callable[[Any], Any]) -> bool:
+    """(any process, idempotent) Replaces ``cls.name`` with ``make(current)``, process-wide, until
+    :func:`undo_class_patches`; False where ``cls`` has no such method or it is ours already."""
+    current = getattr(cls, name, None)
+    if current is None:
+        _missing(cls, name)
+        return False
+    if is_ours(current):
+        return False
+    wrapper = make(current)
+    setattr(wrapper, MARK, True)
+    _class_patches.append((cls, name, vars(cls).get(name)))
+    setattr(cls, name, wrapper)
+    return True
+
+
+def undo_class_patches() -> None:
+    """(any process) Gives every class this package patched its own method back."""
+    while _class_patches:
+        cls, name, before = _class_patches.pop()
+        if before is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, before)
