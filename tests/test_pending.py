@@ -6,15 +6,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lightning_asyncckpt.engines import Ticket
-from lightning_asyncckpt.pipeline.pending import PendingQueue, PendingSave
+from lightning_asyncckpt.format.layout import Layout
+from lightning_asyncckpt.pipeline.pending import PendingQueue
 from lightning_asyncckpt.pipeline.run import SaveCount
+from lightning_asyncckpt.pipeline.save import TRANSITIONS, Save, SaveState, TransitionError
 
 
-def _save(order: int, seq: int | None = None, collective: bool = False) -> PendingSave:
-    return PendingSave(order=order, seq=seq, path=Path(f"/c/{order}"), tmp=Path(f"/c/.t{order}"),
-                       ticket=Ticket(call_idx=order, scheduled_at=0.0), plan=None, result_path=Path(f"/r/{order}"),
-                       buffer_set=None, stall_s=0.0, nbytes=1, collective=collective)
+def _save(order: int, seq: int | None = None, collective: bool = False) -> Save:
+    save = Save({}, Path(f"/c/{order}"), Layout.SINGLE_WRITER, collective, seq, called_at=0.0, order=order,
+                tmp=Path(f"/c/.t{order}"), ticket=Ticket(call_idx=order, scheduled_at=0.0), result_path=Path(f"/r/{order}"))
+    save.to(SaveState.WRITING)
+    return save
+
+
+def _written(save: Save) -> None:
+    save.written = []
+    save.to(SaveState.WRITTEN)
 
 
 def test_a_save_takes_the_announced_number_or_a_collective_one_counts_itself():
@@ -34,7 +44,7 @@ def test_a_single_writer_save_is_polled_only_at_the_head_behind_collective_ones(
     queue.append(shared)
     queue.append(solo)
     assert queue.next_to_poll() is shared
-    shared.written = []  # this rank's part is on disk; the ranks commit it together later
+    _written(shared)  # this rank's part is on disk; the ranks commit it together later
     assert queue.next_to_poll() is None  # the single writer behind it waits for that commit
     assert queue.solo_waiting() == []
     assert queue.ready_through(announced=2) == 1  # the single writer (seq 2) is not committed yet
@@ -48,8 +58,37 @@ def test_ready_through_stops_below_the_oldest_unwritten_counted_save():
     for save in (_save(1, seq=1, collective=True), _save(2, seq=3, collective=True), _save(3)):
         queue.append(save)
     assert queue.ready_through(announced=5) == 0
-    next(iter(queue)).written = []
+    _written(next(iter(queue)))
     assert queue.ready_through(announced=5) == 2  # seq 3 is still being written here
     taken = queue.take_where(lambda s: s.collective)
     assert [s.order for s in taken] == [1, 2] and [s.order for s in queue] == [3]
     assert queue.ready_through(announced=5) == 5
+
+
+def test_a_save_moves_only_along_its_transitions():
+    save = _save(1)
+    assert save.state is SaveState.WRITING and save.handed_at > 0
+    save.to(SaveState.ABANDONED)  # its lazy copy failed: the worker skips it
+    with pytest.raises(TransitionError, match="abandoned -> committed"):
+        save.to(SaveState.COMMITTED)  # an abandoned save never commits
+    save.to(SaveState.DROPPED)
+    assert save.ended
+    for end in (SaveState.COMMITTED, SaveState.FAILED, SaveState.DROPPED):
+        assert TRANSITIONS[end] == frozenset()  # nothing follows an end
+    reachable, todo = set(), [SaveState.REQUESTED]
+    while todo:
+        for nxt in TRANSITIONS[todo.pop()] - reachable:
+            reachable.add(nxt)
+            todo.append(nxt)
+    assert reachable == set(SaveState) - {SaveState.REQUESTED}  # every state is used
+
+
+def test_a_gated_save_whose_worker_died_is_handed_over_again_never_committed_twice():
+    save = _save(1)
+    save.to(SaveState.LOST)
+    with pytest.raises(TransitionError):
+        save.to(SaveState.WRITTEN)  # a lost write reports nothing
+    save.to(SaveState.WRITING)  # the next worker has it
+    save.to(SaveState.COMMITTED)
+    with pytest.raises(TransitionError):
+        save.to(SaveState.FAILED)

@@ -17,15 +17,15 @@ from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.format import commit, remote
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.failures import Failed
-from lightning_asyncckpt.pipeline.pending import PendingSave
 from lightning_asyncckpt.pipeline.records import SaveRecord, written_bytes
 from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.write import torch_file
 
 log = logging.getLogger(__name__)
 
 
-def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coordinator: bool) -> RankFailure | None:
+def commit_save(run: Run, save: Save, all_results: list, rank: int, coordinator: bool) -> RankFailure | None:
     """write complete -> (coordinator) .metadata -> publish -> record -> removals that waited for it.
     A failure is returned as a value: the caller raises it on every rank.
 
@@ -41,6 +41,7 @@ def commit_save(run: Run, save: PendingSave, all_results: list, rank: int, coord
             if isinstance(save.path, str):  # a remote file was visible once uploaded; a directory now
                 if not save.writes_file:
                     upload = run.background(remote.publish_metadata, save.tmp, save.path)
+                    save.to(SaveState.PUBLISHING)
                     run.publishing.append((save, upload, all_results, time.monotonic()))
                     return None
             else:
@@ -74,13 +75,14 @@ def settle_publishing(run: Run, rank: int, blocking: bool, timeout_s: float, url
         record_commit(run, save, all_results, rank)
 
 
-def record_commit(run: Run, save: PendingSave, all_results: list, rank: int) -> None:
+def record_commit(run: Run, save: Save, all_results: list, rank: int) -> None:
     """The save is a checkpoint now: its record, and the removals that waited for it."""
     record = SaveRecord(
-        path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.started,
+        path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.handed_at,
         nbytes=save.file_nbytes if save.writes_file else written_bytes(all_results), local_nbytes=save.nbytes, pending=len(run.pending) - (save in run.pending),
         worker_s=save.write_s, lazy_nbytes=save.lazy_nbytes,
     )
+    save.to(SaveState.COMMITTED)
     run.history.append(record)
     if save.remote and isinstance(save.tmp, Path):
         commit.try_remove(save.tmp, "the uploaded spool directory")  # this rank's local copy
@@ -96,7 +98,7 @@ def record_commit(run: Run, save: PendingSave, all_results: list, rank: int) -> 
     run_removals(run)
 
 
-def commit_collective(run: Run, agreement: Agreement, save: PendingSave) -> None:
+def commit_collective(run: Run, agreement: Agreement, save: Save) -> None:
     """(all ranks, same order) Gathers every rank's write results to the coordinator, which writes the
     metadata and publishes; then every rank learns the outcome and raises the same error.
 
@@ -127,11 +129,12 @@ def drop_collective_pending(run: Run, rank: int) -> None:
             run.engine.kill(save.ticket)
         run.stager.release(save.buffer_set)
         discard_tmp(run, save, rank)
+        save.to(SaveState.DROPPED)
     if dropped and run.engine is not None and run.engine.persistent:
         run.engine.reset_after_failure()
 
 
-def discard_tmp(run: Run, save: PendingSave, rank: int) -> None:
+def discard_tmp(run: Run, save: Save, rank: int) -> None:
     """Removes a failed save's partial directory. Other ranks may still be writing into a collective
     save's directory: the coordinator removes it once every rank has stopped (``remove_doomed``)."""
     if not isinstance(save.tmp, Path):
@@ -149,12 +152,14 @@ def remove_doomed(run: Run) -> None:
     run.doomed = []
 
 
-def record_failure(run: Run, save: PendingSave, failure: RankFailure, rank: int) -> None:
+def record_failure(run: Run, save: Save, failure: RankFailure, rank: int) -> None:
     discard_tmp(run, save, rank)
     try:
         os.unlink(save.result_path)
     except OSError:
         pass  # the worker never reported
+    if not save.ended:
+        save.to(SaveState.FAILED)
     run.failures.record(Failed(save.order, str(save.path), failure, save.seq))
     log.error("lightning-asyncckpt: save to %s failed: %s", save.path, failure.describe())
 

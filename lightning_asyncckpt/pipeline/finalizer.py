@@ -14,6 +14,7 @@ from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.committer import commit_collective, drop_collective_pending, remove_doomed
 from lightning_asyncckpt.pipeline.poller import settle_local
 from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.save import SaveState
 from lightning_asyncckpt.pipeline.settings import Settings
 
 
@@ -37,7 +38,7 @@ def finalize(
     while True:
         settle_local(run, settings, rank, blocking=False)
         ready_through = run.pending.ready_through(count.announced)
-        copying = run.copying.request.seq if run.copying is not None else None  # a lazy snapshot not handed over
+        copying = run.copying.seq if run.copying is not None else None  # a lazy snapshot not handed over
         if copying is not None:
             ready_through = min(ready_through, copying - 1)
         first_failed = run.failures.first_failed_seq(after_all=count.announced + 1)
@@ -45,7 +46,7 @@ def finalize(
         if deadline is not None:
             progress.append(int(time.monotonic() > deadline))
         neg_ready, any_failed, any_pending, neg_first_failed, *out_of_time = agreement.all_max(progress)
-        while (head := run.pending.head()) is not None and head.written is not None \
+        while (head := run.pending.head()) is not None and head.state is SaveState.WRITTEN \
                 and head.seq <= -neg_ready and head.seq < -neg_first_failed:
             commit_collective(run, agreement, head)  # same saves, same order, on every rank
         if any(out_of_time):

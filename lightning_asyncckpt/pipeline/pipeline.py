@@ -21,14 +21,14 @@ from typing import Any
 
 from lightning_asyncckpt.faults.policy import FaultPolicy
 from lightning_asyncckpt.format.layout import Layout
-from lightning_asyncckpt.pipeline import poller, scheduler
+from lightning_asyncckpt.pipeline import poller, scheduler, settle_copy
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.committer import run_removals
 from lightning_asyncckpt.pipeline.drain import AtExit, ExitGroup, drain
 from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.run import Run
-from lightning_asyncckpt.pipeline.save import SaveRequest
+from lightning_asyncckpt.pipeline.save import Save
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.snapshot.lazy import TrackedState
 
@@ -139,7 +139,7 @@ class SavePipeline:
         group, else by the next ``finalize`` on every rank. A change made through ``.data`` is invisible
         to that check: such code needs ``snapshot="eager"``."""
         if self._run is not None and self._run.copying is not None:
-            scheduler.finish_copy(self._run, self._agreement, self.settings)
+            settle_copy.finish_copy(self._run, self._agreement, self.settings)
 
     def settle_snapshot(self, blocking: bool) -> None:
         """(the saving ranks, in finalize) ``blocking``: :meth:`wait_for_snapshot`. Else only a lazy copy that
@@ -172,7 +172,7 @@ class SavePipeline:
             deadline = time.monotonic() + drain_timeout_s  # one bound for the lazy copy's wait and the drain
             try:
                 if self._run.copying is not None:  # a clean lazy snapshot is handed over, to land like the others
-                    scheduler.finish_copy(self._run, self._agreement, self.settings, within_s=drain_timeout_s)
+                    settle_copy.finish_copy(self._run, self._agreement, self.settings, within_s=drain_timeout_s)
             except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
                 log.exception("lightning-asyncckpt: the lazy snapshot in flight failed")
             try:
@@ -191,15 +191,15 @@ class SavePipeline:
         self._save_calls += 1
         run, rank = self._ensure_run(), self._agreement.rank
         collective = layout.all_ranks_write(self._agreement.active)
-        request = SaveRequest(
-            checkpoint, path, layout, collective, seq=run.count.claim(collective), started=time.perf_counter(),
+        save = Save(
+            checkpoint, path, layout, collective, seq=run.count.claim(collective), called_at=time.perf_counter(),
             writes_file=layout is Layout.SINGLE_WRITER and self.settings.format == "auto",
             step=step if step is not None else global_step(checkpoint), extra_files=extra_files or [],
             faults=self.faults.for_save(rank, self._save_calls, self.settings.engine, self.settings.worker), call=self._save_calls,
+            write_hook=self.write_hook, copy_hook=self.copy_hook,
         )
         self._at_exit.arm(self, SavePipeline.abort)
-        scheduler.submit(run, self._agreement, self.settings, request, storage_options, self.write_hook, self.copy_hook,
-                         self.begin_collective_saves)
+        scheduler.submit(run, self._agreement, self.settings, save, storage_options, self.begin_collective_saves)
         if self._closed or (trainer_save and not self._began):
             self._complete_now(collective)
 

@@ -16,8 +16,8 @@ from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.pipeline.committer import commit_save, record_failure, settle_publishing
-from lightning_asyncckpt.pipeline.pending import PendingSave
 from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.write.gate import Skipped
 
@@ -49,20 +49,23 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
         if status is Status.DEAD:
             fail_all(run, rank, save, RankFailure(rank, "WorkerDied", save.ticket.detail))
             return
-        if not (save.abandoned and save.copy_running):  # a dropped lazy copy may still write into its buffers
+        abandoned = save.state is SaveState.ABANDONED
+        if not (abandoned and save.copy_running):  # a dropped lazy copy may still write into its buffers
             run.stager.release(save.buffer_set)
         results, failure = read_outcome(save, rank)
-        if save.behind_gate and failure is not None and failure.error_type == Skipped.__name__:
-            save.abandoned = True  # its copy shut the gate: the training thread's finish_copy reports why
+        if run.copying is save and failure is not None and failure.error_type == Skipped.__name__:
+            save.to(SaveState.ABANDONED)  # its copy shut the gate: the training thread's finish_copy reports why
+            abandoned = True
         if save.gate is not None:
             save.gate.remove()
-        if save.abandoned:  # its failure was reported when its copy failed; its worker wrote nothing
+        if abandoned:  # its failure is reported by its copy's settling; its worker wrote nothing
             run.pending.remove(save)
             if isinstance(save.tmp, Path):
                 commit.try_remove(save.tmp, "the dropped save")
             continue
         if failure is None and save.collective:
             save.written = results
+            save.to(SaveState.WRITTEN)
             continue
         run.pending.remove(save)
         if failure is None:
@@ -110,11 +113,11 @@ def wait_for_room(run: Run, settings: Settings, rank: int) -> None:
             return
         oldest = unwritten[0]
         settle_local(run, settings, rank, blocking=True, until=oldest.order)
-        if oldest in run.pending and oldest.written is None:
+        if oldest in run.pending and oldest.state is not SaveState.WRITTEN:
             return  # cannot progress locally (it waits for a collective commit): go on rather than spin
 
 
-def read_outcome(save: PendingSave, rank: int) -> tuple[list, RankFailure | None]:
+def read_outcome(save: Save, rank: int) -> tuple[list, RankFailure | None]:
     """The worker's report for ``save``: its write results, or what went wrong."""
     try:
         with open(save.result_path, "rb") as f:
@@ -129,18 +132,19 @@ def read_outcome(save: PendingSave, rank: int) -> tuple[list, RankFailure | None
     return outcome["results"], None
 
 
-def fail_all(run: Run, rank: int, lost: PendingSave, failure: RankFailure) -> None:
+def fail_all(run: Run, rank: int, lost: Save, failure: RankFailure) -> None:
     """The worker is dead or hung: every save queued on it is lost, and the next save starts a new one.
     A collective save whose part this rank already wrote is not lost: it still commits."""
     assert run.engine is not None
     run.engine.reset_after_failure()
-    for save in run.pending.take_where(lambda s: s.written is None):
+    for save in run.pending.take_where(lambda s: s.state is not SaveState.WRITTEN):
         run.engine.kill(save.ticket)
-        if save.behind_gate and save is not lost:  # queued behind the lost write, its copy not yet settled:
-            # the training thread hands it to the next worker (its buffers still hold its snapshot)
-            save.lost_worker = True
+        if run.copying is save and save is not lost and save.state is SaveState.WRITING:
+            # queued behind the lost write, its copy not yet settled: the training thread hands it to the
+            # next worker (its buffers still hold its snapshot)
+            save.to(SaveState.LOST)
             continue
         if not save.copy_running:  # an abandoned copy still running keeps its buffers
             run.stager.release(save.buffer_set)
-        if not save.abandoned:
+        if save.state is not SaveState.ABANDONED:
             record_failure(run, save, failure, rank)

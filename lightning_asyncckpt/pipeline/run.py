@@ -24,6 +24,7 @@ from lightning_asyncckpt.pipeline.failures import FailureLog
 from lightning_asyncckpt.pipeline.pending import PendingQueue
 from lightning_asyncckpt.pipeline.plan_cache import PlanCache
 from lightning_asyncckpt.pipeline.records import SaveRecord
+from lightning_asyncckpt.pipeline.save import SaveState
 from lightning_asyncckpt.snapshot.lazy import TrackedState
 from lightning_asyncckpt.snapshot.staging import Stager
 
@@ -87,7 +88,7 @@ class Run:
     publishing: list[tuple[Any, Future, list, float]] = field(default_factory=list)
     tracked: TrackedState = field(default_factory=TrackedState)  # what a lazy snapshot may copy later
     plans: PlanCache = field(default_factory=PlanCache)  # collective saves' plans, reused while the structure holds
-    copying: Any = None  # save.HandOver: the lazy snapshot being copied (one at most: a save waits for it)
+    copying: Any = None  # save.Save whose lazy copy is not settled yet (one at most: a save waits for it)
     _remote_ops: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
@@ -127,8 +128,8 @@ class Run:
         """``(path, save call)`` of every save not yet committed or failed: the pending ones, the lazy
         snapshot being copied (not yet handed to the worker), and remote directories being published."""
         out = [(s.path, s.call) for s in [*self.pending, *(p[0] for p in self.publishing)]]
-        if self.copying is not None and self.copying.pending is None:  # else it is pending already
-            out.append((self.copying.request.path, self.copying.request.call))
+        if self.copying is not None and self.copying.state in (SaveState.COPYING, SaveState.LOST):  # not handed over
+            out.append((self.copying.path, self.copying.call))
         return out
 
     def remove(self, path: Path | str, what: str) -> None:
@@ -159,11 +160,15 @@ class Run:
         if self.copying is not None:  # every way out waits for it first: a last resort, the save is dropped
             self.copying.copy.cancel()  # one still waiting for the write before it never starts
             self.copying.copy.wait(COPY_AT_CLOSE_S)  # its thread writes into buffers that go now
+            if not self.copying.ended and self.copying not in self.pending:
+                self.copying.to(SaveState.DROPPED)
             self.copying = None
         if self.engine is not None:
             self.engine.close(abort=abort)
         dropped = self.pending.take_where(lambda s: True)
         for save in dropped:
+            if not save.ended:
+                save.to(SaveState.DROPPED)
             if self.engine is not None:
                 self.engine.kill(save.ticket)
             if not isinstance(save.tmp, Path):
@@ -185,6 +190,7 @@ class Run:
             self._remote_ops.shutdown(wait=True)  # the publishes and removals asked for are done when the run closes
             self._remote_ops = None
         for save, *_ in self.publishing:  # published (or not) on the way out, unrecorded: its spool goes
+            save.to(SaveState.DROPPED)
             commit.try_remove(save.tmp, "the uploaded spool directory")
         self.publishing = []
         self.count.settle_all()

@@ -1,7 +1,8 @@
 """Scheduling one save: snapshot, plan, and hand the write to the engine's worker.
 
 Runs on the training thread of each saving rank, inside ``save_checkpoint``: everything here is the
-stall that training sees. A collective save (every rank writes a part) arrives with its snapshot taken
+stall that training sees. The other half of a lazy save, the wait before the optimizer step, is
+``settle_copy``. A collective save (every rank writes a part) arrives with its snapshot taken
 and the ranks agreed that each has one; its planning is collective too.
 """
 
@@ -24,9 +25,8 @@ from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import poller, write_jobs
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.failures import Failed, filesystem_failures
-from lightning_asyncckpt.pipeline.pending import PendingSave
 from lightning_asyncckpt.pipeline.run import Run
-from lightning_asyncckpt.pipeline.save import HandOver, SaveRequest
+from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.snapshot import lazy, staging
 from lightning_asyncckpt.write import torch_file
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def submit(
-    run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, storage_options: Any, write_hook: Any,
-    copy_hook: Any, on_first_collective: Callable[[], None],
+    run: Run, agreement: Agreement, settings: Settings, save: Save, storage_options: Any,
+    on_first_collective: Callable[[], None],
 ) -> None:
     """(the saving ranks; every rank for a collective save) The save-time half of a save: validate, wait for
     room, snapshot (agreed across the ranks when collective: a rank that failed before the collective
@@ -46,37 +46,40 @@ def submit(
     Alone (no process group), a write failure raises :class:`CheckpointWriteError` here and bad input its
     own error. With a process group, a failure is recorded for the next finalize, which raises it on every
     rank: raising on one rank alone would leave the others waiting in Lightning's barrier."""
-    rank, collective = agreement.rank, request.collective
+    rank, collective = agreement.rank, save.collective
     try:
         snapshot, local_error = None, None
         try:
-            request.path = paths.check_save_path(request.path, storage_options, request.writes_file)
-            run.start(rank, paths.parent(request.path))
+            save.path = paths.check_save_path(save.path, storage_options, save.writes_file)
+            run.start(rank, paths.parent(save.path))
             poller.settle_local(run, settings, rank, blocking=False)
             if not agreement.active:
                 run.failures.raise_local()
             poller.wait_for_room(run, settings, rank)
-            if isinstance(request.path, str):
-                poller.wait_for_path(run, settings, rank, request.path, run.engine.persistent)
+            if isinstance(save.path, str):
+                poller.wait_for_path(run, settings, rank, save.path, run.engine.persistent)
             if collective:
-                snapshot = take_snapshot(run, agreement, request, _lazy_rule(run, settings))
+                snapshot = take_snapshot(run, agreement, save, _lazy_rule(run, settings))
         except Exception as e:
             if not collective:
                 raise
             local_error = e
         if collective and agreement.all_max([int(local_error is not None)])[0]:
             run.stager.release(snapshot.buffer_set if snapshot is not None else None)  # the others drop it
+            save.to(SaveState.DROPPED)
             if local_error is not None:
                 raise local_error
             return
-        schedule(run, agreement, settings, request, snapshot, write_hook, copy_hook, on_first_collective)
+        schedule(run, agreement, settings, save, snapshot, on_first_collective)
     except (Exception, CheckpointException) as e:
+        if not save.ended:
+            save.to(SaveState.FAILED)
         if isinstance(e, CheckpointWriteError):
             raise
-        _failed_at_save_time(run, agreement, request, e)
+        fail_at_save_time(run, agreement, save, e)
 
 
-def _failed_at_save_time(run: Run, agreement: Agreement, request: SaveRequest, e: BaseException) -> None:
+def fail_at_save_time(run: Run, agreement: Agreement, save: Save, e: BaseException) -> None:
     """Alone, raises (a write failure as :class:`CheckpointWriteError`, bad input as it is); with a process
     group, records the failure for the next finalize, which raises it on every rank."""
     rank = agreement.rank
@@ -84,44 +87,45 @@ def _failed_at_save_time(run: Run, agreement: Agreement, request: SaveRequest, e
     if not agreement.active:
         if failures is None:
             raise e  # bad input: the caller's own error type (TypeError, pickling error, ...)
-        raise CheckpointWriteError(str(request.path), failures) from (None if isinstance(e, CheckpointException) else e)
+        raise CheckpointWriteError(str(save.path), failures) from (None if isinstance(e, CheckpointException) else e)
     for failure in failures if failures is not None else [RankFailure.from_exception(rank, e)]:
         if failure.rank == rank:  # a failure in DCP's collective planning reaches all; each records its own
-            run.failures.record(Failed(run.order, str(request.path), failure, request.seq))
-    log.error("lightning-asyncckpt: save to %s failed at save time: %s", request.path, e)
+            run.failures.record(Failed(run.order, str(save.path), failure, save.seq))
+    log.error("lightning-asyncckpt: save to %s failed at save time: %s", save.path, e)
 
 
-def take_snapshot(run: Run, agreement: Agreement, request: SaveRequest,
+def take_snapshot(run: Run, agreement: Agreement, save: Save,
                   defer: staging.Defer | None = None) -> staging.Snapshot:
     """Copies the state into reused host buffers (this rank's shards or share when collective), but for
     the tensors that ``defer`` leaves to a lazy copy. A lazy snapshot that finds no free buffers follows
     the newest write in flight into its buffers (:mod:`lightning_asyncckpt.snapshot.buffer_pool`)."""
-    request.faults.check(request.faults.at_snapshot, request.path)
-    newest = _newest_write(run)
+    save.faults.check(save.faults.at_snapshot, save.path)
+    newest = newest_write(run)
     after = newest.buffer_set if newest is not None else None
-    if request.layout is Layout.SHARDED:
-        return run.stager.snapshot_tree(request.checkpoint, defer=defer, after=after)
-    if request.collective:  # replicated state: this rank copies and writes its share only
-        return run.stager.snapshot(request.checkpoint, rank=agreement.rank, world_size=agreement.world_size,
+    if save.layout is Layout.SHARDED:
+        return run.stager.snapshot_tree(save.checkpoint, defer=defer, after=after)
+    if save.collective:  # replicated state: this rank copies and writes its share only
+        return run.stager.snapshot(save.checkpoint, rank=agreement.rank, world_size=agreement.world_size,
                                    defer=defer, after=after)
-    return run.stager.snapshot(request.checkpoint, defer=defer, after=after)
+    return run.stager.snapshot(save.checkpoint, defer=defer, after=after)
 
 
-def _newest_write(run: Run) -> PendingSave | None:
+def newest_write(run: Run) -> Save | None:
+    """The newest save whose write on this rank is in flight (each holds a copy of the state)."""
     unwritten = run.pending.unwritten()
     return unwritten[-1] if unwritten else None
 
 
-def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_collective: Callable[[], None]) -> Path | str:
+def _tmp_dir(run: Run, agreement: Agreement, save: Save, on_first_collective: Callable[[], None]) -> Path | str:
     """The hidden directory the save is written into: per save for one writer; for a collective save the
     same on every rank (rank 0's token, agreed at the first one, and a count every rank keeps). A remote
     file is written at its URL (invisible until complete: an object store has no rename); a remote
     directory into a local spool directory first, which its worker uploads."""
-    if isinstance(request.path, str) and request.writes_file:
-        return request.path
+    if isinstance(save.path, str) and save.writes_file:
+        return save.path
     # a spool directory is per rank: the ranks of one node share the spool root
-    base, spool = (remote.spool_root() / "x", f"-r{agreement.rank}") if isinstance(request.path, str) else (request.path, "")
-    if not request.collective:
+    base, spool = (remote.spool_root() / "x", f"-r{agreement.rank}") if isinstance(save.path, str) else (save.path, "")
+    if not save.collective:
         return commit.tmp_for(base, f"{run.token}-{run.order}")
     if not run.token_agreed:
         run.token = agreement.all_gather(run.token)[0]
@@ -132,77 +136,74 @@ def _tmp_dir(run: Run, agreement: Agreement, request: SaveRequest, on_first_coll
 
 
 def schedule(
-    run: Run, agreement: Agreement, settings: Settings, request: SaveRequest, snapshot: staging.Snapshot | None,
-    write_hook: Any, copy_hook: Any, on_first_collective: Callable[[], None],
+    run: Run, agreement: Agreement, settings: Settings, save: Save, snapshot: staging.Snapshot | None,
+    on_first_collective: Callable[[], None],
 ) -> None:
-    """Snapshots, plans and hands over one save (pending once handed over). A lazy snapshot's copy is left
-    running (``run.copying``) and the hand-over waits for :func:`finish_copy`. On an error nothing of the
-    save is left behind."""
+    """Snapshots, plans and hands over one save (``WRITING`` once handed over). A lazy snapshot's copy is
+    left running (``run.copying``) and its settling waits for ``settle_copy.finish_copy``. On an error
+    nothing of the save is left behind."""
     assert run.engine is not None and run.results_dir is not None
     run.order += 1
-    tmp = _tmp_dir(run, agreement, request, on_first_collective)
-    rank = agreement.rank if request.collective else 0
+    save.order = run.order
+    save.tmp = _tmp_dir(run, agreement, save, on_first_collective)
+    save.rank = agreement.rank if save.collective else 0
+    follow = None
     try:
-        if snapshot is None:
-            snapshot = take_snapshot(run, agreement, request, _lazy_rule(run, settings))
-        skeleton = None
-        if request.layout is not Layout.SHARDED and (request.writes_file or rank == 0):
-            skeleton = _serialize(snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
-        shape = torch_file.layout(request.checkpoint) if request.writes_file else None  # metadata only
-        ready = HandOver(request, snapshot, run.order, tmp, rank, skeleton, shape, write_hook, copy_hook)
-        follow = None
-        if snapshot.deferred:
-            if not request.writes_file:  # planning reads shapes, not values: now, while every rank is here
-                ready.planned = write_jobs.plan_dcp(run, agreement, settings, ready)
-            follow = _follow(run, settings, ready)  # the write it follows: found before this one is pending
+        save.snapshot = snapshot if snapshot is not None else take_snapshot(run, agreement, save, _lazy_rule(run, settings))
+        if save.layout is not Layout.SHARDED and (save.writes_file or save.rank == 0):
+            save.skeleton = _serialize(save.snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
+        save.shape = torch_file.layout(save.checkpoint) if save.writes_file else None  # metadata only
+        if save.snapshot.deferred:
+            if not save.writes_file:  # planning reads shapes, not values: now, while every rank is here
+                save.planned = write_jobs.plan_dcp(run, agreement, settings, save)
+            follow = _follow(run, settings, save)  # the write it follows: found before this one is pending
     except BaseException:
-        _drop(run, request, tmp, snapshot)
+        drop(run, save, snapshot if save.snapshot is None else save.snapshot)
         raise
-    if not snapshot.deferred:
-        hand_over(run, agreement, settings, ready, time.perf_counter() - request.started)
+    if not save.snapshot.deferred:
+        hand_over(run, agreement, settings, save, time.perf_counter() - save.called_at)
         return
-    _start_copy(run, agreement, settings, ready, follow)
+    _start_copy(run, agreement, settings, save, follow)
 
 
-def _start_copy(run: Run, agreement: Agreement, settings: Settings, ready: HandOver,
+def _start_copy(run: Run, agreement: Agreement, settings: Settings, save: Save,
                 follow: lazy.AfterWrite | None) -> None:
-    """Starts a lazy snapshot's background copy (``run.copying`` until :func:`finish_copy`). A single-writer
-    save is handed to the worker first, behind a gate the copy opens once it is proven (``gate.py``), so
-    that its write starts the moment its bytes are copied, not at the next optimizer step. A collective
-    save is handed over by :func:`finish_copy`: all ranks agree on its fate, and a write the ranks dropped
-    must never be left in a worker's queue."""
-    request, snapshot = ready.request, ready.snapshot
+    """Starts a lazy snapshot's background copy (``run.copying`` until ``settle_copy.finish_copy``). A
+    single-writer save is handed to the worker first (``WRITING``), behind a gate the copy opens once it is
+    proven (``gate.py``), so that its write starts the moment its bytes are copied, not at the next
+    optimizer step. A collective save stays ``COPYING``: all ranks agree on its fate at the wait, and a
+    write the ranks dropped must never be left in a worker's queue."""
+    assert save.snapshot is not None
     gate = None
-    if not request.collective:
+    if save.collective:
+        save.to(SaveState.COPYING)
+    else:
         assert run.results_dir is not None
-        gate = Gate(run.results_dir / f"{ready.order}.gate")
-        ready.pending = hand_over(run, agreement, settings, ready, 0.0, gate)  # raises having dropped the save
-        ready.pending.gate, ready.pending.behind_gate = gate, True
+        gate = Gate(run.results_dir / f"{save.order}.gate")
+        hand_over(run, agreement, settings, save, 0.0, gate)  # raises having dropped the save
     try:
-        ready.copy = lazy.BackgroundCopy(snapshot.deferred, ready.copy_hook, follow, gate)
+        save.copy = lazy.BackgroundCopy(save.snapshot.deferred, save.copy_hook, follow, gate)
     except BaseException:
-        if ready.pending is None:
-            _drop(run, request, ready.tmp, snapshot)
+        if gate is None:
+            drop(run, save, save.snapshot)
         else:  # raised here, once: its worker skips it (or gives up at timeout_s), reported by nobody
-            ready.pending.behind_gate, ready.pending.abandoned = False, True
+            save.to(SaveState.ABANDONED)
             with contextlib.suppress(OSError):
-                ready.pending.gate.decide(False)
+                gate.decide(False)
         raise
-    ready.stall_s = time.perf_counter() - request.started
-    if ready.pending is not None:
-        ready.pending.copy, ready.pending.stall_s, ready.pending.lazy_nbytes = ready.copy, ready.stall_s, ready.copy.nbytes
-    run.copying = ready
-    log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", request.path, ready.copy.nbytes)
+    save.stall_s, save.lazy_nbytes = time.perf_counter() - save.called_at, save.copy.nbytes
+    run.copying = save
+    log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", save.path, save.copy.nbytes)
 
 
-def _follow(run: Run, settings: Settings, ready: HandOver) -> lazy.AfterWrite | None:
+def _follow(run: Run, settings: Settings, save: Save) -> lazy.AfterWrite | None:
     """What the lazy copy waits for: nothing, or the end of the write whose buffers it follows into."""
-    lease = ready.snapshot.buffer_set
+    lease = save.buffer_set
     if lease is None or lease.ready.is_set():
         return None
-    newest = _newest_write(run)
+    newest = newest_write(run)
     assert newest is not None and newest.buffer_set.buffer_set is lease.buffer_set
-    ready.follows = newest.order
+    save.follows = newest.order
     return lazy.AfterWrite(lease.ready, newest.result_path, settings.timeout_s)
 
 
@@ -220,106 +221,35 @@ def _serialize(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _drop(run: Run, request: SaveRequest, tmp: Path | str, snapshot: staging.Snapshot | None) -> None:
-    # this rank's own directory (a single writer's, or a remote save's local spool); a remote file is never visible
-    if (not request.collective or isinstance(request.path, str)) and isinstance(tmp, Path):
-        commit.try_remove(tmp, "the unfinished save")
+def drop(run: Run, save: Save, snapshot: staging.Snapshot | None) -> None:
+    """What a save that never reached a worker (or that the ranks dropped) left goes: this rank's own
+    directory (a single writer's, or a remote save's local spool), and the hold on the buffers of
+    ``snapshot`` (pass None while a copy thread may still write into them). A remote file is never visible.
+    The caller moves the save to its end state."""
+    if (not save.collective or isinstance(save.path, str)) and isinstance(save.tmp, Path):
+        commit.try_remove(save.tmp, "the unfinished save")
     run.stager.release(snapshot.buffer_set if snapshot is not None else None)
 
 
-def hand_over(run: Run, agreement: Agreement, settings: Settings, ready: HandOver, stall_s: float,
-              gate: Gate | None = None) -> PendingSave:
-    """Plans the save and hands its write to the worker; returns it, pending. On an error nothing of it
-    is left behind (and the error is raised). ``gate``: the worker waits at it before reading the buffers."""
-    assert run.engine is not None and run.results_dir is not None
-    request, snapshot = ready.request, ready.snapshot
-    result_path = run.results_dir / f"{ready.order}.result"
+def hand_over(run: Run, agreement: Agreement, settings: Settings, save: Save, stall_s: float,
+              gate: Gate | None = None) -> None:
+    """Plans the save and hands its write to the worker: ``WRITING``, in the pending queue. On an error
+    nothing of it is left behind (and the error is raised). ``gate``: the worker waits at it before reading
+    the buffers."""
+    assert run.engine is not None and run.results_dir is not None and save.snapshot is not None
+    save.result_path = run.results_dir / f"{save.order}.result"
     gated = (gate.path, settings.timeout_s) if gate is not None else None
     try:
-        if request.writes_file:
-            ticket, plan = write_jobs.file_job(run, ready, result_path, gated), None
+        if save.writes_file:
+            save.ticket, save.plan = write_jobs.file_job(run, save, save.result_path, gated), None
         else:
-            planned = ready.planned or write_jobs.plan_dcp(run, agreement, settings, ready)
-            ticket, plan = write_jobs.dcp_job(run, ready, planned, result_path, gated), planned.plan
+            planned = save.planned or write_jobs.plan_dcp(run, agreement, settings, save)
+            save.ticket, save.plan = write_jobs.dcp_job(run, save, planned, save.result_path, gated), planned.plan
     except BaseException:
         # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
-        _drop(run, request, ready.tmp, snapshot)
+        drop(run, save, save.snapshot)
         raise
-    save = PendingSave(
-        order=ready.order, seq=request.seq, path=request.path, tmp=ready.tmp, ticket=ticket, plan=plan,
-        result_path=result_path, buffer_set=snapshot.buffer_set, stall_s=stall_s,
-        nbytes=snapshot.nbytes, step=request.step, collective=request.collective, faults=request.faults,
-        writes_file=request.writes_file, call=request.call, lazy_nbytes=ready.copy.nbytes if ready.copy else 0,
-    )
+    save.gate, save.stall_s = gate, stall_s
+    save.to(SaveState.WRITING)
     run.pending.append(save)
-    log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", request.path, snapshot.nbytes, save.stall_s)
-    return save
-
-
-def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: float | None = None) -> None:
-    """(the saving rank, on the training thread, before the state may change) Waits for the lazy snapshot
-    in flight, if any; then hands a collective save's write over (a single writer's was handed over at save
-    time, behind the gate its copy decides: nothing more to do when the copy is proven). A snapshot that changed while it was copied is never
-    written: alone (no process group) :class:`CheckpointWriteError` is raised here; with one, the failure
-    is recorded and the next finalize raises it on every rank. A copy that follows a write into its
-    buffers waits for that write first, at most ``within_s`` (default ``timeout_s``; the exit drain's
-    bound on the way out), polling it meanwhile so that a dead or hung worker is seen; past that the save
-    is dropped."""
-    ready, run.copying = run.copying, None
-    if ready is None:
-        return
-    assert ready.copy is not None
-    request, waited, early = ready.request, time.perf_counter(), ready.pending
-    if ready.follows is not None and ready.snapshot.buffer_set is not None:
-        _wait_for_buffers(run, settings, agreement.rank, ready, settings.timeout_s if within_s is None else within_s)
-    problem = ready.copy.wait(settings.timeout_s)
-    if early is not None and early.lost_worker:
-        early = None  # the write before it lost the worker, which had this one queued: hand it over again
-        ready.pending.gate.remove()
-    if early is not None:
-        early.behind_gate = False
-        if early not in run.pending and not early.abandoned:  # committed already, or failed with its worker
-            if ready.copy.done():  # (reported then): its buffers are free once nothing writes into them
-                run.stager.release(early.buffer_set)
-            return
-        if problem is not None and not _skip(early):
-            problem = None  # the copy was proven after all, in the moment since the wait gave up: it is written
-        if problem is None:
-            early.stall_s = ready.stall_s + time.perf_counter() - waited
-            return
-        early.abandoned = True  # its worker skips it (the poller takes it off the queue, reporting nothing)
-        if ready.copy.done():  # nothing reads the buffers any more: the worker skips, the copy thread ended
-            run.stager.release(early.buffer_set)
-    elif problem is None:
-        try:
-            hand_over(run, agreement, settings, ready, ready.stall_s + time.perf_counter() - waited)
-        except Exception as e:  # noqa: BLE001 - as at save time: a write failure, or bad input
-            _failed_at_save_time(run, agreement, request, e)
-        return
-    else:  # the buffers are released only once the thread is done writing into them (else never reused)
-        _drop(run, request, ready.tmp, ready.snapshot if ready.copy.done() else None)
-    failure = RankFailure(agreement.rank, ready.copy.problem_type, problem)
-    log.error("lightning-asyncckpt: save to %s failed: %s", request.path, problem)
-    if not agreement.active:
-        raise CheckpointWriteError(str(request.path), [failure])
-    run.failures.record(Failed(ready.order, str(request.path), failure, request.seq))
-
-
-def _skip(save: PendingSave) -> bool:
-    """Tells the worker to skip ``save``'s write; False when the copy thread has said ``go`` first."""
-    try:
-        return save.gate.decide(False)
-    except OSError:  # the results directory is gone: nothing can be written, the worker gives up on its own
-        return True
-
-
-def _wait_for_buffers(run: Run, settings: Settings, rank: int, ready: HandOver, within_s: float) -> None:
-    # the copy starts by itself when the write before it reports; polling here commits that write and
-    # notices a worker that died (its lease is then released too)
-    assert ready.copy is not None and ready.snapshot.buffer_set is not None
-    lease, deadline = ready.snapshot.buffer_set, time.monotonic() + within_s
-    while not lease.ready.is_set() and not ready.copy.done() and time.monotonic() < deadline:
-        poller.settle_local(run, settings, rank, blocking=False)
-        lease.ready.wait(settings.poll_interval_s)
-    if not lease.ready.is_set() and not ready.copy.done():
-        ready.copy.cancel()  # one that has not started gives up; one that has finishes
+    log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", save.path, save.nbytes, save.stall_s)

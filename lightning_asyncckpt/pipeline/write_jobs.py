@@ -21,60 +21,59 @@ from lightning_asyncckpt.pipeline import dcp_plan
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan
 from lightning_asyncckpt.pipeline.run import Run
-from lightning_asyncckpt.pipeline.save import HandOver, SaveRequest
+from lightning_asyncckpt.pipeline.save import Save
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.version import __version__
 from lightning_asyncckpt.write import dcp_writer, torch_file
 from lightning_asyncckpt.write.jobs import DcpJob, FileJob
 
 
-def file_job(run: Run, ready: HandOver, result_path: Path, gate: tuple[str, float] | None) -> Any:
+def file_job(run: Run, save: Save, result_path: Path, gate: tuple[str, float] | None) -> Any:
     r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU.
 """
-    assert run.engine is not None and ready.skeleton is not None and ready.shape is not None
+    assert run.engine is not None and save.skeleton is not None and save.shape is not None
     # The non-tensor state was serialized at save time, once: it is then a snapshot of this step (the
     # worker's queue would pickle it later, in a feeder thread, while training may change a leaf object).
-    request = ready.request
-    request.faults.check(request.faults.at_handover, request.path)
-    job = FileJob(ready.skeleton, ready.snapshot.tensors, str(ready.tmp), str(result_path),
-                  with_hook(request.faults, ready.write_hook), ready.shape.aliases, ready.shape.locations,
-                  frozenset(ready.shape.same_object), gate)
+    save.faults.check(save.faults.at_handover, save.path)
+    job = FileJob(save.skeleton, save.snapshot.tensors, str(save.tmp), str(result_path),
+                  with_hook(save.faults, save.write_hook), save.shape.aliases, save.shape.locations,
+                  frozenset(save.shape.same_object), gate)
     return run.engine.schedule(torch_file.write_file_job, (job,))
 
 
-def plan_dcp(run: Run, agreement: Agreement, settings: Settings, ready: HandOver) -> DcpPlan:
+def plan_dcp(run: Run, agreement: Agreement, settings: Settings, save: Save) -> DcpPlan:
     """Plans this rank's part of a DCP directory (collectively when all ranks write: every rank calls it
     for the same save, at save time)."""
-    request, snapshot, tmp, rank = ready.request, ready.snapshot, ready.tmp, ready.rank
+    snapshot, tmp, rank = save.snapshot, save.tmp, save.rank
     assert run.engine is not None and isinstance(tmp, Path)
-    extra = [(str(tmp / name), data) for name, data in request.extra_files]
+    extra = [(str(tmp / name), data) for name, data in save.extra_files]
     planner_data = None
-    if request.layout is Layout.SHARDED:
+    if save.layout is Layout.SHARDED:
         state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
     else:  # flat items; where they sit in the dict for plain DCP readers; the exact skeleton beside them
         state, planner_data = dcp_plan.replicated_items(snapshot.skeleton, snapshot.tensors, everything=rank == 0)
         if rank == 0:
-            assert ready.skeleton is not None
-            extra.append((str(tmp / dcp_format.SKELETON_FILE), ready.skeleton))
+            assert save.skeleton is not None
+            extra.append((str(tmp / dcp_format.SKELETON_FILE), save.skeleton))
     plan = dcp_plan.plan_save(
         state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
-        request.collective, flatten=request.layout is Layout.SHARDED, planner_data=planner_data if rank == 0 else None,
+        save.collective, flatten=save.layout is Layout.SHARDED, planner_data=planner_data if rank == 0 else None,
         cache=run.plans,
     )
     if rank == 0:  # who wrote it, written by the worker before the commit (off the training thread)
-        extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, request))))
+        extra.append((str(tmp / commit.INFO_FILE), commit.info_bytes(writer_info(run, agreement, settings, save))))
     return DcpPlan(plan, extra)
 
 
-def dcp_job(run: Run, ready: HandOver, planned: DcpPlan, result_path: Path, gate: tuple[str, float] | None) -> Any:
+def dcp_job(run: Run, save: Save, planned: DcpPlan, result_path: Path, gate: tuple[str, float] | None) -> Any:
     """Hands this rank's planned part of a DCP directory to the worker (its buffers hold the snapshot)."""
-    request, tmp = ready.request, ready.tmp
+    tmp = save.tmp
     assert run.engine is not None
-    request.faults.check(request.faults.at_handover, request.path)
+    save.faults.check(save.faults.at_handover, save.path)
     plan = planned.plan
     job = DcpJob(run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path),
-                 with_hook(request.faults, ready.write_hook), planned.extra,
-                 (str(tmp), request.path) if isinstance(request.path, str) else None, gate)
+                 with_hook(save.faults, save.write_hook), planned.extra,
+                 (str(tmp), save.path) if isinstance(save.path, str) else None, gate)
     return run.engine.schedule(dcp_writer.write_job, (job,))
 
 
@@ -85,7 +84,7 @@ def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:
     return dcp_format.META_FILE, buf.getvalue()
 
 
-def writer_info(run: Run, agreement: Agreement, settings: Settings, request: SaveRequest) -> dict[str, Any]:
+def writer_info(run: Run, agreement: Agreement, settings: Settings, save: Save) -> dict[str, Any]:
     """The provenance file's content: who wrote the checkpoint, how, and when."""
     world = agreement.world_size
     return {
@@ -93,10 +92,10 @@ def writer_info(run: Run, agreement: Agreement, settings: Settings, request: Sav
         "engine": settings.engine,
         "engine_version": getattr(run.engine, "version", None),
         "worker": settings.worker,
-        "layout": (request.layout if request.layout is Layout.SHARDED or request.collective else Layout.SINGLE_WRITER).value,
+        "layout": (save.layout if save.layout is Layout.SHARDED or save.collective else Layout.SINGLE_WRITER).value,
         "world_size": world,
-        "writing_ranks": world if request.collective else 1,
-        "global_step": request.step,
+        "writing_ranks": world if save.collective else 1,
+        "global_step": save.step,
         "torch": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
