@@ -41,7 +41,7 @@ from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.pipeline import dcp_plan
 from lightning_asyncckpt.snapshot import staging
 from lightning_asyncckpt.units import human_bytes
-from lightning_asyncckpt.write import dcp_writer, direct_io, torch_file
+from lightning_asyncckpt.write import dcp_writer, direct_io, file_layout, torch_file
 from lightning_asyncckpt.write.jobs import DcpJob
 
 VARIANTS = ("dcp", "file", "file_torch_crc", "file_path")
@@ -80,13 +80,13 @@ def _child(variant: str, snap: staging.Snapshot, target: str, report: str, engin
         assert outcome["ok"], outcome
         extra = {"plan": plan, "results": outcome["results"]}
     elif variant == "file_path":
-        checkpoint, _ = torch_file.rebuild(snap.skeleton, snap.tensors)
+        checkpoint, _ = file_layout.rebuild(snap.skeleton, snap.tensors)
         torch.save(checkpoint, target)
         fd = os.open(target, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
     elif variant == "file_torch_crc":
-        checkpoint, used = torch_file.rebuild(snap.skeleton, snap.tensors)
+        checkpoint, used = file_layout.rebuild(snap.skeleton, snap.tensors)
         with direct_io.DirectFile(target, direct_io.storage_regions(used.values())) as f:
             torch.save(checkpoint, f, pickle_protocol=2)
     else:

@@ -26,7 +26,7 @@ from lightning_asyncckpt import testing
 from lightning_asyncckpt.engines.persistent import resource_tracker_running, stop_resource_tracker
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.snapshot import staging
-from lightning_asyncckpt.write import torch_file
+from lightning_asyncckpt.write import file_layout, torch_file
 from lightning_asyncckpt.write.jobs import FileJob
 
 
@@ -102,7 +102,7 @@ def test_worker_file_equals_stock_file(tmp_path):
     stock_path = tmp_path / "stock.ckpt"
     TorchCheckpointIO().save_checkpoint(ckpt, stock_path)
 
-    lay = torch_file.layout(ckpt)
+    lay = file_layout.layout(ckpt)
     assert lay.aliases == {"state_dict.head.weight": "state_dict.emb.weight"}
     assert lay.locations == {} and lay.same_object == set()
     snap = staging.Stager(shared=True, copy_cpu=True).snapshot(ckpt)
@@ -147,7 +147,7 @@ def test_one_tensor_object_held_twice_is_written_as_stock_writes_it(tmp_path):
     ckpt = {"state_dict": {"a": w, "b": w, "c": w.detach(), "d": w[1:]}, "epoch": 1}
     stock = tmp_path / "stock.ckpt"
     TorchCheckpointIO().save_checkpoint(ckpt, stock)
-    lay = torch_file.layout(ckpt)
+    lay = file_layout.layout(ckpt)
     assert lay.aliases == {"state_dict.b": "state_dict.a", "state_dict.c": "state_dict.a"}
     assert lay.same_object == {"state_dict.b"}
     snap = staging.Stager(shared=True, copy_cpu=True).snapshot(ckpt)

@@ -40,12 +40,12 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
 
     def has_tensor(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
-            return True
+            return tree.stageable(obj)  # a sparse or nested one stays in the skeleton: a leaf
         values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
         return any(has_tensor(v) for v in values)
 
     def visit(obj: Any, path: tuple) -> None:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) and tree.stageable(obj):
             paths[names(path)] = path
         elif isinstance(obj, (dict, list, tuple)) and has_tensor(obj):
             for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):

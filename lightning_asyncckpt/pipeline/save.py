@@ -34,7 +34,7 @@ from lightning_asyncckpt.faults.policy import NO_FAULTS, SaveFaults
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan
 from lightning_asyncckpt.snapshot import lazy, staging
-from lightning_asyncckpt.write import torch_file
+from lightning_asyncckpt.write import file_layout
 
 
 class SaveState(str, enum.Enum):
@@ -97,7 +97,7 @@ class Save:
     rank: int = 0  # the rank whose part this is (0 for a single writer)
     snapshot: staging.Snapshot | None = None
     skeleton: bytes | None = None  # the skeleton, torch.save'd at save time (None for a sharded save)
-    shape: torch_file.FileLayout | None = None  # aliases and devices, for a torch.save file
+    shape: file_layout.FileLayout | None = None  # aliases and devices, for a torch.save file
     copy: lazy.BackgroundCopy | None = None  # a lazy snapshot's copy
     follows: int | None = None  # the order of the write whose buffers the lazy copy waits for
     planned: DcpPlan | None = None  # a DCP save planned at save time

@@ -29,7 +29,7 @@ from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.snapshot import lazy, staging
-from lightning_asyncckpt.write import torch_file
+from lightning_asyncckpt.write import file_layout
 from lightning_asyncckpt.write.gate import Gate
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def take_snapshot(run: Run, agreement: Agreement, save: Save,
     if save.collective:  # replicated state: this rank copies and writes its share only
         return run.stager.snapshot(save.checkpoint, rank=agreement.rank, world_size=agreement.world_size,
                                    defer=defer, after=after)
-    return run.stager.snapshot(save.checkpoint, defer=defer, after=after)
+    return run.stager.snapshot(save.checkpoint, defer=defer, after=after, objects=save.writes_file)
 
 
 def newest_write(run: Run) -> Save | None:
@@ -149,10 +149,11 @@ def schedule(
     save.rank = agreement.rank if save.collective else 0
     follow = None
     try:
+        if save.writes_file:  # views and parameters as stock's file has them (metadata only, no copies)
+            save.checkpoint, save.shape = file_layout.prepare(save.checkpoint)
         save.snapshot = snapshot if snapshot is not None else take_snapshot(run, agreement, save, _lazy_rule(run, settings))
         if save.layout is not Layout.SHARDED and (save.writes_file or save.rank == 0):
             save.skeleton = _serialize(save.snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
-        save.shape = torch_file.layout(save.checkpoint) if save.writes_file else None  # metadata only
         if save.snapshot.deferred:
             if not save.writes_file:  # planning reads shapes, not values: now, while every rank is here
                 save.planned = write_jobs.plan_dcp(run, agreement, settings, save)

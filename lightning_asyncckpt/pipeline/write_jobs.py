@@ -37,7 +37,7 @@ def file_job(run: Run, save: Save, result_path: Path, gate: tuple[str, float] | 
     save.faults.check(save.faults.at_handover, save.path)
     job = FileJob(save.skeleton, save.snapshot.tensors, str(save.tmp), str(result_path),
                   with_hook(save.faults, save.write_hook), save.shape.aliases, save.shape.locations,
-                  frozenset(save.shape.same_object), gate)
+                  frozenset(save.shape.same_object), gate, save.shape.kinds)
     return run.engine.schedule(torch_file.write_file_job, (job,))
 
 

@@ -261,8 +261,9 @@ class Stager:
             raise
 
     def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1,
-                 defer: Defer | None = None, after: Lease | None = None) -> Snapshot:
-        """Splits ``checkpoint`` and copies its tensors; returns once the copy is complete.
+                 defer: Defer | None = None, after: Lease | None = None, objects: bool = False) -> Snapshot:
+        """Splits ``checkpoint`` (``objects``: see :func:`tree.walk`) and copies its tensors; returns once the
+        copy is complete.
 
         With ``world_size > 1`` only this rank's share of the (replicated) tensors is copied. ``defer``
         (the lazy snapshot, :mod:`lightning_asyncckpt.snapshot.lazy`) picks plain tensors whose buffers are
@@ -274,7 +275,7 @@ class Stager:
         write ends, so every tensor is then left to the caller's background copy, those copied at save
         time as private copies (no version to watch: they are ours).
         """
-        skeleton, tensors = split(checkpoint)
+        skeleton, tensors = split(checkpoint, objects)
         tensors = share(tensors, rank, world_size)
         bs = self._pool.acquire(after=after if defer is not None else None)
         staged: dict[str, torch.Tensor] = {}

@@ -4,13 +4,17 @@ tensors: pure structure, no copies (the copies are :mod:`lightning_asyncckpt.sna
 - ``tensors``: the fqn is the dotted path of keys (``state_dict.layer.weight``,
   ``optimizer_states.0.state.0.exp_avg``), made unique in traversal order;
 - ``skeleton``: the same nested structure with every tensor replaced by a ``meta`` tensor of the same
-  shape and dtype. It keeps every key type (int keys of optimizer state), lists, tuples and non-tensor
-  objects, and loading it needs nothing but torch.
+  shape and dtype. It keeps every key type (int keys of optimizer state), lists, tuples, dataclasses and
+  non-tensor objects, and loading it needs nothing but torch.
+
+Only dense strided tensors are split out (:func:`stageable`). Sparse, nested and ``torch.quantize_*``
+tensors stay in the skeleton as they are: serialized with it, by ``torch.save`` itself, at save time.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,20 +23,36 @@ import torch
 SKELETON_KEY = "lightning_asyncckpt.skeleton"
 
 
-def walk(obj: Any, path: tuple, on_tensor: Callable[[tuple, torch.Tensor], Any]) -> Any:
-    """Rebuilds ``obj`` with every tensor leaf replaced by ``on_tensor(path, tensor)``."""
-    if isinstance(obj, torch.Tensor):
-        return on_tensor(path, obj)
+def stageable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be copied into a staging buffer of its shape and dtype: dense and strided. The
+    others (sparse COO/CSR/..., nested, ``torch.quantize_per_tensor``) are left to ``torch.save``."""
+    return t.layout is torch.strided and not t.is_nested and not t.is_quantized
+
+
+def walk(obj: Any, path: tuple, on_tensor: Callable[[tuple, Any], Any], objects: bool = False, leaf: type = torch.Tensor) -> Any:
+    """Rebuilds ``obj`` with every stageable tensor leaf replaced by ``on_tensor(path, tensor)``; dicts,
+    lists and tuples (namedtuples) are descended into, keeping their types, and with ``objects`` dataclass
+    instances too (a ``torch.save`` file: its tensors are then staged like any other, and one that is also
+    held elsewhere stays one object; a DCP directory keeps a dataclass whole, as one item). ``leaf``: the
+    type ``on_tensor`` is called for instead of tensors (the writer's placeholders)."""
+    if isinstance(obj, leaf):
+        return on_tensor(path, obj) if leaf is not torch.Tensor or stageable(obj) else obj
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps the dict subclass (OrderedDict, AttributeDict, defaultdict)
         for k, v in obj.items():
-            out[k] = walk(v, (*path, k), on_tensor)
+            out[k] = walk(v, (*path, k), on_tensor, objects, leaf)
         return out
     if isinstance(obj, list):
-        return [walk(v, (*path, i), on_tensor) for i, v in enumerate(obj)]
+        return [walk(v, (*path, i), on_tensor, objects, leaf) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        items = [walk(v, (*path, i), on_tensor) for i, v in enumerate(obj)]
+        items = [walk(v, (*path, i), on_tensor, objects, leaf) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if objects and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)  # frozen ones too: fields are set past their __setattr__
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(out, f.name, walk(getattr(obj, f.name), (*path, f.name), on_tensor, objects, leaf))
+        return out
     return obj
 
 
@@ -52,8 +72,9 @@ class FqnNamer:
         return name
 
 
-def split(checkpoint: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Splits a checkpoint into its skeleton and its flat tensors (no copies made)."""
+def split(checkpoint: dict[str, Any], objects: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Splits a checkpoint into its skeleton and its flat tensors (no copies made); ``objects``: see
+    :func:`walk`."""
     namer = FqnNamer()
     tensors: dict[str, torch.Tensor] = {}
 
@@ -64,11 +85,11 @@ def split(checkpoint: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         tensors[name] = t.detach()
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
-    skeleton = walk(checkpoint, (), take)
+    skeleton = walk(checkpoint, (), take, objects)
     return skeleton, tensors
 
 
-def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def join(skeleton: Any, tensors: dict[str, torch.Tensor], objects: bool = False) -> Any:
     """Inverse of :func:`split`: puts loaded tensors back in place of the skeleton's placeholders."""
     namer = FqnNamer()
 
@@ -76,7 +97,7 @@ def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         name = namer(path)
         return tensors.get(name, t)
 
-    return walk(skeleton, (), put)
+    return walk(skeleton, (), put, objects)
 
 
 def partition(tensors: dict[str, torch.Tensor], world_size: int) -> list[set[str]]:

@@ -37,6 +37,7 @@ class FileJob:
     locations: dict[str, str] = field(default_factory=dict)
     same_object: frozenset[str] = frozenset()
     gate: Gate | None = None
+    kinds: dict[str, str] = field(default_factory=dict)  # ``Parameter``s and tensors that require grad
 
 
 @dataclass(frozen=True)

@@ -14,27 +14,24 @@ temporary name). What the file holds, compared with stock's file for the same ch
 - the same keys, nesting and non-tensor values (the skeleton keeps dict subclasses, namedtuples,
   ``AttributeDict`` hyper-parameters, int keys), the same tensor values, dtypes and shapes;
 - devices: each storage is tagged with the device of the tensor it was copied from when ``locations``
-  is given (``layout(checkpoint)``), so ``torch.load`` without ``map_location`` puts tensors where stock's
+  is given (``file_layout``), so ``torch.load`` without ``map_location`` puts tensors where stock's
   file would; without it every tensor is tagged ``cpu`` (the staged copies' device). Lightning's own
   loader maps every storage to CPU either way, and for CPU training both are the same;
-- storage sharing: tensors that are the same view of one storage in the original (tied weights) are
-  written once and load sharing one storage, as stock's are, when ``aliases`` is given
-  (``layout(checkpoint)``). Partial views of one storage (a slice and its base) are written as separate
-  tensors: same values, and ours never holds bytes that no saved tensor covers;
-- no bloat from views: ``torch.save`` of a view writes its whole storage, so a staged tensor that is a
-  slice of a larger buffer is re-wrapped, without a copy, as a tensor whose storage is exactly its bytes.
+- storage sharing, views and parameters: as stock's (:mod:`lightning_asyncckpt.write.file_layout`: tied
+  weights, views, offsets, strides and expanded tensors on the same storages, written whole;
+  ``Parameter``\\ s and ``requires_grad`` kept; one object held twice is one object);
+- no bloat from a staged copy: a staged tensor that is a slice of a larger buffer is re-wrapped, without
+  a copy, as a tensor whose storage is exactly its bytes.
 
 Runs in the writer process: imports torch and this package's Lightning-free modules only.
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,71 +39,12 @@ import torch
 
 from lightning_asyncckpt.faults.policy import after_write
 from lightning_asyncckpt.format import commit, remote
-from lightning_asyncckpt.snapshot import staging, tree
-from lightning_asyncckpt.write import fast_file, worker
+from lightning_asyncckpt.write import fast_file, file_layout, worker
 from lightning_asyncckpt.write import gate as _gate
 from lightning_asyncckpt.write.jobs import FileJob
 
 # Stock ``torch.save``'s defaults: pickle protocol 2 and the zip format.
 _PICKLE_PROTOCOL = 2
-
-
-@dataclass
-class FileLayout:
-    """What the staged copies no longer know about the original tensors (computed in the trainer).
-
-    ``aliases``: fqn -> the first fqn that is the same view of the same storage (tied weights).
-    ``same_object``: those aliases that are the very same tensor object as their target (a dict holding
-    one tensor twice), which pickle stores once and loads as one object.
-    ``locations``: fqn -> device location tag (``"cuda:0"``) for tensors not on the CPU.
-    """
-
-    aliases: dict[str, str] = field(default_factory=dict)
-    same_object: set[str] = field(default_factory=set)
-    locations: dict[str, str] = field(default_factory=dict)
-
-
-def layout(checkpoint: dict[str, Any]) -> FileLayout:
-    """(trainer) The aliases and devices of ``checkpoint``'s tensors, named as ``staging.split`` names
-    them. Reads metadata only: no tensor data is touched or copied."""
-    out = FileLayout()
-    first: dict[tuple, tuple[str, torch.Tensor]] = {}
-    namer = tree.FqnNamer()
-
-    def visit(path: tuple, t: torch.Tensor) -> torch.Tensor:
-        name = namer(path)
-        if t.device.type == "meta":
-            return t
-        if t.device.type != "cpu":
-            out.locations[name] = str(t.device)
-        if t.numel() == 0 or type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return t  # a tensor subclass is written as its own plain (dequantized) copy: never an alias
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        target, obj = first.setdefault(key, (name, t))
-        if target != name:
-            out.aliases[name] = target
-            if obj is t:
-                out.same_object.add(name)
-        return t
-
-    tree.walk(checkpoint, (), visit)
-    return out
-
-
-def _exact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on a storage holding exactly its bytes, so that ``torch.save`` writes no more than them.
-
-    A contiguous slice of a larger host buffer is re-wrapped in place (no copy); the caller keeps the
-    buffer alive while the result is in use. Other views (gaps between elements) are copied."""
-    nbytes = t.numel() * t.element_size()
-    if t.numel() == 0:
-        return torch.empty(t.shape, dtype=t.dtype)
-    if t.untyped_storage().nbytes() == nbytes:
-        return t  # the whole storage (possibly permuted strides): written as it is
-    if t.device.type == "cpu" and t.is_contiguous():
-        raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-        return torch.frombuffer(raw, dtype=t.dtype, count=t.numel()).view(t.shape)
-    return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 # Storage location tags for one write: the tagger below answers from this map (data_ptr -> location),
@@ -135,30 +73,15 @@ def _register_tagger() -> None:
             _tagger_registered = True
 
 
-def rebuild(
-    skeleton: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None,
-    same_object: set[str] | frozenset[str] = frozenset(),
-) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The checkpoint dict to save: the skeleton with the staged tensors put back (each on an exact
-    storage, aliases on their target's storage). Also returns the tensors used, by fqn."""
-    used = {name: _exact(t) for name, t in tensors.items()}
-    for name, target in (aliases or {}).items():
-        if target in used:
-            # The storage is written once either way. Tied weights in a state_dict are two tensor objects
-            # on one storage (a new one here); one object held twice is pickled once (the same one here).
-            used[name] = used[target] if name in same_object else used[target].detach()
-    return staging.join(skeleton, used), used
-
-
 def write_file(
     skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str | os.PathLike,
     aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
-    same_object: set[str] | frozenset[str] = frozenset(),
+    same_object: set[str] | frozenset[str] = frozenset(), kinds: dict[str, str] | None = None,
 ) -> int:
     """(writer) Writes the checkpoint as stock's ``torch.save`` file at ``tmp_path`` (the hidden sibling
     of the final path), flushed and fsync'd; or streams it to a remote URL, where it appears only once
     complete (:func:`remote.write_object`). Returns the file's size in bytes."""
-    checkpoint, used = rebuild(skeleton, tensors, aliases, same_object)
+    checkpoint, used = file_layout.rebuild(skeleton, tensors, aliases, same_object, kinds)
     by_ptr = {}
     if locations:
         _register_tagger()
@@ -198,7 +121,7 @@ def write_file_job(job: FileJob) -> None:
             skeleton = torch.load(io.BytesIO(skeleton), weights_only=False)
         if hook is not None:
             hook(buckets)
-        nbytes = write_file(skeleton, job.tensors, job.tmp_path, job.aliases, job.locations, job.same_object)
+        nbytes = write_file(skeleton, job.tensors, job.tmp_path, job.aliases, job.locations, job.same_object, job.kinds)
         if hook is not None:
             after_write(hook, buckets)
         outcome: dict[str, Any] = {"ok": True, "results": [], "nbytes": nbytes}
