@@ -6,6 +6,9 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
+# the standalone Lightning distribution (pytorch-lightning, no `lightning`), for tests/test_distributions.py
+PL_VENV ?= .venv-pl
+PL_STAMP := $(PL_VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many pytest processes (pytest-xdist; 0: in this one). Most tests wait on
 # processes they started (workers importing torch, ranks importing Lightning) with a core idle, so 2 fill
@@ -20,10 +23,18 @@ $(STAMP): pyproject.toml requirements/pins.txt
 	$(PIP) install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" -e ".[test]"
 	@touch $@
 
+$(PL_STAMP): pyproject.toml requirements/pins.txt
+	@test -x $(PL_VENV)/bin/python || $(PYTHON) -m venv $(PL_VENV)
+	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" \
+		pytorch-lightning nvidia-resiliency-ext isal
+	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	@touch $@
+
 demo: $(STAMP)
 	$(VENV)/bin/python examples/train.py
 
-test: $(STAMP)
+test: $(STAMP) $(PL_STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow and not faults" -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # the full fault-injection matrix: {ddp, mp} x {nvrx, mcore} x {persistent, fork} x every fault kind and rank
@@ -65,4 +76,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) demo_output .pytest_cache
+	rm -rf $(VENV) $(PL_VENV) demo_output .pytest_cache

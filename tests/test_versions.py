@@ -59,7 +59,8 @@ def test_constructor_refuses_an_unsupported_version_at_once(monkeypatch, package
 def test_the_ranges_are_the_ones_pyproject_declares():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    declared = project["dependencies"] + project["optional-dependencies"]["mcore"]
+    extras = project["optional-dependencies"]
+    declared = project["dependencies"] + extras["mcore"] + extras["lightning"] + extras["pytorch-lightning"]
     for package, allowed in versions.SUPPORTED.items():
         assert f"{package}{allowed.spec()}" in declared, package
 

@@ -7,11 +7,11 @@ import os
 import re
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_asyncckpt.integration import resume
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO, find_async_io
+from lightning_asyncckpt.integration.lightning_api import Callback, LightningModule, Trainer
 from lightning_asyncckpt.integration.logger_relay import LoggerRelay
 from lightning_asyncckpt.integration.patches import InstancePatches
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.strategies import ModelParallelStrategy
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_asyncckpt.format import paths
+from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO
+from lightning_asyncckpt.integration.lightning_api import CheckpointIO
+from lightning_asyncckpt.integration.lightning_api import FabricModelParallelStrategy as ModelParallelStrategy
 
 
 class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
@@ -92,8 +93,8 @@ def sharded_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     """Splits a Fabric state into the sharded state dicts of its model and optimizers (the ``DTensor``
     local shards, not gathered, left on their device for the stager) and the other values, as Fabric's
     ``ModelParallelStrategy`` does."""
-    from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
-    from lightning.fabric.utilities.types import _Stateful
+    _has_dtensor_modules = lightning_api.fabric_module("strategies.model_parallel")._has_dtensor_modules
+    _Stateful = lightning_api.fabric_module("utilities.types")._Stateful
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,

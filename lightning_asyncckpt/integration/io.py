@@ -16,7 +16,6 @@ import dataclasses
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
 from lightning_asyncckpt import engines
@@ -25,7 +24,8 @@ from lightning_asyncckpt.faults.policy import FaultPolicy
 from lightning_asyncckpt.format import paths
 from lightning_asyncckpt.format.dcp import META_FILE
 from lightning_asyncckpt.format.layout import Layout
-from lightning_asyncckpt.integration import loading, logsetup, versions
+from lightning_asyncckpt.integration import lightning_api, loading, logsetup, versions
+from lightning_asyncckpt.integration.lightning_api import CheckpointIO
 from lightning_asyncckpt.pipeline import poller, write_jobs
 from lightning_asyncckpt.pipeline.committer import request_removal
 from lightning_asyncckpt.pipeline.finalizer import finalize
@@ -101,7 +101,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
                         poll_interval_s=poll_interval_s, drain_timeout_s=drain_timeout_s, format=format,
                         snapshot=snapshot, worker_nice=worker_nice)
         Settings(engines.EngineName.NVRX, worker_mode, **settings)  # bad arguments first, before any import
-        versions.check_installed("torch", "lightning")  # before anything is written that could not be read back
+        versions.check_installed("torch", lightning_api.PACKAGE)  # before anything is written that could not be read back
         engine = engines.resolve(strategy)
         versions.check_installed(versions.ENGINE_PACKAGES[engine.value])
         SavePipeline.__init__(self, Settings(engine, worker_mode, **settings))
@@ -244,6 +244,9 @@ def _from_trainer(checkpoint: Any) -> bool:
     """A checkpoint the Lightning Trainer built (its dict carries Lightning's version)."""
     return isinstance(checkpoint, dict) and "pytorch-lightning_version" in checkpoint
 
+
+
+lightning_api.register_with_the_other(AsyncCheckpointIO)  # either distribution's Trainer takes it as a plugin
 
 def find_async_io(strategy: Any) -> AsyncCheckpointIO | None:
     """The ``AsyncCheckpointIO`` behind a strategy's (possibly wrapped) checkpoint IO, if any."""

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.plugins import TorchCheckpointIO
-
 from lightning_asyncckpt.format import commit, remote
 from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.integration.lightning_api import TorchCheckpointIO
 
 
 def load(path: Path | str, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from lightning_asyncckpt.integration import patches
 
 def install() -> None:
     """(any process, idempotent) Wraps ``ModelCheckpoint._find_last_checkpoints`` as described above."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_asyncckpt.integration.lightning_api import ModelCheckpoint
 
     def make(original: Any) -> Any:
         def _find_last_checkpoints(self: ModelCheckpoint, trainer: Any) -> set[str]:

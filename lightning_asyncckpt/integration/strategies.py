@@ -10,14 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_asyncckpt.format import commit, metadata, paths, remote
 from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
 from lightning_asyncckpt.integration.io import META_FILE, AsyncCheckpointIO, find_async_io
+from lightning_asyncckpt.integration.lightning_api import CheckpointIO, DDPStrategy, ModelParallelStrategy
 
 
 class _AsyncStrategyMixin:
@@ -164,7 +164,7 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         """(all ranks) The stock strategy's ``load_checkpoint`` without its broadcast of the path from rank 0:
         ``path`` may be this rank's own local copy of a remote checkpoint, and rank 0's copy is on another
         node's disk, or already removed when rank 0's load returns (each rank reads ``meta.pt`` alone)."""
-        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+        _load_checkpoint = lightning_api.fabric_module("strategies.model_parallel")._load_checkpoint
 
         assert self.lightning_module is not None
         state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
@@ -173,10 +173,9 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
 
     def _load_full(self, io: AsyncCheckpointIO, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """The stock strategy's loading of a full (unsharded) checkpoint, for this package's directories."""
-        from lightning.fabric.strategies.model_parallel import (
-            _load_raw_module_state,
-            _rekey_optimizer_state_if_needed,
-        )
+        model_parallel = lightning_api.fabric_module("strategies.model_parallel")
+        _load_raw_module_state = model_parallel._load_raw_module_state
+        _rekey_optimizer_state_if_needed = model_parallel._rekey_optimizer_state_if_needed
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         assert self.model is not None and self.lightning_module is not None

@@ -37,6 +37,7 @@ SUPPORTED: dict[str, Range] = {
     "torch": Range("2.7", reason="its DCP cannot read back the checkpoint directories this library writes"),
     # Lightning 2.5: TorchCheckpointIO.load_checkpoint has no weights_only, which loading.load passes on
     "lightning": Range("2.6", reason="its TorchCheckpointIO.load_checkpoint takes no weights_only"),
+    "pytorch-lightning": Range("2.6", reason="its TorchCheckpointIO.load_checkpoint takes no weights_only"),
     "nvidia-resiliency-ext": Range("0.4.1", "0.8"),
     "megatron-core": Range("0.13"),
 }

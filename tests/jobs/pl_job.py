@@ -1,0 +1,92 @@
+"""The README's quick start, ``load_from_checkpoint`` and a DDP run with the standalone distribution
+(``pip install pytorch-lightning``: ``pytorch_lightning`` and ``lightning_fabric``, no ``lightning``).
+
+Runs in the environment ``make test`` builds for it (``.venv-pl``); imports nothing of the test helpers,
+which import ``lightning``. Writes ``<out>/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import traceback
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", choices=["quickstart", "ddp"], required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    report: dict = {"rank": rank}
+    try:
+        run(args, report)
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        report["crash"] = traceback.format_exc()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def run(args: argparse.Namespace, report: dict) -> None:
+    report["lightning_importable"] = importlib.util.find_spec("lightning") is not None
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
+
+    class Model(pl.LightningModule):
+        def __init__(self, width: int = 8) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(width, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("progress", float(self.global_step + 1), sync_dist=True)  # top-k keeps the newest
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4)
+    ckpt_dir = os.path.join(args.out, "ckpt")
+
+    def trainer(max_steps: int, **kw) -> pl.Trainer:
+        return pl.Trainer(
+            max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu", plugins=[AsyncCheckpointIO(strategy="nvrx")],
+            callbacks=[AsyncFinalizerCallback(), ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=2,
+                                                                   monitor="progress", mode="max", save_last=True)],
+            **kw,
+        )
+
+    model = Model()
+    kw = dict(devices=2, strategy="ddp") if args.case == "ddp" else {}
+    fit = trainer(6, **kw)
+    report["plugin"] = type(fit.strategy.checkpoint_io).__name__
+    report["finalizers"] = sum(isinstance(cb, AsyncFinalizerCallback) for cb in fit.callbacks)
+    fit.fit(model, data)
+    report["files"] = sorted(os.listdir(ckpt_dir)) if fit.is_global_zero else None
+    if not fit.is_global_zero:
+        return
+    last = os.path.join(ckpt_dir, "last.ckpt")
+    raw = torch.load(last, weights_only=False)
+    report["last_step"] = raw["global_step"]
+    loaded = Model.load_from_checkpoint(last)
+    report["loaded_equal"] = all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
+                                                                    model.state_dict().values(), strict=True))
+    report["hparams"] = dict(loaded.hparams)
+    if args.case == "quickstart":
+        resumed = trainer(8)
+        resumed.fit(Model(), data, ckpt_path="last")
+        report["resumed_step"] = resumed.global_step
+        report["files_after_resume"] = sorted(os.listdir(ckpt_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Both Lightning distributions: with ``pip install pytorch-lightning`` alone (``pytorch_lightning`` and
+``lightning_fabric``, no ``lightning``), the README's quick start, ``load_from_checkpoint``, resuming from
+``ckpt_path="last"`` and a 2-rank DDP run work as with ``lightning``.
+
+The environment is ``.venv-pl``, which ``make test`` builds beside ``.venv`` (pinned torch,
+``pytorch-lightning``, nvidia-resiliency-ext and this checkout); the job runs there in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import job_script, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+PL_PYTHON = Path(os.environ.get("LIGHTNING_ASYNCCKPT_PL_PYTHON", ROOT / ".venv-pl" / "bin" / "python"))
+
+
+@pytest.fixture
+def pl_python() -> Path:
+    if not PL_PYTHON.exists():
+        message = f"{PL_PYTHON} is missing: `make test` builds it (the pytorch-lightning environment)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return PL_PYTHON
+
+
+def _run(python: Path, case: str, tmp_path: Path, ranks: int) -> list[dict]:
+    out = tmp_path / "out"
+    with launch([python, job_script("pl_job.py"), "--case", case, "--out", str(out)], out, 240, cwd=tmp_path) as job:
+        job.wait()
+    reports = []
+    for rank in range(ranks):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
+        report = json.loads(path.read_text())
+        assert "crash" not in report, f"rank {rank} crashed:\n{report['crash']}"
+        assert report["lightning_importable"] is False  # the standalone distribution only
+        assert report["plugin"] == "AsyncCheckpointIO" and report["finalizers"] >= 1
+        reports.append(report)
+    return reports
+
+
+def test_pytorch_lightning_alone_quick_start_load_and_resume(pl_python, tmp_path):
+    (r0,) = _run(pl_python, "quickstart", tmp_path, ranks=1)
+    assert r0["files"] == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert r0["last_step"] == 6 and r0["loaded_equal"] and r0["hparams"] == {"width": 8}
+    assert r0["resumed_step"] == 8
+    assert r0["files_after_resume"] == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+
+
+def test_pytorch_lightning_alone_ddp(pl_python, tmp_path):
+    r0, _r1 = _run(pl_python, "ddp", tmp_path, ranks=2)
+    assert r0["files"] == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert r0["last_step"] == 6 and r0["loaded_equal"]
