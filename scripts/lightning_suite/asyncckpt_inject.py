@@ -12,6 +12,10 @@ Load with ``-p asyncckpt_inject`` (this folder on PYTHONPATH). The mode comes fr
 - ``stock``: nothing is injected and the package's ``callbacks_factory`` entry point is hidden from Lightning,
   so Trainers are exactly stock Lightning (the package stays installed in the venv, editable).
 
+Every ``lightning.fabric.Fabric(...)`` is handled the same way in ``plugin`` mode, unless its strategy is one
+that refuses a ``CheckpointIO`` (FSDP, ``ModelParallelStrategy``, DeepSpeed, XLA; a user cannot add the plugin
+there either).
+
 Each Trainer construction is logged (test id, mode, injected or why not, and the checkpoint IO the strategy
 ended up with) to ``$ASYNCCKPT_SUITE_LOG`` if set.
 """
@@ -93,10 +97,49 @@ def _wrap_trainer_init() -> None:
     Trainer.__init__ = __init__
 
 
+_REFUSING = ("fsdp", "deepspeed", "xla", "model_parallel", "modelparallel")
+
+
+def _wrap_fabric_init() -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins import CheckpointIO
+
+    orig_init = Fabric.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        reason = f"mode={MODE}"
+        ours = None
+        if MODE == "plugin":
+            plugins = kwargs.get("plugins")
+            plugin_list = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+            strategy = kwargs.get("strategy", "auto")
+            name = (strategy if isinstance(strategy, str) else type(strategy).__name__).lower()
+            if any(isinstance(p, CheckpointIO) for p in plugin_list):
+                reason = "user CheckpointIO in plugins"
+            elif any(k in name for k in _REFUSING):
+                reason = f"strategy {name} refuses a CheckpointIO"
+            elif not isinstance(strategy, str) and getattr(strategy, "_checkpoint_io", None) is not None:
+                reason = f"strategy {type(strategy).__name__} has its own checkpoint_io"
+            else:
+                from lightning_asyncckpt import AsyncCheckpointIO
+
+                ours = AsyncCheckpointIO()
+                kwargs["plugins"] = plugin_list + [ours]
+                reason = "injected"
+        try:
+            orig_init(self, *args, **kwargs)
+        finally:
+            _log.append(f"{_current_test}\tfabric {reason}\t{'ours' if ours is not None else ''}")
+
+    Fabric.__init__ = __init__
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if MODE == "stock":
         _hide_entry_point()
     _wrap_trainer_init()
+    _wrap_fabric_init()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -29,7 +29,7 @@ def load(xml_path):
                 msg = (el.get("message") or "").strip().splitlines()[0:1]
                 msg = msg[0] if msg else ""
                 locs = re.findall(r"^(\S+\.py):(\d+): (\S.*)$", text, re.M)
-                test_locs = [loc for loc in locs if "tests_pytorch" in loc[0]]
+                test_locs = [loc for loc in locs if "tests_pytorch" in loc[0] or "tests_fabric" in loc[0]]
                 if test_locs:
                     loc_test = f"{test_locs[-1][0]}:{test_locs[-1][1]}"
                 if locs:
