@@ -9,14 +9,12 @@ and the ranks agreed that each has one; its planning is collective too.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
@@ -27,6 +25,7 @@ from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.failures import Failed, filesystem_failures
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
+from lightning_asyncckpt.pipeline.serialize import torch_bytes
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.snapshot import lazy, staging
 from lightning_asyncckpt.write import file_layout
@@ -153,7 +152,7 @@ def schedule(
             save.checkpoint, save.shape = file_layout.prepare(save.checkpoint)
         save.snapshot = snapshot if snapshot is not None else take_snapshot(run, agreement, save, _lazy_rule(run, settings))
         if save.layout is not Layout.SHARDED and (save.writes_file or save.rank == 0):
-            save.skeleton = _serialize(save.snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
+            save.skeleton = torch_bytes(save.snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
         if save.snapshot.deferred:
             if not save.writes_file:  # planning reads shapes, not values: now, while every rank is here
                 save.planned = write_jobs.plan_dcp(run, agreement, settings, save)
@@ -214,12 +213,6 @@ def _lazy_rule(run: Run, settings: Settings) -> staging.Defer | None:
     if settings.snapshot != "lazy" or not run.stager.copy_cpu:
         return None
     return run.tracked.rule()
-
-
-def _serialize(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def drop(run: Run, save: Save, snapshot: staging.Snapshot | None) -> None:

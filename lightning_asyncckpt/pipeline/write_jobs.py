@@ -6,7 +6,6 @@ Runs on the training thread of each saving rank, inside the hand-over (``schedul
 
 from __future__ import annotations
 
-import io
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import Save
+from lightning_asyncckpt.pipeline.serialize import torch_bytes
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.version import __version__
 from lightning_asyncckpt.write import dcp_writer, torch_file
@@ -79,9 +79,7 @@ def dcp_job(run: Run, save: Save, planned: DcpPlan, result_path: Path, gate: tup
 
 def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:
     """(global rank 0 of a sharded save) ``meta.pt``, serialized now: a snapshot of the non-tensor state."""
-    buf = io.BytesIO()
-    torch.save(meta, buf)
-    return dcp_format.META_FILE, buf.getvalue()
+    return dcp_format.META_FILE, torch_bytes(meta)
 
 
 def writer_info(run: Run, agreement: Agreement, settings: Settings, save: Save) -> dict[str, Any]:

@@ -90,7 +90,7 @@ def write_file(
     _tags.by_ptr = by_ptr
     try:
         if remote.is_remote(tmp_path):
-            return remote.write_object(str(tmp_path), lambda f: torch.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL))
+            return remote.write_object(str(tmp_path), lambda f: torch.serialization.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL))
         os.makedirs(os.path.dirname(os.path.abspath(tmp_path)), exist_ok=True)
         # fast by default: staged bytes straight to the disk, CRC32s by ISA-L (fast_file); the same bytes as plain
         return fast_file.save(checkpoint, str(tmp_path), used.values(), _PICKLE_PROTOCOL)
