@@ -22,6 +22,13 @@ def test_fabric_save_finalize_load_is_exact(tmp_path, engine, worker):
         assert r["children_after_exit"] == []  # leaving the `with io:` block stopped the worker
 
 
+def test_fabric_load_right_after_save_waits_for_rank_0s_write_on_every_rank(tmp_path):
+    """Lightning's own ``test_ddp_save_load`` with the plugin: ``fabric.save`` then ``fabric.load`` on both
+    ranks at once, no finalize between; before, rank 1 found no file (``FileNotFoundError``)."""
+    r0, r1 = run_ranks(JOB, tmp_path, "load_right_after_save", "nvrx", "persistent")
+    assert r0["loaded_exact"] is True and r1["loaded_exact"] is True
+
+
 @pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 @pytest.mark.parametrize(("engine", "worker"), [("nvrx", "fork"), pytest.param("mcore", "persistent", marks=pytest.mark.slow)],
                          ids=["nvrx-fork", "mcore-persistent"])

@@ -94,6 +94,16 @@ def owner_is_dead(name: str) -> bool:
     return pid.isdigit() and not _pid_alive(int(pid))
 
 
+def saves_in_flight(dirpath: Path) -> bool:
+    """Whether ``dirpath`` holds the hidden file of a save that some live process is still writing (any
+    host's: one on another host is never provably dead). Another rank's load waits on it."""
+    try:
+        entries = list(dirpath.iterdir())
+    except OSError:
+        return False
+    return any(e.name.startswith(INCOMPLETE_PREFIX) and not owner_is_dead(e.name) for e in entries)
+
+
 def is_committed(path: Path) -> bool:
     """A checkpoint directory is complete when DCP's metadata file is in it."""
     return path.is_dir() and (path / METADATA_FILE).is_file()

@@ -7,10 +7,11 @@ URL (``s3://``, ``gs://``, ``memory://``, ...), the URL as a ``str`` (see :mod:`
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-from lightning_asyncckpt.format import remote
+from lightning_asyncckpt.format import commit, remote
 
 
 def local_path(path: Any) -> Path:
@@ -64,3 +65,15 @@ def check_save_path(path: Any, storage_options: Any, writes_file: bool) -> Path 
 
 def _is_checkpoint_dir(path: Path) -> bool:
     return (path / ".metadata").is_file()
+
+
+def wait_until_landed(path: Path | str, timeout_s: float, poll_s: float) -> None:
+    """(a rank about to read ``path``, with other ranks up) While a local ``path`` does not exist yet and a save
+    into its directory is still being written by a live process (another rank's: Fabric saves on rank 0,
+    then every rank loads), waits for it to land, at most ``timeout_s``. Returns at once when ``path``
+    exists, is remote, or nothing is in flight there: reading a path nobody writes fails as stock does."""
+    if not isinstance(path, Path):
+        return
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and commit.saves_in_flight(path.parent) and time.monotonic() < deadline:
+        time.sleep(poll_s)

@@ -179,11 +179,15 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """(any rank) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a directory
         of this library or DCP, or a ``torch.save`` file, local or at an fsspec URL). A failed save at
-        ``path`` is raised here."""
+        ``path`` is raised here. With other ranks up, a save that another rank is still writing into that
+        directory is waited for first (at most ``timeout_s``): Fabric's ``save`` returns on every rank once
+        rank 0 has scheduled it, and its ``load`` then reads on every rank."""
         path = paths.checkpoint_path(path)
         if self._run is not None:
             self.wait_for_snapshot()
-            poller.settle_for(self._run, self, self._agreement.rank, path)
+            poller.settle_for(self._run, self.settings, self._agreement.rank, path)
+        if self._agreement.active:
+            paths.wait_until_landed(path, self.settings.timeout_s, self.settings.poll_interval_s)
         return loading.load(path, map_location=map_location, weights_only=weights_only)
 
     @override
@@ -218,7 +222,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         save settled first (the strategies' ``load_checkpoint``, ``fabric.load``)."""
         run = self._ensure_run()
         self.settle_snapshot(blocking)
-        finalize(run, self._agreement, self, blocking, force=True)
+        finalize(run, self._agreement, self.settings, blocking, force=True)
 
     def __enter__(self) -> AsyncCheckpointIO:
         return self

@@ -214,11 +214,12 @@ class SavePipeline:
             self._close(abort=False)
 
     def _finalize_all(self) -> None:
-        # (all ranks) the blocking finalize of teardown: every save settled, errors raised on every rank
+        # (all ranks) the blocking finalize of teardown: every save settled, errors raised on every rank. A rank
+        # that never saved agrees too (as in ``settle``): Fabric's rank 0 saves alone and every rank tears down
         try:
-            if self._run is not None and not self._closed:
+            if not self._closed:
                 self.wait_for_snapshot()
-                finalize(self._run, self._agreement, self.settings, blocking=True, force=True)
+                finalize(self._ensure_run(), self._agreement, self.settings, blocking=True, force=True)
         finally:
             self._close(abort=False)
 

@@ -145,6 +145,10 @@ def schedule(
     run.order += 1
     save.order = run.order
     save.tmp = _tmp_dir(run, agreement, save, on_first_collective)
+    if save.writes_file and isinstance(save.tmp, Path):
+        # seen by the other ranks from the moment the save call returns (a load there waits for it to land);
+        # the worker opens it again, truncating
+        save.tmp.touch()
     save.rank = agreement.rank if save.collective else 0
     follow = None
     try:

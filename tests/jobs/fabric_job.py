@@ -62,6 +62,23 @@ def case_exact(args, fabric, io, report):
     io.teardown()  # the load started nothing; a second teardown is harmless
 
 
+def case_load_right_after_save(args, fabric, io, report):
+    """As Lightning's own ``test_ddp_save_load``: rank 0 saves (its write held up), then every rank loads at
+    once, with no finalize in between; rank 1 waits for rank 0's file to land instead of finding nothing."""
+    path = os.path.join(args.out, "ckpt", "now.ckpt")
+    model, opt = _setup(fabric)
+    _step(fabric, model, opt, 0)
+    expected = clone_tree(model.module.state_dict())
+    io.write_hook = testing.DelayWrite(1.0)
+    fabric.save(path, {"model": model, "step": 3})
+    model2, opt2 = _setup(fabric)
+    state = {"model": model2, "step": -1}
+    fabric.load(path, state)
+    assert_tree_equal(clone_tree(model2.module.state_dict()), expected, "model")
+    report["loaded_exact"] = state["step"] == 3
+    io.teardown()
+
+
 def _failing_loop(args, fabric, io, report, setup, failing_ranks):
     """Saves at steps 3 and 6; the second save's write fails on ``failing_ranks``."""
     try:
