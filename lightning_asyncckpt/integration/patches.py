@@ -24,7 +24,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MARK = "_asyncckpt"  # set on every wrapper this package installs
-_class_patches: list[tuple[type, str, Any]] = []  # (class, name, its own attribute before)
+_class_patches: list[tuple[type, str, Any, Any]] = []  # (class, name, our wrapper, its own attribute before)
 _warned: set[str] = set()
 
 
@@ -42,6 +42,31 @@ def _missing(owner: Any, name: str) -> None:
                     installed_version("lightning"), what)
 
 
+def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> tuple[Any, Any] | None:
+    """Sets ``owner.name`` to ``make(current)``, marked; returns ``(wrapper, owner's own attribute before)``,
+    or None where ``owner`` has no such method or it is ours already."""
+    current = getattr(owner, name, None)
+    if current is None:
+        _missing(owner, name)
+        return None
+    if is_ours(current):
+        return None
+    before = vars(owner).get(name) if hasattr(owner, "__dict__") else None
+    wrapper = make(current)
+    setattr(wrapper, MARK, True)
+    setattr(owner, name, wrapper)
+    return wrapper, before
+
+
+def _give_back(owner: Any, name: str, wrapper: Any, before: Any) -> None:
+    """Gives ``owner`` its own ``name`` back, unless someone replaced our wrapper since."""
+    if vars(owner).get(name) is wrapper:
+        if before is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, before)
+
+
 class InstancePatches:
     """(one callback or relay, on every rank) The instance attributes it put on Lightning objects."""
 
@@ -51,51 +76,29 @@ class InstancePatches:
     def wrap(self, obj: Any, name: str, make: Callable[[Any], Any]) -> Any | None:
         """Sets ``obj.name`` to ``make(current)``; returns the wrapper, or None where ``obj`` has no such method
         or it is ours already."""
-        current = getattr(obj, name, None)
-        if current is None:
-            _missing(obj, name)
+        made = _wrap(obj, name, make)
+        if made is None:
             return None
-        if is_ours(current):
-            return None
-        before = vars(obj).get(name) if hasattr(obj, "__dict__") else None
-        wrapper = make(current)
-        setattr(wrapper, MARK, True)
-        setattr(obj, name, wrapper)
-        self._made.append((obj, name, wrapper, before))
-        return wrapper
+        self._made.append((obj, name, *made))
+        return made[0]
 
     def undo(self) -> None:
         """Gives each object its own attribute back, unless someone replaced our wrapper since."""
-        for obj, name, wrapper, before in reversed(self._made):
-            if vars(obj).get(name) is wrapper:
-                if before is None:
-                    delattr(obj, name)
-                else:
-                    setattr(obj, name, before)
+        for made in reversed(self._made):
+            _give_back(*made)
         self._made = []
 
 
 def wrap_class(cls: type, name: str, make: Callable[[Any], Any]) -> bool:
     """(any process, idempotent) Replaces ``cls.name`` with ``make(current)``, process-wide, until
     :func:`undo_class_patches`; False where ``cls`` has no such method or it is ours already."""
-    current = getattr(cls, name, None)
-    if current is None:
-        _missing(cls, name)
-        return False
-    if is_ours(current):
-        return False
-    wrapper = make(current)
-    setattr(wrapper, MARK, True)
-    _class_patches.append((cls, name, vars(cls).get(name)))
-    setattr(cls, name, wrapper)
-    return True
+    made = _wrap(cls, name, make)
+    if made is not None:
+        _class_patches.append((cls, name, *made))
+    return made is not None
 
 
 def undo_class_patches() -> None:
     """(any process) Gives every class this package patched its own method back."""
     while _class_patches:
-        cls, name, before = _class_patches.pop()
-        if before is None:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, before)
+        _give_back(*_class_patches.pop())

@@ -146,5 +146,8 @@ def fail_all(run: Run, rank: int, lost: Save, failure: RankFailure) -> None:
             continue
         if not save.copy_running:  # an abandoned copy still running keeps its buffers
             run.stager.release(save.buffer_set)
-        if save.state is not SaveState.ABANDONED:
+        if save.state is SaveState.ABANDONED:  # reported when its copy failed: only its hidden file goes
+            if isinstance(save.tmp, Path):
+                commit.try_remove(save.tmp, "the dropped save")
+        else:
             record_failure(run, save, failure, rank)

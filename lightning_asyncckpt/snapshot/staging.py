@@ -250,14 +250,9 @@ class Stager:
             return copy
 
         try:
-            tree = walk(state, (), take)
-            snap = self._finish(bs, tree, staged, nbytes, pending_cuda)
-            snap.deferred = deferred
-            return snap
+            return self._finish(bs, walk(state, (), take), staged, nbytes, pending_cuda, deferred)
         except BaseException:
-            if pending_cuda:
-                self._wait_copies()
-            self.release(bs)
+            self._abandon(bs, pending_cuda)
             raise
 
     def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1,
@@ -287,13 +282,9 @@ class Stager:
                 nbytes += t.numel() * t.element_size()
                 staged[name], in_flight = self._take(bs, name, t, defer, deferred)
                 pending_cuda |= in_flight
-            snap = self._finish(bs, skeleton, staged, nbytes, pending_cuda)
-            snap.deferred = deferred
-            return snap
+            return self._finish(bs, skeleton, staged, nbytes, pending_cuda, deferred)
         except BaseException:
-            if pending_cuda:
-                self._wait_copies()
-            self.release(bs)
+            self._abandon(bs, pending_cuda)
             raise
 
     def _take(self, bs: Lease, name: str, t: torch.Tensor, defer: Defer | None,
@@ -324,8 +315,15 @@ class Stager:
         self._in_flight.clear()
         self._ordered.clear()
 
-    def _finish(self, bs: Lease, skeleton: Any, staged: dict, nbytes: int, pending_cuda: bool) -> Snapshot:
+    def _finish(self, bs: Lease, skeleton: Any, staged: dict, nbytes: int, pending_cuda: bool,
+                deferred: list[Deferred]) -> Snapshot:
         if pending_cuda:
             self._wait_copies()
         self._drop_unused(bs, set(staged))
-        return Snapshot(skeleton=skeleton, tensors=staged, nbytes=nbytes, buffer_set=bs)
+        return Snapshot(skeleton=skeleton, tensors=staged, nbytes=nbytes, buffer_set=bs, deferred=deferred)
+
+    def _abandon(self, bs: Lease, pending_cuda: bool) -> None:
+        # a snapshot that failed half-way: its copies in flight land first, then its buffers are free again
+        if pending_cuda:
+            self._wait_copies()
+        self.release(bs)
