@@ -61,6 +61,7 @@ def _cases() -> dict[str, Any]:
         "containers": {"l": [torch.ones(2), {"k": (torch.zeros(1), 3)}], "nt": Pair(torch.ones(1), "b"), 5: "int key",
                        "od": collections.OrderedDict(x=torch.ones(2))},
         "numpy_values": {"arr": torch.from_numpy(__import__("numpy").arange(6.0))},
+        "ordered_dict_with_a_view": collections.OrderedDict(w=tied.view(-1), v=tied.view(-1)[1:4]),
     }
     return cases
 
@@ -171,7 +172,7 @@ def test_stock_bytes_for_the_plain_cases(tmp_path):
     cases = _cases()
     plain = ["view_and_base", "transposed", "strided", "offset_alone", "expanded", "parameter", "requires_grad",
              "tied_same_object", "tied_two_detaches", "every_dtype", "nan_and_negative_zero", "zero_dim_and_empty",
-             "containers", "dataclass_sharing_a_top_level_tensor"]
+             "containers", "dataclass_sharing_a_top_level_tensor", "ordered_dict_with_a_view"]
     with AsyncCheckpointIO("nvrx") as plugin:
         for name in plain:
             plugin.save_checkpoint(cases[name], tmp_path / f"{name}.ckpt")

@@ -116,8 +116,7 @@ def prepare(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], FileLayout]:
         return views[id(t)]
 
     staged = tree.walk(checkpoint, (), swap, objects=True) if whole else checkpoint
-    if storages:
-        staged = dict(staged) if type(staged) is not dict else staged  # noqa: C408 - a copy keeps the caller's dict
+    if storages:  # walk made a copy of the dict (of its own type): the caller's is untouched
         staged[STORAGES_KEY] = storages
     return staged, layout(staged)
 
