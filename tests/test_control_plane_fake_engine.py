@@ -154,3 +154,33 @@ def test_a_write_running_past_timeout_s_is_given_up(plane, tmp_path):
     assert hung.state is SaveState.FAILED and engine.resets == 1
     with pytest.raises(CheckpointWriteError, match="timeout_s=60s"):
         run.failures.raise_local()
+
+
+def test_a_lazy_copy_that_cannot_start_raises_its_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """A single writer's lazy save is handed to the worker behind its gate before its copy starts; a copy
+    that cannot start raises its own error from the save call, shuts the gate (the worker skips the write)
+    and leaves no file."""
+    from lightning_asyncckpt.snapshot import lazy
+
+    run = Run(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, history=[])
+    run.engine = engine = FakeEngine()
+    settings = Settings(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, snapshot="lazy", timeout_s=60)
+    param = torch.nn.Parameter(torch.zeros(1 << 15))  # above the lazy threshold
+    opt = torch.optim.SGD([param], lr=0.1)  # tracked weakly: kept alive here
+    run.tracked.track([opt])
+
+    def cannot_start(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(lazy, "BackgroundCopy", cannot_start)
+    save = Save({"p": param}, tmp_path / "a.ckpt", Layout.SINGLE_WRITER, collective=False, seq=None,
+                called_at=time.perf_counter(), writes_file=True, call=1)
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            scheduler.submit(run, Agreement.alone(), settings, save, None, on_first_collective=lambda: None)
+        assert save.state is SaveState.ABANDONED and save.gate is not None
+        engine.run(0)  # the worker finds the gate shut and writes nothing
+        poller.settle_local(run, settings, 0, blocking=False)
+        assert len(run.pending) == 0 and list(tmp_path.iterdir()) == []
+    finally:
+        run.close(rank=0, abort=True)

@@ -71,7 +71,7 @@ def submit(
             return
         schedule(run, agreement, settings, save, snapshot, on_first_collective)
     except (Exception, CheckpointException) as e:
-        if not save.ended:
+        if save.state in (SaveState.REQUESTED, SaveState.COPYING):  # one handed over already ended its own way
             save.to(SaveState.FAILED)
         if isinstance(e, CheckpointWriteError):
             raise
