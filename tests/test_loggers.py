@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import Logger
 
 from helpers import TinyModel, dir_entries, loader, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
+from lightning_asyncckpt.format import commit
 
 
 class RecordingLogger(Logger):
@@ -112,9 +113,11 @@ def test_logger_hears_of_a_save_only_once_it_is_committed(tmp_path, hold):
     t = trainer(tmp_path, [io], [AsyncFinalizerCallback(), release, ck], max_steps=8, logger=rec)
     t.fit(TinyModel(width=32), loader(width=32))
 
-    # while the step-2 write was held, the logger had heard nothing and no file was there
+    # while the step-2 write was held, the logger had heard nothing and no checkpoint was there: only the hidden
+    # file of the write in flight (made at save time, so that another rank sees the save)
     assert release.heard_while_held == []
-    assert release.on_disk_while_held == []
+    assert [e for e in release.on_disk_while_held if not commit.is_leftover(e)] == []
+    assert all(e.startswith(commit.INCOMPLETE_PREFIX) for e in release.on_disk_while_held)
     # then one call per save, in order, each seeing its checkpoint on disk and complete
     steps = [2, 4, 6, 8]
     assert len(rec.calls) == len(steps), rec.calls
