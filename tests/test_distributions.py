@@ -1,6 +1,7 @@
 """Both Lightning distributions: with ``pip install pytorch-lightning`` alone (``pytorch_lightning`` and
 ``lightning_fabric``, no ``lightning``), the README's quick start, ``load_from_checkpoint``, resuming from
-``ckpt_path="last"`` and a 2-rank DDP run work as with ``lightning``.
+``ckpt_path="last"``, a 2-rank DDP run (stock DDP and ``AsyncDDPStrategy``) and ``lightning_fabric.Fabric`` work as
+with ``lightning``.
 
 The environment is ``.venv-pl``, which ``make test`` builds beside ``.venv`` (pinned torch,
 ``pytorch-lightning``, nvidia-resiliency-ext and this checkout); the job runs there in its own process."""
@@ -53,7 +54,16 @@ def test_pytorch_lightning_alone_quick_start_load_and_resume(pl_python, tmp_path
     assert r0["files_after_resume"] == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
 
 
-def test_pytorch_lightning_alone_ddp(pl_python, tmp_path):
-    r0, _r1 = _run(pl_python, "ddp", tmp_path, ranks=2)
+@pytest.mark.parametrize("case", ["ddp", "async_ddp"])
+def test_pytorch_lightning_alone_ddp(pl_python, tmp_path, case):
+    """Stock DDP with the plugin (rank 0 writes a file), and ``AsyncDDPStrategy`` (every rank writes a share of
+    a DCP directory): both on ``pytorch_lightning``'s own strategy classes."""
+    r0, _r1 = _run(pl_python, case, tmp_path, ranks=2)
     assert r0["files"] == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
     assert r0["last_step"] == 6 and r0["loaded_equal"]
+    assert r0.get("last_is_dir", False) is (case == "async_ddp")
+
+
+def test_lightning_fabric_alone(pl_python, tmp_path):
+    (r0,) = _run(pl_python, "fabric", tmp_path, ranks=1)
+    assert r0["loaded_equal"] is True

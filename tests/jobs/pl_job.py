@@ -16,7 +16,7 @@ import traceback
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=["quickstart", "ddp"], required=True)
+    ap.add_argument("--case", choices=["quickstart", "ddp", "async_ddp", "fabric"], required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -36,7 +36,10 @@ def run(args: argparse.Namespace, report: dict) -> None:
     from pytorch_lightning.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
+    from lightning_asyncckpt import AsyncCheckpointIO, AsyncDDPStrategy, AsyncFinalizerCallback
+
+    if args.case == "fabric":
+        return fabric_case(args, report)
 
     class Model(pl.LightningModule):
         def __init__(self, width: int = 8) -> None:
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace, report: dict) -> None:
         )
 
     model = Model()
-    kw = dict(devices=2, strategy="ddp") if args.case == "ddp" else {}
+    kw = {"ddp": dict(devices=2, strategy="ddp"), "async_ddp": dict(devices=2, strategy=AsyncDDPStrategy())}.get(args.case, {})
     fit = trainer(6, **kw)
     report["plugin"] = type(fit.strategy.checkpoint_io).__name__
     report["finalizers"] = sum(isinstance(cb, AsyncFinalizerCallback) for cb in fit.callbacks)
@@ -75,17 +78,47 @@ def run(args: argparse.Namespace, report: dict) -> None:
     if not fit.is_global_zero:
         return
     last = os.path.join(ckpt_dir, "last.ckpt")
-    raw = torch.load(last, weights_only=False)
+    if args.case == "async_ddp":  # every rank wrote a share of a DCP directory
+        report["last_is_dir"] = os.path.isdir(last)
+        raw = AsyncCheckpointIO().load_checkpoint(last, weights_only=False)
+    else:
+        raw = torch.load(last, weights_only=False)
     report["last_step"] = raw["global_step"]
-    loaded = Model.load_from_checkpoint(last)
-    report["loaded_equal"] = all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
-                                                                    model.state_dict().values(), strict=True))
-    report["hparams"] = dict(loaded.hparams)
+    if args.case == "async_ddp":  # a DCP directory: Lightning's load_from_checkpoint reads files only
+        weights = raw["state_dict"]
+    else:
+        loaded = Model.load_from_checkpoint(last)
+        weights = loaded.state_dict()
+        report["hparams"] = dict(loaded.hparams)
+    report["loaded_equal"] = all(torch.equal(a, b) for a, b in zip(weights.values(), model.state_dict().values(), strict=True))
     if args.case == "quickstart":
         resumed = trainer(8)
         resumed.fit(Model(), data, ckpt_path="last")
         report["resumed_step"] = resumed.global_step
         report["files_after_resume"] = sorted(os.listdir(ckpt_dir))
+
+
+def fabric_case(args: argparse.Namespace, report: dict) -> None:
+    """``lightning_fabric.Fabric`` with the plugin: save, finalize, load back exactly (one process)."""
+    import torch
+    from lightning_fabric import Fabric
+
+    from lightning_asyncckpt import AsyncCheckpointIO
+
+    io = AsyncCheckpointIO(strategy="nvrx")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    report["plugin"] = type(fabric.strategy.checkpoint_io).__name__
+    report["finalizers"] = 1
+    model = fabric.setup_module(torch.nn.Linear(4, 2))
+    path = os.path.join(args.out, "fabric.ckpt")
+    with io:
+        fabric.save(path, {"model": model, "step": 7})
+        io.finalize(blocking=True)
+    other = fabric.setup_module(torch.nn.Linear(4, 2))
+    state = {"model": other, "step": -1}
+    fabric.load(path, state)
+    report["loaded_equal"] = state["step"] == 7 and all(
+        torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True))
 
 
 if __name__ == "__main__":
