@@ -51,38 +51,39 @@ def _hide_entry_point() -> None:
     registry.entry_points = entry_points
 
 
-def _wrap_trainer_init() -> None:
+def _inject(kwargs: dict, refusing: tuple) -> tuple:
+    """In ``plugin`` mode, appends ``AsyncCheckpointIO()`` to a Trainer's or Fabric's ``plugins`` (in
+    ``kwargs``) unless the user gave a ``CheckpointIO``, the strategy object has its own, or the strategy's
+    name contains one of ``refusing``. Returns the plugin (or None) and why."""
     from lightning.fabric.plugins import CheckpointIO
+
+    if MODE != "plugin":
+        return None, f"mode={MODE}"
+    plugins = kwargs.get("plugins")
+    plugin_list = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    strategy = kwargs.get("strategy", "auto")
+    name = (strategy if isinstance(strategy, str) else type(strategy).__name__).lower()
+    if any(isinstance(p, CheckpointIO) for p in plugin_list):
+        return None, "user CheckpointIO in plugins"
+    if any(k in name for k in refusing):
+        return None, f"strategy {name} refuses a CheckpointIO"
+    if not isinstance(strategy, str) and getattr(strategy, "_checkpoint_io", None) is not None:
+        return None, f"strategy {type(strategy).__name__} has its own checkpoint_io"
+    from lightning_asyncckpt import AsyncCheckpointIO
+
+    ours = AsyncCheckpointIO()
+    kwargs["plugins"] = plugin_list + [ours]
+    return ours, "injected"
+
+
+def _wrap_trainer_init() -> None:
     from lightning.pytorch import Trainer
-    from lightning.pytorch.strategies import Strategy
 
     orig_init = Trainer.__init__
 
     @functools.wraps(orig_init)
     def __init__(self, *args, **kwargs):
-        ours = None
-        reason = ""
-        if MODE == "plugin":
-            plugins = kwargs.get("plugins")
-            if plugins is None:
-                plugin_list = []
-            elif isinstance(plugins, (list, tuple)):
-                plugin_list = list(plugins)
-            else:
-                plugin_list = [plugins]
-            strategy = kwargs.get("strategy", "auto")
-            if any(isinstance(p, CheckpointIO) for p in plugin_list):
-                reason = "user CheckpointIO in plugins"
-            elif isinstance(strategy, Strategy) and getattr(strategy, "_checkpoint_io", None) is not None:
-                reason = f"strategy {type(strategy).__name__} has its own checkpoint_io"
-            else:
-                from lightning_asyncckpt import AsyncCheckpointIO
-
-                ours = AsyncCheckpointIO()
-                kwargs["plugins"] = plugin_list + [ours]
-                reason = "injected"
-        else:
-            reason = f"mode={MODE}"
+        ours, reason = _inject(kwargs, refusing=())
         try:
             orig_init(self, *args, **kwargs)
         finally:
@@ -102,31 +103,12 @@ _REFUSING = ("fsdp", "deepspeed", "xla", "model_parallel", "modelparallel")
 
 def _wrap_fabric_init() -> None:
     from lightning.fabric import Fabric
-    from lightning.fabric.plugins import CheckpointIO
 
     orig_init = Fabric.__init__
 
     @functools.wraps(orig_init)
     def __init__(self, *args, **kwargs):
-        reason = f"mode={MODE}"
-        ours = None
-        if MODE == "plugin":
-            plugins = kwargs.get("plugins")
-            plugin_list = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-            strategy = kwargs.get("strategy", "auto")
-            name = (strategy if isinstance(strategy, str) else type(strategy).__name__).lower()
-            if any(isinstance(p, CheckpointIO) for p in plugin_list):
-                reason = "user CheckpointIO in plugins"
-            elif any(k in name for k in _REFUSING):
-                reason = f"strategy {name} refuses a CheckpointIO"
-            elif not isinstance(strategy, str) and getattr(strategy, "_checkpoint_io", None) is not None:
-                reason = f"strategy {type(strategy).__name__} has its own checkpoint_io"
-            else:
-                from lightning_asyncckpt import AsyncCheckpointIO
-
-                ours = AsyncCheckpointIO()
-                kwargs["plugins"] = plugin_list + [ours]
-                reason = "injected"
+        ours, reason = _inject(kwargs, refusing=_REFUSING)
         try:
             orig_init(self, *args, **kwargs)
         finally:
