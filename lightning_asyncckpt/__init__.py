@@ -15,6 +15,8 @@ __all__ = [
     "AsyncFinalizerCallback",
     "AsyncModelParallelStrategy",
     "CheckpointWriteError",
+    "FabricTiers",
+    "LocalTier",
     "SaveRecord",
     "last_checkpoint",
 ]
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from lightning_asyncckpt.integration.fabric import AsyncFabricModelParallelStrategy
     from lightning_asyncckpt.integration.io import AsyncCheckpointIO, SaveRecord
     from lightning_asyncckpt.integration.strategies import AsyncDDPStrategy, AsyncModelParallelStrategy
+    from lightning_asyncckpt.integration.tier_fabric import FabricTiers
+    from lightning_asyncckpt.tiers.config import LocalTier
 
 _LOCATIONS = {
     "AsyncCheckpointIO": "lightning_asyncckpt.integration.io",
@@ -34,6 +38,8 @@ _LOCATIONS = {
     "AsyncFinalizerCallback": "lightning_asyncckpt.integration.callback",
     "AsyncModelParallelStrategy": "lightning_asyncckpt.integration.strategies",
     "CheckpointWriteError": "lightning_asyncckpt.errors",
+    "FabricTiers": "lightning_asyncckpt.integration.tier_fabric",
+    "LocalTier": "lightning_asyncckpt.tiers.config",
     "SaveRecord": "lightning_asyncckpt.integration.io",
     "last_checkpoint": "lightning_asyncckpt.format.remote",
 }

@@ -32,6 +32,10 @@ from helpers import STACKS_AFTER_VAR, TESTS, free_port, hang_report
 
 # the node's own /dev/shm, then the job: `sh` execs it, so the node's leader keeps the pid Popen returned
 _NODE_SHELL = 'mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && exec "$@"'
+# with node_local: the node's own directory, kept across launches, appears as /dev/shm/local (what survives a
+# restart of the job on a node that is still up)
+_NODE_LOCAL_SHELL = ('mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && mkdir /dev/shm/local'
+                     ' && mount --bind "$NODE_LOCAL" /dev/shm/local && exec "$@"')
 _UNSHARE = ["unshare", "--mount", "--propagation", "private", "--"]
 # launcher variables a node must not inherit from the test's own environment (e.g. a test run under torchrun)
 _CLEARED = ("LOCAL_RANK", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
@@ -126,12 +130,13 @@ class Cluster:
 
 @contextlib.contextmanager
 def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, devices: int = 2, timeout: float = 300,
-                 env: dict | None = None) -> Iterator[Cluster]:
+                 env: dict | None = None, node_local: bool = False) -> Iterator[Cluster]:
     """Starts ``script`` once per node (``NODE_RANK`` 0..``nodes``-1) with ``--nodes``/``--devices`` and the
     reports' directory ``--out <tmp_path>/out``; each node in its own session and mount namespace, with its
     log in ``<tmp_path>/node<k>/log.txt``, its scratch in ``<tmp_path>/node<k>/scratch`` and its own
     ``TMPDIR`` (a short directory under the system's temp directory, removed afterwards). Leaving the block
-    kills every process of every node."""
+    kills every process of every node. ``node_local``: each node's ``<tmp_path>/node<k>/local`` is its
+    ``/dev/shm/local`` (see :func:`node_local_dir`)."""
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -152,7 +157,10 @@ def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, device
                 PYTHONPATH=os.pathsep.join(paths + [TESTS] * (TESTS not in paths)),
                 **{STACKS_AFTER_VAR: str(max(timeout - 10, timeout * 0.8))}, **(env or {}),
             )
-            cmd = [*_UNSHARE, "sh", "-c", _NODE_SHELL, "node", sys.executable, script, *map(str, args),
+            if node_local:
+                (home / "local").mkdir(exist_ok=True)
+                node_env["NODE_LOCAL"] = str(home / "local")
+            cmd = [*_UNSHARE, "sh", "-c", _NODE_LOCAL_SHELL if node_local else _NODE_SHELL, "node", sys.executable, script, *map(str, args),
                    "--out", str(out), "--nodes", str(nodes), "--devices", str(devices)]
             log = open(home / "log.txt", "w")  # noqa: SIM115 - closed below
             logs.append(log)
@@ -169,6 +177,11 @@ def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, device
             log.close()
         for d in tmpdirs:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def node_local_dir(tmp_path: Path, node: int) -> Path:
+    """The directory that node ``node`` sees as ``/dev/shm/local`` under ``launch_nodes(..., node_local=True)``."""
+    return tmp_path / f"node{node}" / "local"
 
 
 def run_nodes(script: str, tmp_path: Path, case: str, nodes: int = 2, devices: int = 2, timeout: float = 300,

@@ -9,7 +9,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_asyncckpt.integration import resume
+from lightning_asyncckpt.integration import resume, tier_resume, tier_trainer
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.integration.lightning_api import Callback, LightningModule, Trainer
 from lightning_asyncckpt.integration.logger_relay import LoggerRelay
@@ -62,6 +62,7 @@ class AsyncFinalizerCallback(Callback):
 
     def __init__(self, log_metrics: bool = True) -> None:
         resume.install()  # before any fit: ckpt_path="last" on object stores
+        tier_resume.install()  # and from the local tier
         self.log_metrics = log_metrics
         self._logged = 0  # io.history[:_logged] went to the loggers
         self._io: AsyncCheckpointIO | None = None
@@ -69,6 +70,7 @@ class AsyncFinalizerCallback(Callback):
         self._prepare_pending = False
         self._writes_everywhere = False
         self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
+        self._local_dump = False  # building a checkpoint for the local tier (not a persistent save)
         self._patches = InstancePatches()  # the strategy's save_checkpoint, the checkpoint callbacks' file_exists
         self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
 
@@ -97,6 +99,8 @@ class AsyncFinalizerCallback(Callback):
         self._writes_everywhere = writes_everywhere
         # every rank is here: the exit group is made now, not inside the first save's stall
         io.begin_run(collective=writes_everywhere and stage == "fit")
+        if stage == "fit":
+            tier_trainer.start(trainer, io)  # collective: before any restore, which may ask it (tier_resume)
         self._watch_saves(trainer.strategy)
         self._watch_names(trainer)
         self._relay.attach(trainer.loggers, io)
@@ -109,7 +113,7 @@ class AsyncFinalizerCallback(Callback):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
-        if self._io is not None:
+        if self._io is not None and not self._local_dump:
             self._io.announce()
             self._io.track_optimizers(trainer.optimizers)  # the ones this save holds (configure may replace them)
             self._counted = checkpoint
@@ -183,8 +187,18 @@ class AsyncFinalizerCallback(Callback):
             like = {"state_dict": pl_module.state_dict(),
                     "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
             self._io.prepare(like, distributed=self._writes_everywhere)
-        self._finalize(blocking=False)
+        preempted = self._io.tier is not None and tier_trainer.step_end(trainer, self._io, lambda: self._dump(trainer))
+        self._finalize(blocking=preempted)  # preempted: drain the persistent saves too, then training stops
         self._log_committed(trainer)
+
+    def _dump(self, trainer: Trainer) -> dict[str, Any]:
+        """(all ranks) The checkpoint ``ModelCheckpoint`` would save now, for the local tier: not counted as a
+        persistent save."""
+        self._local_dump = True
+        try:
+            return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            self._local_dump = False
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -192,6 +206,7 @@ class AsyncFinalizerCallback(Callback):
         if self._io is not None:
             self._finalize(blocking=True)
             self._log_committed(trainer)
+            tier_trainer.stop(self._io)
 
     def _finalize(self, blocking: bool) -> None:
         """``finalize_step``, then the loggers' deferred ``after_save_checkpoint`` calls whose saves committed
@@ -223,6 +238,7 @@ class AsyncFinalizerCallback(Callback):
         ``after_save_checkpoint`` back (Lightning runs no ``teardown`` hook after an exception)."""
         if self._io is not None:
             self._io.abort()
+            tier_trainer.stop(self._io, wait=False)
         self._relay.detach()
 
 
@@ -231,6 +247,7 @@ def _external_callbacks() -> list[Callback]:
     lets ``ckpt_path="last"`` find checkpoints on object stores for trainers that use the plugin
     (:mod:`lightning_asyncckpt.integration.resume`)."""
     resume.install()
+    tier_resume.install()
     cb = AsyncFinalizerCallback()
     cb._auto = True
     return [cb]

@@ -32,6 +32,8 @@ from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.pipeline import SavePipeline
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.settings import Settings
+from lightning_asyncckpt.tiers.config import LocalTier
+from lightning_asyncckpt.tiers.run import TierRun
 
 __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 
@@ -78,6 +80,9 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
             and backward, waited for by :meth:`wait_for_snapshot` before the optimizer step. A tensor that
             changes in place before its copy fails that save (see :mod:`lightning_asyncckpt.snapshot.lazy`).
             Fork-per-save (``worker="fork"``) saves are always eager.
+        local: a :class:`~lightning_asyncckpt.LocalTier`: frequent node-local checkpoints on every rank,
+            replicated to peers on other nodes, beside the persistent ones (``README.md``, "Two tiers").
+            ``ckpt_path="last"`` then resumes from the newest step complete in either tier.
         worker_nice: the nice value of the writer processes: 0 (the default) is the trainer's own
             priority, up to 19 the lowest. A higher value gives the CPU to whatever else competes for it
             (data-loading workers, other jobs) first; the write is never starved (nice 10 still gets about
@@ -94,8 +99,11 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         self, strategy: str = "auto", *, worker: str = "persistent", thread_count: int = 1, timeout_s: float = 1800.0,
         max_pending: int = 2, poll_interval_s: float = 0.02, drain_timeout_s: float = 300.0,
         format: str = "auto", faults: FaultPolicy | None = None, snapshot: str = "eager", worker_nice: int = 0,
+        local: LocalTier | None = None,
     ) -> None:
         CheckpointIO.__init__(self)
+        if local is not None and not isinstance(local, LocalTier):
+            raise TypeError(f"AsyncCheckpointIO(local=...) takes a LocalTier(dir=..., ...) or None; got {local!r}.")
         worker_mode = engines.parse_worker(worker)
         settings = dict(thread_count=thread_count, timeout_s=timeout_s, max_pending=max_pending,
                         poll_interval_s=poll_interval_s, drain_timeout_s=drain_timeout_s, format=format,
@@ -109,6 +117,8 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         self.write_hook: Any = None  # picklable; the worker calls it with the buckets before writing
         self.copy_hook: Any = None  # a lazy snapshot's copy thread calls it before copying (testing.HoldCopy)
         self._returned = 0  # history[:_returned] was returned by finalize()
+        self.local = local
+        self.tier: TierRun | None = None  # the local tier's run, made at setup on every rank (tier_trainer, tier_fabric)
 
     @property
     def engine(self) -> str:
@@ -181,7 +191,11 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         of this library or DCP, or a ``torch.save`` file, local or at an fsspec URL). A failed save at
         ``path`` is raised here. With other ranks up, a save that another rank is still writing into that
         directory is waited for first (at most ``timeout_s``): Fabric's ``save`` returns on every rank once
-        rank 0 has scheduled it, and its ``load`` then reads on every rank."""
+        rank 0 has scheduled it, and its ``load`` then reads on every rank. A path that the local tier's
+        recovery returned (``TierRun.latest``) gives the checkpoint it fetched."""
+        restored = self.tier.take(path) if self.tier is not None else None
+        if restored is not None:
+            return restored
         path = paths.checkpoint_path(path)
         if self._run is not None:
             self.wait_for_snapshot()

@@ -18,6 +18,7 @@ from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
 from lightning_asyncckpt.integration.io import META_FILE, AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO, DDPStrategy, ModelParallelStrategy
+from lightning_asyncckpt.tiers import shares
 
 
 class _AsyncStrategyMixin:
@@ -147,6 +148,9 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         Lightning's, written on any number of ranks) or a full one."""
         io = self._async_io()
         io.settle()  # every pending save committed or raised first
+        restored = io.tier.take(checkpoint_path) if io.tier is not None else None
+        if restored is not None:  # the local tier's recovery fetched this rank's shards (tier_resume)
+            return self._load_tier(restored)
         path = paths.checkpoint_path(self.broadcast(checkpoint_path))
         if isinstance(path, str):  # an object store: every rank reads from its own local copy
             with remote.localize(path) as local:
@@ -170,6 +174,26 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
         return _load_checkpoint(path=path, state=state, strict=self.lightning_module.strict_loading,
                                 optimizer_states_from_list=True, weights_only=weights_only)
+
+    def _load_tier(self, state: dict[str, Any]) -> dict[str, Any]:
+        """(all ranks) Loads this rank's own shards from the local tier into the model and optimizers, each
+        ``DTensor`` rebuilt on the model's mesh; returns the rest of the checkpoint, as the stock load does."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+        from torch.distributed.tensor import DTensor
+
+        assert self.model is not None and self.lightning_module is not None
+        meshes = {(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
+                  for p in self.model.parameters() if isinstance(p, DTensor)}
+        checkpoint = shares.rebuild(state, meshes, self.root_device)
+        options = StateDictOptions(strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for optimizer, saved in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=saved, options=options)
+        return checkpoint
 
     def _load_full(self, io: AsyncCheckpointIO, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """The stock strategy's loading of a full (unsharded) checkpoint, for this package's directories."""

@@ -1,0 +1,78 @@
+"""The local tier in a Fabric loop.
+
+Fabric has no hooks, so the loop calls two methods, on every rank, in the same order::
+
+    io = AsyncCheckpointIO(local=LocalTier(dir="/dev/shm/ckpt", every_n_train_steps=50))
+    fabric = Fabric(..., plugins=[io]); fabric.launch()
+    tiers = FabricTiers(fabric)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    tiers.resume(state, persistent="ckpts/last.ckpt")  # the newest step complete in either tier
+    while ...:
+        ...; optimizer.step(); state["step"] += 1
+        if tiers.step_end(state["step"], state):  # a preemption signal: saved locally, drained
+            break
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning_asyncckpt.integration import lightning_api
+from lightning_asyncckpt.integration.io import find_async_io
+from lightning_asyncckpt.tiers.run import TierRun
+
+log = logging.getLogger(__name__)
+
+
+class FabricTiers:
+    """(every rank, after ``fabric.launch()``) The local tier of ``fabric``'s ``AsyncCheckpointIO(local=...)``.
+    Making it is collective (process groups, setup checks)."""
+
+    def __init__(self, fabric: Any, io: Any = None) -> None:
+        self.fabric = fabric
+        self.io = io if io is not None else find_async_io(fabric.strategy)
+        if self.io is None or getattr(self.io, "local", None) is None:
+            raise ValueError("FabricTiers(fabric): the Fabric's plugins need an AsyncCheckpointIO(local=LocalTier(...));"
+                             f" found {self.io!r}.")
+        if self.io.tier is None:
+            nodes = max(int(getattr(fabric.strategy, "num_nodes", 1) or 1), 1)
+            self.io.tier = TierRun(self.io.local, node_rank=fabric.node_rank,
+                                   local_world_size=max(fabric.world_size // nodes, 1))
+        self.tier: TierRun = self.io.tier
+
+    def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True) -> bool:
+        """(every rank) Loads the newest step complete in the local tier, or ``persistent`` where that is
+        newer or the local tier has none complete, into ``state`` (``fabric.load``). False: nothing loaded."""
+        path = self.tier.latest(persistent)
+        if path is None:
+            return False
+        self.fabric.load(path, state, strict=strict)
+        return True
+
+    def step_end(self, step: int, state: dict[str, Any]) -> bool:
+        """(every rank, after every optimizer step) Agrees on the step boundary; saves ``state`` to the local
+        tier every ``every_n_train_steps``; on a preemption signal saves now, waits for the copies, drains
+        the persistent saves and returns True (the loop should stop)."""
+        boundary = self.tier.boundary()
+        due = step > 0 and step % self.io.local.every_n_train_steps == 0
+        if (due or boundary.preempted) and step != self.tier.saved_step:
+            self.tier.save(step, self._convert(state))
+        if not boundary.preempted:
+            return False
+        complete = self.tier.finish()
+        self.io.finalize(blocking=True)
+        if self.fabric.global_rank == 0:
+            log.warning("lightning-asyncckpt: preemption (%s on some rank): step %d is in the local tier; stop"
+                        " the loop", self.tier.preemption_signal or "a signal", complete)
+        return True
+
+    def _convert(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` as ``fabric.save`` would write it: modules and optimizers as their state dicts."""
+        unwrap = lightning_api.fabric_module("wrappers")._unwrap_objects
+        return self.fabric.strategy._convert_stateful_objects_in_state(unwrap(state), filter={})
+
+    def close(self) -> None:
+        """(every rank) Waits for the local save in flight; gives the signals back."""
+        self.tier.close()
+        self.io.tier = None

@@ -1,0 +1,66 @@
+"""``ckpt_path="last"`` with a local tier: the newest step complete in either tier.
+
+Lightning resolves ``"last"`` before the process group exists, so it cannot ask the other ranks what
+their local directories hold. This module makes the decision later, where every rank is up:
+
+- ``_CheckpointConnector._parse_ckpt_path``: for ``"last"`` with a local tier, keeps the persistent
+  candidate Lightning found (or None) inside a :class:`TierLast`, and silences Lightning's "no last
+  checkpoint" warning (the local tier may have one);
+- ``_CheckpointConnector.resume_start`` (every rank, after setup): a :class:`TierLast` becomes
+  ``TierRun.latest(persistent)``, the local tier's key or the persistent path; then Lightning loads it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from lightning_asyncckpt.integration import patches, tier_trainer
+
+
+class TierLast(str):
+    """``"last"``, carrying the persistent checkpoint Lightning found for it (None: none)."""
+
+    persistent: Any
+
+    def __new__(cls, persistent: Any) -> TierLast:
+        self = super().__new__(cls, "last")
+        self.persistent = persistent
+        return self
+
+
+def _io_with_tier(trainer: Any) -> Any:
+    from lightning_asyncckpt.integration.io import find_async_io
+
+    io = find_async_io(getattr(trainer, "strategy", None))
+    return io if io is not None and io.local is not None else None
+
+
+def install() -> None:
+    """(any process, idempotent) Wraps the two methods as described above."""
+    from lightning_asyncckpt.integration.lightning_api import trainer_module
+
+    connector = trainer_module("trainer.connectors.checkpoint_connector")._CheckpointConnector
+
+    def make_parse(original: Any) -> Any:
+        def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+            if ckpt_path != "last" or _io_with_tier(self.trainer) is None:
+                return original(self, state_fn, ckpt_path, *args, **kwargs)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available.*")
+                return TierLast(original(self, state_fn, ckpt_path, *args, **kwargs))
+
+        return _parse_ckpt_path
+
+    def make_resume(original: Any) -> Any:
+        def resume_start(self: Any, checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(checkpoint_path, TierLast):
+                io = _io_with_tier(self.trainer)
+                tier = tier_trainer.start(self.trainer, io)
+                checkpoint_path = tier.latest(checkpoint_path.persistent) if tier is not None else checkpoint_path.persistent
+            return original(self, checkpoint_path, *args, **kwargs)
+
+        return resume_start
+
+    patches.wrap_class(connector, "_parse_ckpt_path", make_parse)
+    patches.wrap_class(connector, "resume_start", make_resume)

@@ -1,0 +1,54 @@
+"""The local tier in the Lightning Trainer: started at setup, agreed on and saved at every step's end,
+and consulted by ``ckpt_path="last"`` (:mod:`lightning_asyncckpt.integration.tier_resume`).
+
+``AsyncFinalizerCallback`` calls these on every rank; nothing here is a hook of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from lightning_asyncckpt.tiers.run import TierRun
+
+log = logging.getLogger(__name__)
+
+
+def start(trainer: Any, io: Any) -> TierRun | None:
+    """(all ranks, at setup, once the process group exists) Makes the run's local tier (collective: its
+    groups and setup checks), unless there is none or it exists already."""
+    if io is None or io.local is None:
+        return None
+    if io.tier is None:
+        io.tier = TierRun(io.local, node_rank=trainer.node_rank, local_world_size=trainer.num_devices)
+    return io.tier
+
+
+def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
+    """(all ranks, after every training batch) Agrees on the step boundary, saves to the local tier when
+    one is due (``dump`` builds the checkpoint as ``ModelCheckpoint`` would), and on a preemption request
+    saves now, waits for the copies and their replicas, and stops training. Returns True then."""
+    tier = io.tier
+    boundary = tier.boundary()
+    step = trainer.global_step
+    due = step > 0 and step % io.local.every_n_train_steps == 0
+    if (due or boundary.preempted) and step != tier.saved_step:
+        tier.save(step, dump())
+    if not boundary.preempted:
+        return False
+    complete = tier.finish()
+    trainer.should_stop = True
+    if trainer.is_global_zero:
+        log.warning("lightning-asyncckpt: preemption (%s on some rank): step %d is in the local tier%s; stopping"
+                    " training", tier.preemption_signal or "a signal", complete,
+                    " with its replicas" if io.local.replication_factor > 1 else "")
+    return True
+
+
+def stop(io: Any, wait: bool = True) -> None:
+    """(all ranks, at the end of fit; ``wait=False`` on an exception, where a peer may be gone) Waits for
+    the local save in flight, gives the signals back and forgets the run's tier."""
+    if io is not None and io.tier is not None:
+        io.tier.close(wait)
+        io.tier = None

@@ -1,0 +1,69 @@
+"""``LocalTier``: where and how often the local tier saves, and how many copies it keeps."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+from pathlib import Path
+
+_SESSION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTier:
+    """Node-local checkpoints every ``every_n_train_steps`` steps, replicated to peer ranks on other nodes.
+
+    Args:
+        dir: a node-local directory (``/dev/shm/...`` or a local NVMe mount) that exists on every node.
+            The tier writes only under ``<dir>/asyncckpt-local/<session>/`` and never deletes anything else.
+        every_n_train_steps: save to the local tier after every this many optimizer steps (global step).
+        replication_factor: ``F``, how many ranks hold each share, its own rank included (NVRx's
+            meaning): 1 keeps no replica, 2 one replica on a peer. Each clique of ``F`` ranks
+            (``n, n + J, ..., n + (F-1)J``) exchanges its shares.
+        replication_jump: ``J``, the rank distance between a share's holders; ``None`` is the ranks per
+            node, so that each replica is on another node. The world size must divide by ``J * F``.
+        session: a name for this job's files, so that jobs sharing a directory do not mix.
+        timeout_s: a replication or recovery exchange that takes longer fails (never hangs).
+        emergency_signals: signal names that request an emergency save: the next step boundary, all ranks
+            agree, save to the local tier, drain and stop training. ``()`` leaves signals alone.
+
+    Made on every rank with the same values; ``AsyncCheckpointIO(local=LocalTier(...))`` uses it.
+    """
+
+    dir: str | os.PathLike
+    every_n_train_steps: int = 100
+    replication_factor: int = 2
+    replication_jump: int | None = None
+    session: str = "default"
+    timeout_s: float = 600.0
+    emergency_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
+            raise TypeError(f"LocalTier(dir=...) must be a path to a node-local directory; got {self.dir!r}.")
+        object.__setattr__(self, "dir", Path(self.dir))
+        _positive_int("every_n_train_steps", self.every_n_train_steps)
+        _positive_int("replication_factor", self.replication_factor)
+        if self.replication_jump is not None:
+            _positive_int("replication_jump", self.replication_jump)
+        if not isinstance(self.session, str) or not _SESSION.fullmatch(self.session):
+            raise ValueError(f"LocalTier(session=...) must be 1 to 64 of [A-Za-z0-9_.-]; got {self.session!r}.")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"LocalTier(timeout_s=...) must be a number of seconds > 0; got {self.timeout_s!r}.")
+        names = (self.emergency_signals,) if isinstance(self.emergency_signals, str) else self.emergency_signals
+        object.__setattr__(self, "emergency_signals", tuple(names))
+        for name in self.emergency_signals:
+            if not isinstance(getattr(signal, str(name), None), signal.Signals):
+                raise ValueError(f"LocalTier(emergency_signals=...): {name!r} is not a signal name (e.g. 'SIGTERM').")
+
+    @property
+    def root(self) -> Path:
+        """The only directory the tier writes into or removes from."""
+        return Path(self.dir) / "asyncckpt-local" / self.session
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"LocalTier({name}=...) must be an int >= 1; got {value!r}.")

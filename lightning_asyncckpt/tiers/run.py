@@ -1,0 +1,217 @@
+"""``TierRun``: one run's local tier on one rank, from setup to the last step.
+
+Made at setup on every rank (it makes process groups: collective), once the training's process group
+exists. Its methods run on every rank, in the same order, at step boundaries:
+
+- :meth:`save` snapshots this rank's share and hands it to the writer thread (which writes it and
+  replicates it to the clique);
+- :meth:`boundary` agrees, in one all-reduce on the tier's own gloo group, on a preemption request, a
+  failed local save and the newest step complete everywhere; older steps are then removed;
+- :meth:`latest` picks the step to resume from: the local tier's newest complete step, unless the
+  persistent one is newer, and fetches this rank's share (from its own copy or a peer's replica).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
+from lightning_asyncckpt.snapshot import tree
+from lightning_asyncckpt.tiers import checks, cliques, exchange, recovery, shares
+from lightning_asyncckpt.tiers.config import LocalTier
+from lightning_asyncckpt.tiers.persistent import global_step
+from lightning_asyncckpt.tiers.preemption import PreemptionFlag
+from lightning_asyncckpt.tiers.store import LocalStore, crc32
+from lightning_asyncckpt.tiers.writer import ShareWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What the ranks agreed on at a step boundary."""
+
+    preempted: bool  # some rank received a preemption signal
+    complete: int  # the newest step every rank holds in full (-1: none yet)
+
+
+class TierRun:
+    """(every rank) The local tier of one run; see the module docstring."""
+
+    def __init__(self, config: LocalTier, node_rank: int, local_world_size: int) -> None:
+        self.config = config
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.jump = config.replication_jump or max(local_world_size, 1)
+        factor = config.replication_factor
+        self.cliques = cliques.layout(self.world, self.jump, factor)
+        self.clique = cliques.clique_of(self.rank, self.cliques)
+        self.group = self.clique_group = None
+        if self.distributed:
+            timeout = datetime.timedelta(seconds=config.timeout_s)
+            self.group = dist.new_group(backend="gloo", timeout=timeout)  # the tier's agreement (main thread)
+            if factor > 1:  # every rank makes every clique's group, in the same order
+                groups = [dist.new_group(c, backend="gloo", timeout=timeout) for c in self.cliques]
+                self.clique_group = groups[self.cliques.index(self.clique)]
+        checks.agree(checks.directory(Path(config.dir), self.rank, node_rank), self.gather)
+        self.node_of = self.gather(node_rank)
+        checks.cliques_span_nodes(self.cliques, self.node_of, self.jump)
+        checks.not_shared(config.root, self.rank, self.node_of, self.gather)
+        self.topology = (self.world, self.jump, factor)
+        self.store = LocalStore(config.root, self.rank)
+        self.writer = ShareWriter(self.store, self.rank, self.clique_group, self.topology)
+        self.flag = PreemptionFlag(config.emergency_signals)
+        self.flag.install()
+        self.complete = -1
+        self.saved_step = -1
+        self.last_stall_s: float | None = None
+        self._space_checked = False
+        self._restored: dict[str, Any] = {}
+
+    def gather(self, obj: Any) -> list[Any]:
+        """(all ranks) Every rank's ``obj`` over the tier's group."""
+        if not self.distributed or self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    # saving ------------------------------------------------------------------------------------------
+    def save(self, step: int, checkpoint: dict[str, Any]) -> None:
+        """(every rank, at the same step boundaries) Copies this rank's share of ``checkpoint`` (a DTensor
+        state: its local shards; a replicated one: its part) and starts writing and replicating it. Waits
+        for the previous local save's thread first (at most ``timeout_s``)."""
+        start = time.perf_counter()
+        if not self.writer.wait(self.config.timeout_s):
+            raise TimeoutError(f"lightning-asyncckpt: the local save of step {self.saved_step} is still running"
+                               f" after timeout_s={self.config.timeout_s}")
+        self._raise_failed()
+        mode = shares.SHARDED if shares.has_dtensors(checkpoint) else shares.REPLICATED
+        share = shares.make(checkpoint, self.rank, self.world, mode)
+        if not self._space_checked:
+            checks.space(Path(self.config.dir), self.rank, self.node_of, _nbytes(share), self.store.used_bytes(),
+                         self.config.replication_factor, self.gather)
+            self._space_checked = True
+        self.writer.submit(step, share)
+        self.saved_step = step
+        self.last_stall_s = time.perf_counter() - start
+
+    def boundary(self) -> Boundary:
+        """(every rank, after every optimizer step) One all-reduce: a preemption request on any rank, a failed
+        local save on any rank (raised here on every rank), and the newest step complete everywhere, whose
+        older steps this rank then removes from its own holder directory."""
+        values = [int(self.flag.received is not None), int(self.writer.error is not None), -self.writer.newest_done]
+        if self.distributed and self.world > 1:
+            t = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            values = [int(v) for v in t.tolist()]
+        preempted, failed, complete = bool(values[0]), bool(values[1]), -values[2]
+        if failed:
+            self._raise_failed(force=True)
+        if complete > self.complete:
+            self.complete = complete
+            self.store.remove_older(complete)
+        return Boundary(preempted, self.complete)
+
+    def finish(self) -> int:
+        """(every rank) Waits for the local save in flight, then agrees; returns the newest complete step."""
+        self.writer.wait(self.config.timeout_s)
+        return self.boundary().complete
+
+    def _raise_failed(self, force: bool = False) -> None:
+        errors = self.gather(self.writer.error) if (force or self.world == 1) else None
+        if errors and any(errors):
+            self.writer.error = None
+            failures = [RankFailure(r, "LocalTierError", e) for r, e in enumerate(errors) if e]
+            raise CheckpointWriteError(str(self.config.root), failures,
+                                       note="The local tier keeps its newest complete step.")
+
+    @property
+    def preemption_signal(self) -> str | None:
+        return self.flag.received
+
+    # recovering --------------------------------------------------------------------------------------
+    def latest(self, persistent: Any) -> Any:
+        """(every rank, together, before loading) The checkpoint to resume from: a key for
+        :meth:`take` (the local tier's newest complete step, with this rank's share fetched), else
+        ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why."""
+        held = self.store.holdings(self.topology)
+        rows = self.gather((held, global_step(persistent) if self.rank == 0 else None))
+        holdings, pstep = [r[0] for r in rows], rows[0][1]
+        plan = recovery.plan(holdings, self.cliques)
+        if plan is None:
+            return self._persistent(persistent, pstep, recovery.why_not(holdings, self.cliques))
+        if pstep is not None and pstep > plan.step:
+            return self._persistent(persistent, pstep, f"its step {pstep} is newer than the local tier's {plan.step}")
+        data, problem = self._fetch(plan, held)
+        problems = [p for p in self.gather(problem) if p]
+        if problems:
+            return self._persistent(persistent, pstep, f"step {plan.step} failed its checks: " + "; ".join(problems))
+        share = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        fetched = sum(1 for o, (s, _) in plan.sources.items() if s != o)
+        if plan.sources[self.rank][0] != self.rank:  # a node back with an empty directory holds its own again
+            self.store.write(plan.step, self.rank, data, plan.sources[self.rank][1].crc32, self.topology)
+        checkpoint = shares.assemble(share, self.group) if share["mode"] == shares.REPLICATED else share["state"]
+        key = str(self.config.root / f"restore-step-{plan.step}")
+        self._restored[key] = checkpoint
+        self.complete = plan.step
+        if self.rank == 0:
+            log.warning("lightning-asyncckpt: resuming from the local tier at step %d (%d of %d shares from"
+                        " peers' replicas)", plan.step, fetched, self.world)
+        return key
+
+    def _fetch(self, plan: recovery.Plan, held: list) -> tuple[bytes | None, str | None]:
+        """(every rank) This rank's share at ``plan.step`` and a problem (a CRC mismatch), if any."""
+        moves = plan.moves(self.clique)
+        sending = {o: self.store.read(h) for h in held for o, s, _ in moves
+                   if s == self.rank and h.owner == o and h.step == plan.step}
+        got = exchange.retrieve(moves, sending, self.rank, self.clique_group) if moves else {}
+        source, manifest = plan.sources[self.rank]
+        data = self.store.read(manifest) if source == self.rank else got[self.rank]
+        actual = crc32(data)
+        if actual != manifest.crc32:
+            where = "its own copy" if source == self.rank else f"the replica held by rank {source}"
+            return data, (f"rank {self.rank}'s share in {where} has CRC32 {actual:08x}, its manifest"
+                          f" {manifest.crc32:08x}")
+        return data, None
+
+    def _persistent(self, persistent: Any, pstep: int | None, why: str) -> Any:
+        if self.rank == 0:
+            target = f"{persistent} (step {pstep})" if persistent is not None else "nothing (no persistent checkpoint)"
+            log.warning("lightning-asyncckpt: resuming from the persistent tier, %s: local tier: %s", target, why)
+        return persistent
+
+    def take(self, key: Any) -> Any | None:
+        """The checkpoint :meth:`latest` fetched for ``key`` (once), or None for any other path."""
+        return self._restored.pop(str(key), None)
+
+    def close(self, wait: bool = True) -> None:
+        """(every rank) Waits for the local save in flight (at most ``timeout_s``; not at all without
+        ``wait``: its thread is a daemon) and gives the signals back."""
+        if wait:
+            self.writer.wait(self.config.timeout_s)
+        self.flag.uninstall()
+
+
+def _nbytes(share: dict[str, Any]) -> int:
+    total = [0]
+
+    def add(path: tuple, t: Any) -> Any:
+        local = t.local if isinstance(t, shares.LocalShard) else t
+        if local.device.type != "meta":  # a replicated share's skeleton: placeholders, no bytes
+            total[0] += local.numel() * local.element_size()
+        return t
+
+    tree.walk(share, (), add)
+    tree.walk(share, (), add, leaf=shares.LocalShard)
+    return total[0]

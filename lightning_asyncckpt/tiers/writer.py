@@ -1,0 +1,67 @@
+"""The background thread that serializes a share, writes it and replicates it to the clique.
+
+One share at a time: the next local save first waits for this one (:meth:`ShareWriter.wait`). The thread
+talks only over the clique's own gloo group, never the training's, so it runs beside training steps.
+A failure is kept as text and raised on every rank at the next step boundary, never in this thread.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_asyncckpt.tiers.exchange import ShareStateDict, replicate
+from lightning_asyncckpt.tiers.store import LocalStore, crc32
+
+
+class ShareWriter:
+    """(one rank) Writes its own share and, with replication, the shares of its clique peers."""
+
+    def __init__(self, store: LocalStore, rank: int, group: dist.ProcessGroup | None, topology: tuple) -> None:
+        self.store, self.rank, self.group, self.topology = store, rank, group, topology
+        self.newest_done = -1  # the newest step whose shares this rank holds in full
+        self.error: str | None = None
+        self.last_write_s: float | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Waits for the share being written; False if it is still running after ``timeout_s``."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return not self.busy
+
+    def submit(self, step: int, share: dict[str, Any]) -> None:
+        assert not self.busy, "a share is still being written"
+        self._thread = threading.Thread(target=self._job, args=(step, share), name=f"asyncckpt-local-{step}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _job(self, step: int, share: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        try:
+            buf = io.BytesIO()
+            torch.serialization.save(share, buf)
+            data = buf.getbuffer()
+            own = ShareStateDict(step, self.rank, crc32(data), torch.frombuffer(data, dtype=torch.uint8))
+            received = replicate(own, self.group) if self.group is not None else [own]
+            for sd in received:
+                got = crc32(sd.data)
+                if got != sd.crc32:
+                    raise OSError(f"rank {sd.owner}'s share of step {step} arrived with CRC32 {got:08x},"
+                                  f" not {sd.crc32:08x}")
+                self.store.write(step, sd.owner, sd.data, sd.crc32, self.topology)
+            del own, received, data
+            self.newest_done = step
+        except BaseException as e:  # noqa: BLE001 - kept, and raised on every rank at the next boundary
+            self.error = f"local save of step {step}: {type(e).__name__}: {e}"
+        finally:
+            self.last_write_s = time.perf_counter() - start

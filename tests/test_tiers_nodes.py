@@ -1,0 +1,99 @@
+"""Two tiers on 2 simulated nodes x 2 ranks (tests/nodes.py), each node with its own /dev/shm whose
+``local`` directory survives a restart of the job: local saves every 2 steps, persistent every 8.
+
+A node is lost after local step 10: both nodes' processes are SIGKILLed (the job restarts) and node 1
+comes back with an empty local directory. Every launch has a hard timeout; every process is killed after."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+from nodes import launch_nodes, node_local_dir, read_reports, skip_without_namespaces
+
+from helpers import job_script
+
+JOB = job_script("tiers_job.py")
+
+pytestmark = [pytest.mark.scale]
+
+
+@pytest.fixture(autouse=True)
+def _namespaces():
+    skip_without_namespaces()
+
+
+def _wait_for(cluster, names):
+    paths = [cluster.out / n for n in names]
+    while not all(p.exists() for p in paths):
+        if not all(n.running for n in cluster.nodes) or time.monotonic() > cluster.deadline:
+            pytest.fail(f"never reached {names}; logs:\n{cluster.logs()}")
+        time.sleep(0.05)
+
+
+def _train_and_lose_node_1(tmp_path, extra):
+    """Trains until local step 10 is complete, then SIGKILLs node 1 and node 0 (the job restarts)."""
+    with launch_nodes(JOB, ["--case", "train", *extra], tmp_path, timeout=300, node_local=True) as cluster:
+        _wait_for(cluster, [f"held-rank{r}" for r in range(4)])
+        cluster.nodes[1].kill()
+        cluster.nodes[0].kill()
+        cluster.wait()
+    for f in cluster.out.glob("rank*.json"):
+        f.unlink()
+    return cluster.out
+
+
+def _resume(tmp_path, extra):
+    with launch_nodes(JOB, ["--case", "resume", *extra], tmp_path, timeout=300, node_local=True) as cluster:
+        cluster.wait()
+        reports = read_reports(cluster, 4)
+        logs = cluster.logs()
+    for f in cluster.out.glob("rank*.json"):
+        f.unlink()
+    return reports, logs
+
+
+def _empty(tmp_path, node):
+    d = node_local_dir(tmp_path, node)
+    shutil.rmtree(d)
+    d.mkdir()
+
+
+def _scenarios(tmp_path, extra):
+    out = _train_and_lose_node_1(tmp_path, extra)
+    assert sorted(p.name for p in (out / "c").iterdir()) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    node0 = node_local_dir(tmp_path, 0) / "asyncckpt-local" / "default"
+    # node 0 holds its ranks' own shares of step 10 and the replicas of node 1's (rank 0 <-> 2, 1 <-> 3)
+    assert sorted(p.name for p in (node0 / "holder-0").glob("*.pt")) == [
+        "step-0000000010.owner-0.pt", "step-0000000010.owner-2.pt"]
+
+    # node 1 back with an empty local directory: step 10, its shares from node 0's replicas, exactly
+    _empty(tmp_path, 1)
+    reports, logs = _resume(tmp_path, extra)
+    assert [r["start_step"] for r in reports] == [10] * 4, logs
+    assert all(r["ckpt_path"].endswith("restore-step-10") and r["resume_exact"] for r in reports)
+    assert "resuming from the local tier at step 10 (2 of 4 shares from peers' replicas)" in logs
+
+    # a replica corrupted (one byte): its CRC check fails, and the job resumes at 8 from the persistent tier
+    _empty(tmp_path, 1)
+    replica = node0 / "holder-0" / "step-0000000010.owner-2.pt"
+    data = bytearray(replica.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    replica.write_bytes(bytes(data))
+    reports, logs = _resume(tmp_path, extra)
+    assert [r["start_step"] for r in reports] == [8] * 4, logs
+    assert all(r["ckpt_path"].endswith("last.ckpt") and r["resume_exact"] for r in reports)
+    assert "step 10 failed its checks: rank 2's share in the replica held by rank 0 has CRC32" in logs
+
+    # both nodes' local tiers lost: step 8 from the persistent tier, with the reason
+    _empty(tmp_path, 0)
+    _empty(tmp_path, 1)
+    reports, logs = _resume(tmp_path, extra)
+    assert [r["start_step"] for r in reports] == [8] * 4, logs
+    assert all(r["resume_exact"] for r in reports)
+    assert "local tier: no rank holds any local checkpoint (every local directory is empty)" in logs
+
+
+def test_ddp_node_lost_resumes_from_replicas_then_persistent(tmp_path):
+    _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "ddp"])
