@@ -6,7 +6,9 @@ comes back with an empty local directory. Every launch has a hard timeout; every
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -97,3 +99,25 @@ def _scenarios(tmp_path, extra):
 
 def test_ddp_node_lost_resumes_from_replicas_then_persistent(tmp_path):
     _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "ddp"])
+
+
+def test_sigterm_on_one_rank_saves_the_agreed_step_locally_stops_every_rank_and_resumes_there(tmp_path):
+    """SIGTERM to global rank 3 only (node 1) in the middle of training: the handler only sets a flag; at
+    the next step boundary all four ranks agree, save that step to the local tier with its replicas, drain
+    and stop training without an error; the next launch resumes exactly there."""
+    extra = ["--engine", "mcore", "--strategy", "ddp"]
+    with launch_nodes(JOB, ["--case", "preempt", *extra], tmp_path, timeout=300, node_local=True) as cluster:
+        _wait_for(cluster, ["at-step-5-rank3"])
+        os.kill(int((cluster.out / "at-step-5-rank3").read_text()), signal.SIGTERM)
+        cluster.wait()
+        reports = read_reports(cluster, 4)
+        logs = cluster.logs()
+    (stopped,) = {r["stopped_at"] for r in reports}
+    assert 5 <= stopped < 400 and all(r["complete"] == stopped for r in reports), (reports, logs)
+    assert f"preemption requested: step {stopped} is in the local tier with its replicas; stopping" in logs
+    assert "global rank 3 received SIGTERM" in logs
+    for f in cluster.out.glob("rank*.json"):
+        f.unlink()
+    reports, logs = _resume(tmp_path, extra)
+    assert [r["start_step"] for r in reports] == [stopped] * 4, logs
+    assert all(r["ckpt_path"].endswith(f"restore-step-{stopped}") and r["resume_exact"] for r in reports)

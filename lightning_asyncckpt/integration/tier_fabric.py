@@ -40,6 +40,7 @@ class FabricTiers:
             self.io.tier = TierRun(self.io.local, node_rank=fabric.node_rank,
                                    local_world_size=max(fabric.world_size // nodes, 1))
         self.tier: TierRun = self.io.tier
+        self.tier.arm()
 
     def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True) -> bool:
         """(every rank) Loads the newest step complete in the local tier, or ``persistent`` where that is
@@ -62,9 +63,12 @@ class FabricTiers:
             return False
         complete = self.tier.finish()
         self.io.finalize(blocking=True)
+        if self.tier.preemption_signal is not None:
+            log.warning("lightning-asyncckpt: global rank %d received %s", self.fabric.global_rank,
+                        self.tier.preemption_signal)
         if self.fabric.global_rank == 0:
-            log.warning("lightning-asyncckpt: preemption (%s on some rank): step %d is in the local tier; stop"
-                        " the loop", self.tier.preemption_signal or "a signal", complete)
+            log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier; stop the loop",
+                        complete)
         return True
 
     def _convert(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,13 @@ def start(trainer: Any, io: Any) -> TierRun | None:
     return io.tier
 
 
+def arm(io: Any) -> None:
+    """(all ranks, at the start of training: after Lightning has installed its signal handlers) Lets a
+    preemption signal request an emergency save."""
+    if io is not None and io.tier is not None:
+        io.tier.arm()
+
+
 def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     """(all ranks, after every training batch) Agrees on the step boundary, saves to the local tier when
     one is due (``dump`` builds the checkpoint as ``ModelCheckpoint`` would), and on a preemption request
@@ -39,10 +46,11 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
         return False
     complete = tier.finish()
     trainer.should_stop = True
+    if tier.preemption_signal is not None:
+        log.warning("lightning-asyncckpt: global rank %d received %s", trainer.global_rank, tier.preemption_signal)
     if trainer.is_global_zero:
-        log.warning("lightning-asyncckpt: preemption (%s on some rank): step %d is in the local tier%s; stopping"
-                    " training", tier.preemption_signal or "a signal", complete,
-                    " with its replicas" if io.local.replication_factor > 1 else "")
+        log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier%s; stopping training",
+                    complete, " with its replicas" if io.local.replication_factor > 1 else "")
     return True
 
 

@@ -70,8 +70,7 @@ class TierRun:
         self.topology = (self.world, self.jump, factor)
         self.store = LocalStore(config.root, self.rank)
         self.writer = ShareWriter(self.store, self.rank, self.clique_group, self.topology)
-        self.flag = PreemptionFlag(config.emergency_signals)
-        self.flag.install()
+        self.flag = PreemptionFlag(config.emergency_signals)  # armed by arm(), once the loop runs
         self.complete = -1
         self.saved_step = -1
         self.last_stall_s: float | None = None
@@ -135,6 +134,12 @@ class TierRun:
             failures = [RankFailure(r, "LocalTierError", e) for r, e in enumerate(errors) if e]
             raise CheckpointWriteError(str(self.config.root), failures,
                                        note="The local tier keeps its newest complete step.")
+
+    def arm(self) -> bool:
+        """(every rank, main thread, once the training loop starts) Installs the preemption handlers, after
+        Lightning's own (whose SIGTERM handler runs a collective inside the handler): ours replace them
+        until :meth:`close`. False where none could be installed (not the main thread)."""
+        return self.flag.install()
 
     @property
     def preemption_signal(self) -> str | None:

@@ -77,13 +77,26 @@ class HoldAt10(L.Callback):
             time.sleep(0.1)
 
 
+class TierState(L.Callback):
+    """(all ranks; before the finalizer, which ends the tier at the end of fit) The local tier's newest
+    complete step when training ends."""
+
+    def __init__(self, io):
+        self.io, self.complete = io, None
+
+    def on_train_end(self, trainer, pl_module):
+        self.complete = self.io.tier.complete if self.io.tier is not None else None
+
+
 class MarkStep(L.Callback):
     def __init__(self, out, step):
         self.out, self.step = out, step
 
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == self.step:
-            open(os.path.join(self.out, f"at-step-{self.step}-rank{trainer.global_rank}"), "w").close()
+            with open(os.path.join(self.out, f"at-step-{self.step}-rank{trainer.global_rank}.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(f.name, f.name.removesuffix(".tmp"))
         time.sleep(0.05)  # a step takes a while, so the signal arrives in the middle of training
 
 
@@ -99,7 +112,7 @@ def _trainer(args, max_steps, callbacks, save_last=True):
         strategy = "ddp"
     rec = Recorder(args.strategy == "fsdp2")
     t = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy, plugins=[io],
-                  callbacks=[AsyncFinalizerCallback(), rec, *[c(io, rec) for c in callbacks], ck],
+                  callbacks=[TierState(io), AsyncFinalizerCallback(), rec, *[c(io, rec) for c in callbacks], ck],
                   max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                   num_sanity_val_steps=0, default_root_dir=os.environ.get("NODE_SCRATCH", args.out))
     return t, io, rec
@@ -132,7 +145,7 @@ def case_preempt(args, report):
     t, io, rec = _trainer(args, 400, [lambda io, rec: MarkStep(args.out, 5)])
     t.fit(_model(args), loader(width=WIDTH, n=6400, batch_size=4))
     report["stopped_at"] = t.global_step
-    report["complete"] = io.tier.complete if io.tier is not None else None
+    report["complete"] = t.callbacks[0].complete
     torch.save(rec.copies[t.global_step], os.path.join(args.out, f"state-rank{t.global_rank}-step{t.global_step}.pt"))
 
 
