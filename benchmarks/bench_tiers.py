@@ -206,9 +206,9 @@ class Trainer:
             self.train_step()
             if i % every == 0 and i <= saves * every:
                 if variant == "local":
-                    if self.tier.writer.last_write_s is not None and i > every:
+                    stalls.append(self.local_save())  # waits for the previous save's thread, then starts this one
+                    if i > every:  # the previous save's thread time (this one's is far from done)
                         local_writes.append(self.tier.writer.last_write_s)
-                    stalls.append(self.local_save())
                 elif variant == "persistent":
                     stalls.append(self.persistent_save())
             if variant == "local":
@@ -258,7 +258,6 @@ class Trainer:
         assert self.tier.complete == self.step
         if self.rank == 0:
             assert self.persistent_path is not None and self.persistent_path.is_file()
-            assert all(not p.name.startswith("step-") or p == self.persistent_path for p in self.ckpt_dir.iterdir())
         return self.step
 
     def recover(self, how: str, node1_dir: Path) -> dict[str, Any]:
@@ -502,17 +501,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             p.start()
         deadline = time.monotonic() + args.timeout
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):  # one rank failed: the others will not finish
-                time.sleep(5)
+            if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: the others fail within a grace
+                grace = min(deadline, time.monotonic() + 15)
+                while any(p.is_alive() for p in procs) and time.monotonic() < grace:
+                    time.sleep(0.2)
                 break
             time.sleep(0.2)
-        codes = []
         for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()) if p.exitcode == 0 else 1.0)
             if p.is_alive():
                 p.kill()
-                p.join(timeout=30)
-            codes.append(p.exitcode)
+            p.join(timeout=30)
+        codes = [p.exitcode for p in procs]
         if any(c != 0 for c in codes) or not out.is_file():
             raise SystemExit(f"bench_tiers: ranks exited with {codes} (deadline --timeout {args.timeout:g} s); see above")
         return json.loads(out.read_text())

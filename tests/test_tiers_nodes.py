@@ -98,7 +98,13 @@ def _scenarios(tmp_path, extra):
 
 
 def test_ddp_node_lost_resumes_from_replicas_then_persistent(tmp_path):
+    """DDP with the plugin (nvrx; the persistent tier written by rank 0, the local tier by every rank)."""
     _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "ddp"])
+
+
+@pytest.mark.slow
+def test_ddp_node_lost_resumes_from_replicas_then_persistent_with_mcore(tmp_path):
+    _scenarios(tmp_path, ["--engine", "mcore", "--strategy", "ddp"])
 
 
 def test_sigterm_on_one_rank_saves_the_agreed_step_locally_stops_every_rank_and_resumes_there(tmp_path):
@@ -121,3 +127,40 @@ def test_sigterm_on_one_rank_saves_the_agreed_step_locally_stops_every_rank_and_
     reports, logs = _resume(tmp_path, extra)
     assert [r["start_step"] for r in reports] == [stopped] * 4, logs
     assert all(r["ckpt_path"].endswith(f"restore-step-{stopped}") and r["resume_exact"] for r in reports)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["mcore", "nvrx"])
+def test_fsdp2_node_lost_resumes_from_replicas_then_persistent(tmp_path, engine):
+    """The same with FSDP2 over the 4 ranks (AsyncModelParallelStrategy): each rank's share is its own
+    DTensor shards, rebuilt on the model's mesh at the resume."""
+    _scenarios(tmp_path, ["--engine", engine, "--strategy", "fsdp2"])
+
+
+FABRIC_JOB = job_script("tiers_fabric_job.py")
+
+
+@pytest.mark.parametrize("engine", ["mcore", "nvrx"])
+def test_fabric_node_lost_resumes_from_the_replica_then_persistent(tmp_path, engine):
+    """Fabric, DDP over 2 nodes x 1 rank: node 1 lost after local step 10 and back empty resumes at 10
+    from node 0's replica; with both local tiers lost, at 8 from the persistent file."""
+    args = ["--engine", engine]
+    with launch_nodes(FABRIC_JOB, ["--case", "train", *args], tmp_path, nodes=2, devices=1, timeout=240,
+                      node_local=True) as cluster:
+        _wait_for(cluster, ["held-rank0", "held-rank1"])
+        cluster.nodes[1].kill()
+        cluster.nodes[0].kill()
+        cluster.wait()
+    for expect, lost in ((10, [1]), (8, [0, 1])):
+        for node in lost:
+            _empty(tmp_path, node)
+        with launch_nodes(FABRIC_JOB, ["--case", "resume", *args], tmp_path, nodes=2, devices=1, timeout=240,
+                          node_local=True) as cluster:
+            cluster.wait()
+            reports = read_reports(cluster, 2)
+            logs = cluster.logs()
+        for f in cluster.out.glob("rank*.json"):
+            f.unlink()
+        assert [r["start_step"] for r in reports] == [expect] * 2, logs
+        assert all(r["resumed"] and r["resume_exact"] for r in reports)
+    assert "resuming from the persistent tier" in logs and "every local directory is empty" in logs

@@ -1,0 +1,97 @@
+"""Fabric with the local tier on simulated nodes (tests/test_tiers_nodes.py): 2 nodes x 1 rank, DDP, local
+saves every 2 steps through ``FabricTiers``, a persistent ``fabric.save`` at step 8.
+
+Cases: ``train`` (until step 10 is complete locally; the states of steps 8 and 10 go aside; then waits to be
+killed) and ``resume`` (``FabricTiers.resume`` with the persistent step-8 file; reports the step and whether
+the state equals the saved one exactly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import assert_tree_equal  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO, FabricTiers, LocalTier  # noqa: E402
+
+
+def _state_of(state):
+    return copy.deepcopy({"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()["state"],
+                          "step": state["step"]})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name, default in (("--case", None), ("--out", None), ("--engine", "nvrx"), ("--worker", "persistent")):
+        p.add_argument(name, default=default)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--devices", type=int, required=True)
+    args = p.parse_args()
+    rank = int(os.environ["NODE_RANK"]) * args.devices + int(os.environ.get("LOCAL_RANK", "0"))
+    report = {"rank": rank}
+    try:
+        run(args, report)
+    except BaseException as e:  # noqa: BLE001
+        report["crash"] = "".join(traceback.format_exception(e))
+    with open(os.path.join(args.out, f"rank{rank}.json.tmp"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(os.path.join(args.out, f"rank{rank}.json.tmp"), os.path.join(args.out, f"rank{rank}.json"))
+
+
+def run(args, report):
+    io = AsyncCheckpointIO(args.engine, local=LocalTier("/dev/shm/local", every_n_train_steps=2, timeout_s=60))
+    fabric = L.Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy="ddp", plugins=[io])
+    fabric.launch()
+    L.seed_everything(1)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    tiers = FabricTiers(fabric)
+    persistent = os.path.join(args.out, "c", "step-8.ckpt")
+    with io:
+        if args.case == "resume":
+            report["resumed"] = tiers.resume(state, persistent=persistent)
+            report["start_step"] = state["step"]
+            saved = torch.load(os.path.join(args.out, f"state-rank{fabric.global_rank}-step{state['step']}.pt"),
+                               weights_only=False)
+            assert_tree_equal(_state_of(state), saved, "state at resume")
+            report["resume_exact"] = True
+            return
+        copies = {}
+        g = torch.Generator().manual_seed(fabric.global_rank)
+        while state["step"] < 10:
+            x = torch.randn(8, 32, generator=g)
+            loss = model(x).pow(2).mean()
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+            state["step"] += 1
+            if state["step"] in (8, 10):
+                copies[state["step"]] = _state_of(state)
+            if state["step"] == 8:
+                fabric.save(persistent, state)
+            tiers.step_end(state["step"], state)
+            io.finalize()
+        assert tiers.tier.finish() == 10
+        io.finalize(blocking=True)
+        for step, c in copies.items():
+            torch.save(c, os.path.join(args.out, f"state-rank{fabric.global_rank}-step{step}.pt"))
+        open(os.path.join(args.out, f"held-rank{fabric.global_rank}"), "w").close()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:  # the test kills this process
+            time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    main()

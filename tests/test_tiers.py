@@ -1,0 +1,175 @@
+"""The local tier's parts without Lightning: its settings, the clique layout, the recovery plan, the store
+and its CRC, the shares, and the setup checks (real files; the shared-directory check with two real gloo
+processes that claim to be on two nodes)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from helpers import free_port
+from lightning_asyncckpt import LocalTier
+from lightning_asyncckpt.tiers import checks, cliques, recovery, shares
+from lightning_asyncckpt.tiers.cliques import TierConfigError
+from lightning_asyncckpt.tiers.store import Held, LocalStore, crc32
+
+TOPO = (4, 2, 2)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"dir": ""}, r"LocalTier\(dir=\.\.\.\) must be a path"),
+    ({"dir": "/x", "every_n_train_steps": 0}, r"every_n_train_steps=\.\.\.\) must be an int >= 1; got 0"),
+    ({"dir": "/x", "replication_factor": 1.5}, r"replication_factor"),
+    ({"dir": "/x", "replication_jump": -1}, r"replication_jump"),
+    ({"dir": "/x", "session": "a/b"}, r"session"),
+    ({"dir": "/x", "timeout_s": 0}, r"timeout_s"),
+    ({"dir": "/x", "emergency_signals": ("SIGNOPE",)}, r"'SIGNOPE' is not a signal name"),
+])
+def test_bad_settings_are_refused_naming_the_argument(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        LocalTier(**kwargs)
+
+
+def test_the_tier_writes_only_under_its_own_root():
+    assert LocalTier("/dev/shm/ck", session="run1").root.as_posix() == "/dev/shm/ck/asyncckpt-local/run1"
+
+
+def test_cliques_are_nvrx_layout_and_a_world_that_does_not_divide_is_refused():
+    assert cliques.layout(4, 2, 2) == [[0, 2], [1, 3]]
+    assert cliques.layout(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(TierConfigError, match=r"world size 6 does not divide by replication_jump x replication_factor = 2 x 2 = 4"):
+        cliques.layout(6, 2, 2)
+
+
+def test_cliques_within_one_node_are_refused_on_several_nodes():
+    layout = cliques.layout(4, 1, 2)  # [[0, 1], [2, 3]]: ranks of one node hold each other's shares
+    with pytest.raises(TierConfigError, match=r"replication_jump=1\) puts ranks 0 and 1, .* same node 0.*replication_jump=2"):
+        checks.cliques_span_nodes(layout, [0, 0, 1, 1], jump=1)
+    checks.cliques_span_nodes(cliques.layout(4, 2, 2), [0, 0, 1, 1], jump=2)  # across nodes: fine
+
+
+def _held(step, owner):
+    return Held(step, owner, 10, 1, TOPO)
+
+
+def test_plan_takes_the_newest_step_complete_in_every_clique_preferring_own_copies():
+    c = cliques.layout(4, 2, 2)
+    # node 1 (ranks 2, 3) came back empty: node 0 holds its own shares and node 1's replicas of step 10
+    holdings = [[_held(10, 0), _held(10, 2), _held(8, 0)], [_held(10, 1), _held(10, 3)], [], []]
+    plan = recovery.plan(holdings, c)
+    assert plan.step == 10
+    assert {o: s for o, (s, _) in plan.sources.items()} == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert plan.moves([0, 2]) == [(2, 0, 10)]
+
+
+def test_a_lost_clique_has_no_plan_and_says_whose_shares_are_missing():
+    c = cliques.layout(4, 2, 2)
+    holdings = [[_held(10, 0)], [_held(10, 1), _held(10, 3)], [], []]  # rank 2's share is nowhere
+    assert recovery.plan(holdings, c) is None
+    assert "step 10 lacks the shares of rank(s) [2]" in recovery.why_not(holdings, c)
+    assert "every local directory is empty" in recovery.why_not([[], [], [], []], c)
+
+
+def test_store_lists_complete_shares_only_and_removes_only_older_steps_of_its_own_holder(tmp_path):
+    store, other = LocalStore(tmp_path, 0), LocalStore(tmp_path, 1)
+    for step in (8, 10):
+        data = bytes([step]) * 100
+        store.write(step, 0, data, crc32(data), TOPO)
+    other.write(8, 1, b"x", crc32(b"x"), TOPO)
+    (store.dir / "step-0000000012.owner-0.pt").write_bytes(b"unfinished: no manifest")
+    (tmp_path / "user-file.ckpt").write_bytes(b"not ours")
+    assert [(h.step, h.owner) for h in store.holdings(TOPO)] == [(8, 0), (10, 0)]
+    assert store.holdings((8, 2, 2)) == []  # saved under another topology: not usable
+    store.remove_older(10)
+    assert [h.step for h in store.holdings(TOPO)] == [10]
+    assert (store.dir / "step-0000000012.owner-0.pt").exists()  # newer: may still be being written
+    assert [h.step for h in other.holdings(TOPO)] == [8] and (tmp_path / "user-file.ckpt").exists()
+
+
+def test_a_share_cut_short_is_not_listed(tmp_path):
+    store = LocalStore(tmp_path, 0)
+    store.write(4, 0, b"0123456789", crc32(b"0123456789"), TOPO)
+    (store.dir / "step-0000000004.owner-0.pt").write_bytes(b"01234")
+    assert store.holdings(TOPO) == []
+
+
+def test_replicated_share_round_trip_on_one_rank():
+    ck = {"state_dict": {"w": torch.randn(3, 4), "b": torch.arange(4)}, "optimizer_states": [{"state": {0: {
+        "step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4).t()}}}], "global_step": 7, "flag": torch.tensor([True])}
+    share = shares.make(ck, 0, 1, shares.REPLICATED)
+    ck["state_dict"]["w"].add_(1)  # the share holds copies
+    back = shares.assemble(share, None)
+    assert back["global_step"] == 7
+    assert not torch.equal(back["state_dict"]["w"], ck["state_dict"]["w"])
+    torch.testing.assert_close(back["state_dict"]["w"], ck["state_dict"]["w"] - 1)
+    assert torch.equal(back["optimizer_states"][0]["state"][0]["exp_avg"], ck["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert back["flag"].dtype == torch.bool and back["state_dict"]["b"].dtype == torch.int64
+
+
+def test_a_missing_directory_is_refused_with_the_fix(tmp_path):
+    problem = checks.directory(tmp_path / "nope", rank=3, node=1)
+    assert "does not exist on node 1 (global rank 3)" in problem and "mkdir -p" in problem
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 1 MiB tmpfs (skipped where mounting is refused)."""
+    import subprocess
+
+    d = tmp_path / "small"
+    d.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_directory_too_small_is_refused_with_the_sizes_before_anything_is_written(small_tmpfs):
+    # 2 x 2 copies of a 300 kB share (the newest step and the next, own and replica) do not fit in 1 MiB
+    with pytest.raises(TierConfigError, match=r"has 1\.0 MB free, but its 1 rank\(s\) need 1\.2 MB.*2 x 2 x share"
+                       r".*rank 0: 300\.0 kB.*Fix: a larger directory.*Nothing was written"):
+        checks.space(small_tmpfs, 0, [0], share_bytes=300_000, held_bytes=0, factor=2, gather=lambda x: [x])
+    assert list(small_tmpfs.iterdir()) == []
+    checks.space(small_tmpfs, 0, [0], share_bytes=200_000, held_bytes=0, factor=2, gather=lambda x: [x])
+
+
+def _shared_dir_rank(rank, port, path, q):
+    import torch.distributed as dist
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        try:
+            TierRun(LocalTier(path, replication_factor=2, timeout_s=30, emergency_signals=()), node_rank=rank,
+                    local_world_size=1)
+            q.put((rank, None))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
+    """Two real processes that say they are on nodes 0 and 1 but share one directory: both refuse it."""
+    ctx = mp.get_context("fork")  # no resource tracker left behind (spawn starts one)
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_shared_dir_rank, args=(r, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        assert got[rank] and "TierConfigError" in got[rank] and "is shared between nodes" in got[rank], got[rank]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the probes are gone
