@@ -3,7 +3,7 @@
 Lightning resolves ``"last"`` before the process group exists, so it cannot ask the other ranks what
 their local directories hold. This module makes the decision later, where every rank is up:
 
-- ``_CheckpointConnector._parse_ckpt_path``: for ``"last"`` with a local tier, keeps the persistent
+- ``_CheckpointConnector._parse_ckpt_path``: for ``fit(ckpt_path="last")`` with a local tier, keeps the persistent
   candidate Lightning found (or None) inside a :class:`TierLast`, and silences Lightning's "no last
   checkpoint" warning (the local tier may have one);
 - ``_CheckpointConnector.resume_start`` (every rank, after setup): a :class:`TierLast` becomes
@@ -44,7 +44,8 @@ def install() -> None:
 
     def make_parse(original: Any) -> Any:
         def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-            if ckpt_path != "last" or _io_with_tier(self.trainer) is None:
+            fitting = getattr(state_fn, "value", state_fn) == "fit"  # validate/test/predict: as Lightning has it
+            if ckpt_path != "last" or not fitting or _io_with_tier(self.trainer) is None:
                 return original(self, state_fn, ckpt_path, *args, **kwargs)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available.*")

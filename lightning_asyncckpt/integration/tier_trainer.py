@@ -56,7 +56,12 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
 
 def stop(io: Any, wait: bool = True) -> None:
     """(all ranks, at the end of fit; ``wait=False`` on an exception, where a peer may be gone) Waits for
-    the local save in flight, gives the signals back and forgets the run's tier."""
+    the local save in flight and agrees on it (raising a failed one), gives the signals back and forgets
+    the run's tier."""
     if io is not None and io.tier is not None:
-        io.tier.close(wait)
-        io.tier = None
+        try:
+            if wait:  # the last local save complete everywhere, and the steps before it removed
+                io.tier.finish()
+        finally:
+            io.tier.close(wait)
+            io.tier = None

@@ -1,0 +1,93 @@
+"""The local tier with a single-device Trainer, in this process (the persistent writer is a real worker):
+``ckpt_path="last"`` picks the newer tier, and a SIGTERM stops training after an emergency local save."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from helpers import TinyModel, assert_tree_equal, clone_tree, loader, trainer
+from lightning_asyncckpt import AsyncCheckpointIO, LocalTier
+
+
+class States(L.Callback):
+    def __init__(self):
+        self.saved, self.start_step, self.start = {}, None, None
+
+    def _state(self, trainer, pl_module):
+        return clone_tree({"model": pl_module.state_dict(), "opt": trainer.optimizers[0].state_dict()["state"]})
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saved[trainer.global_step] = self._state(trainer, pl_module)
+
+    def on_train_start(self, trainer, pl_module):
+        self.start_step, self.start = trainer.global_step, self._state(trainer, pl_module)
+
+
+def _fit(tmp_path, max_steps, ckpt_path=None, every=8, callbacks=(), local_every=2):
+    io = AsyncCheckpointIO("nvrx", local=LocalTier(tmp_path / "local", every_n_train_steps=local_every,
+                                                   replication_factor=1))
+    states = States()
+    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=every, save_top_k=-1, save_last=True)
+    t = trainer(tmp_path, [io], [states, *callbacks, ck], max_steps=max_steps)
+    L.seed_everything(0)
+    t.fit(TinyModel(width=16), loader(width=16, n=512, batch_size=4), ckpt_path=ckpt_path)
+    return t, states
+
+
+@pytest.fixture
+def local_dir(tmp_path):
+    (tmp_path / "local").mkdir()
+    return tmp_path / "local"
+
+
+def test_last_resumes_from_the_local_step_when_it_is_newer(tmp_path, local_dir):
+    _, first = _fit(tmp_path, 10)  # persistent at 8, local at 2, 4, ..., 10
+    holder = local_dir / "asyncckpt-local" / "default" / "holder-0"
+    assert sorted(p.name for p in holder.glob("*.pt")) == ["step-0000000010.owner-0.pt"]  # older ones removed
+    t, again = _fit(tmp_path, 11, ckpt_path="last")
+    assert again.start_step == 10 and t.ckpt_path.endswith("restore-step-10")
+    assert_tree_equal(again.start, first.saved[10], "resume from the local tier")
+    assert (tmp_path / "c" / "epoch=0-step=8.ckpt").is_file()  # the local tier deletes nothing persistent
+
+
+def test_last_resumes_from_the_persistent_step_when_it_is_newer(tmp_path, local_dir):
+    _, first = _fit(tmp_path, 8, local_every=3)  # local at 3 and 6, persistent at 8
+    t, again = _fit(tmp_path, 9, ckpt_path="last", local_every=3)
+    assert again.start_step == 8 and t.ckpt_path.endswith("last.ckpt")
+    assert_tree_equal(again.start, first.saved[8], "resume from the persistent tier")
+
+
+class SigtermAt(L.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)  # only a flag is set; the next boundary acts on it
+
+
+def test_sigterm_saves_the_step_locally_and_stops_training_without_an_error(tmp_path, local_dir):
+    before = signal.getsignal(signal.SIGTERM)
+    t, first = _fit(tmp_path, 100, callbacks=[SigtermAt(3)])
+    # the signal came in a callback before the finalizer's: that same step's boundary acts on it
+    assert t.global_step == 3 and not t.interrupted
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers given back
+    _, again = _fit(tmp_path, 5, ckpt_path="last")
+    assert again.start_step == 3  # 3 is not a multiple of every_n_train_steps=2: the emergency save
+    assert_tree_equal(again.start, first.saved[3], "resume after the emergency save")
+
+
+def test_the_local_argument_is_checked(tmp_path):
+    with pytest.raises(TypeError, match=r"AsyncCheckpointIO\(local=\.\.\.\) takes a LocalTier"):
+        AsyncCheckpointIO(local=str(tmp_path))
+
+
+def test_a_missing_local_directory_is_refused_at_setup(tmp_path):
+    with pytest.raises(Exception, match=r"does not exist on node 0 \(global rank 0\).*mkdir -p"):
+        _fit(tmp_path, 2)
+    assert not (tmp_path / "c").exists() or not list((tmp_path / "c").iterdir())
