@@ -12,9 +12,9 @@ import torch
 
 from helpers import free_port
 from lightning_asyncckpt import LocalTier
-from lightning_asyncckpt.tiers import checks, cliques, recovery, shares
+from lightning_asyncckpt.tiers import checks, cliques, packing, recovery, shares
 from lightning_asyncckpt.tiers.cliques import TierConfigError
-from lightning_asyncckpt.tiers.store import Held, LocalStore, crc32
+from lightning_asyncckpt.tiers.store import Held, LocalStore
 
 TOPO = (4, 2, 2)
 
@@ -76,9 +76,9 @@ def test_a_lost_clique_has_no_plan_and_says_whose_shares_are_missing():
 def test_store_lists_complete_shares_only_and_removes_only_older_steps_of_its_own_holder(tmp_path):
     store, other = LocalStore(tmp_path, 0), LocalStore(tmp_path, 1)
     for step in (8, 10):
-        data = bytes([step]) * 100
-        store.write(step, 0, data, crc32(data), TOPO)
-    other.write(8, 1, b"x", crc32(b"x"), TOPO)
+        data = [torch.full((100,), step, dtype=torch.uint8)]
+        store.write(step, 0, data, packing.crc32(data), TOPO)
+    other.write(8, 1, [torch.ones(1, dtype=torch.uint8)], 0, TOPO)
     (store.dir / "step-0000000012.owner-0.pt").write_bytes(b"unfinished: no manifest")
     (tmp_path / "user-file.ckpt").write_bytes(b"not ours")
     assert [(h.step, h.owner) for h in store.holdings(TOPO)] == [(8, 0), (10, 0)]
@@ -91,17 +91,19 @@ def test_store_lists_complete_shares_only_and_removes_only_older_steps_of_its_ow
 
 def test_a_share_cut_short_is_not_listed(tmp_path):
     store = LocalStore(tmp_path, 0)
-    store.write(4, 0, b"0123456789", crc32(b"0123456789"), TOPO)
+    store.write(4, 0, [torch.arange(10, dtype=torch.uint8)], 0, TOPO)
     (store.dir / "step-0000000004.owner-0.pt").write_bytes(b"01234")
     assert store.holdings(TOPO) == []
 
 
-def test_replicated_share_round_trip_on_one_rank():
+def test_replicated_share_packed_and_unpacked_on_one_rank():
     ck = {"state_dict": {"w": torch.randn(3, 4), "b": torch.arange(4)}, "optimizer_states": [{"state": {0: {
         "step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4).t()}}}], "global_step": 7, "flag": torch.tensor([True])}
-    share = shares.make(ck, 0, 1, shares.REPLICATED)
-    ck["state_dict"]["w"].add_(1)  # the share holds copies
-    back = shares.assemble(share, None)
+    packed = packing.pack(shares.make(ck, 0, 1, shares.REPLICATED))
+    ck["state_dict"]["w"].add_(1)  # the packed share holds copies
+    data = torch.cat([packed.prefix(), packed.flat])
+    assert packing.crc32([data]) == packing.crc32([packed.prefix(), packed.flat])
+    back = shares.assemble(packing.unpack(data), None)
     assert back["global_step"] == 7
     assert not torch.equal(back["state_dict"]["w"], ck["state_dict"]["w"])
     torch.testing.assert_close(back["state_dict"]["w"], ck["state_dict"]["w"] - 1)

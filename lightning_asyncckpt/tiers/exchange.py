@@ -1,7 +1,8 @@
 """Moving shares between the ranks of a clique, over its own gloo group.
 
 - A share travels as :class:`ShareStateDict`, an implementation of NVRx's ``TensorAwareStateDict``
-  protocol: one ``uint8`` tensor (the serialized share) and its plain metadata (step, owner, CRC32).
+  protocol: two ``uint8`` tensors (the packed share's header and flat buffer,
+  :mod:`lightning_asyncckpt.tiers.packing`) and its plain metadata (step, owner, CRC32).
 - :func:`replicate` is NVRx's ``CliqueReplicationStrategy.replicate``: every clique member ends with every
   member's share (an all-gather of the hollow dicts, then one broadcast per member). It is CPU-only here.
 - :func:`retrieve` is ours: NVRx's retrieval sends every tensor through CUDA. Point-to-point sends, in an
@@ -19,47 +20,38 @@ from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwar
 
 
 class ShareStateDict(TensorAwareStateDict):
-    """One rank's serialized share at one step, as NVRx's replication moves it."""
+    """One rank's packed share at one step, as NVRx's replication moves it."""
 
-    def __init__(self, step: int, owner: int, crc32: int, blob: torch.Tensor) -> None:
+    def __init__(self, step: int, owner: int, crc32: int, parts: list[torch.Tensor]) -> None:
         self.step, self.owner, self.crc32 = step, owner, crc32
-        self._shape = tuple(blob.shape)
-        self._blob: torch.Tensor | None = blob
+        self._shapes = [tuple(p.shape) for p in parts]
+        self._parts: list[torch.Tensor] | None = list(parts)
 
     def pop_tensors(self) -> list[torch.Tensor]:
-        assert self._blob is not None, "pop_tensors on a hollow share"
-        blob, self._blob = self._blob, None
-        return [blob]
+        assert self._parts is not None, "pop_tensors on a hollow share"
+        parts, self._parts = self._parts, None
+        return parts
 
     @property
     def tensors(self) -> Iterable[torch.Tensor]:
-        assert self._blob is not None, "tensors of a hollow share"
-        return [self._blob]
+        assert self._parts is not None, "tensors of a hollow share"
+        return list(self._parts)
 
     @property
     def is_hollow(self) -> bool:
-        return self._blob is None
+        return self._parts is None
 
     def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
-        (self._blob,) = list(tensor_data)
+        self._parts = list(tensor_data)
 
     def init_tensors(self) -> None:
-        self._blob = torch.empty(self._shape, dtype=torch.uint8)
+        self._parts = [torch.empty(s, dtype=torch.uint8) for s in self._shapes]
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
-        """Nothing to do: a share is serialized on the CPU already."""
+        """Nothing to do: a packed share is on the CPU already."""
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
-        """Nothing to do: a share is serialized on the CPU already."""
-
-    @property
-    def data(self) -> memoryview:
-        assert self._blob is not None
-        return memoryview(self._blob.numpy()).cast("B")
-
-
-def blob_of(data: bytes | bytearray | memoryview) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        """Nothing to do: a packed share is on the CPU already."""
 
 
 def replicate(share: ShareStateDict, group: dist.ProcessGroup) -> list[ShareStateDict]:
@@ -70,17 +62,18 @@ def replicate(share: ShareStateDict, group: dist.ProcessGroup) -> list[ShareStat
     return list(shares)
 
 
-def retrieve(moves: Sequence[tuple[int, int, int]], mine: dict[int, bytes], me: int,
-             group: dist.ProcessGroup) -> dict[int, bytes]:
+def retrieve(moves: Sequence[tuple[int, int, int]], mine: dict[int, torch.Tensor], me: int,
+             group: dist.ProcessGroup) -> dict[int, torch.Tensor]:
     """(every member of the clique ``group``, together) Executes ``moves`` (``(owner, sender, nbytes)``,
     the same list on every member): the sender sends its copy of ``owner``'s share to ``owner``.
-    ``mine``: the shares this rank holds, by owner. Returns the shares this rank received, by owner."""
-    got: dict[int, bytes] = {}
+    ``mine``: the shares this rank holds (their bytes, ``uint8``), by owner. Returns the shares this rank
+    received, by owner."""
+    got: dict[int, torch.Tensor] = {}
     for owner, sender, nbytes in moves:
         if sender == me:
-            dist.send(blob_of(mine[owner]), dst=owner, group=group)
+            dist.send(mine[owner], dst=owner, group=group)
         elif owner == me:
             buf = torch.empty(nbytes, dtype=torch.uint8)
             dist.recv(buf, src=sender, group=group)
-            got[owner] = buf.numpy().tobytes()
+            got[owner] = buf
     return got

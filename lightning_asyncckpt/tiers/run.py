@@ -14,7 +14,6 @@ exists. Its methods run on every rank, in the same order, at step boundaries:
 from __future__ import annotations
 
 import datetime
-import io
 import logging
 import time
 from dataclasses import dataclass
@@ -26,11 +25,11 @@ import torch.distributed as dist
 
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.snapshot import tree
-from lightning_asyncckpt.tiers import checks, cliques, exchange, recovery, shares
+from lightning_asyncckpt.tiers import checks, cliques, exchange, packing, recovery, shares
 from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.persistent import global_step
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
-from lightning_asyncckpt.tiers.store import LocalStore, crc32
+from lightning_asyncckpt.tiers.store import LocalStore
 from lightning_asyncckpt.tiers.writer import ShareWriter
 
 log = logging.getLogger(__name__)
@@ -75,6 +74,7 @@ class TierRun:
         self.saved_step = -1
         self.last_stall_s: float | None = None
         self._space_checked = False
+        self._flat: torch.Tensor | None = None  # the packed share's buffer, reused from save to save
         self._restored: dict[str, Any] = {}
 
     def gather(self, obj: Any) -> list[Any]:
@@ -101,7 +101,10 @@ class TierRun:
             checks.space(Path(self.config.dir), self.rank, self.node_of, _nbytes(share), self.store.used_bytes(),
                          self.config.replication_factor, self.gather)
             self._space_checked = True
-        self.writer.submit(step, share)
+        # the one copy: into the flat buffer the previous save's (finished) write used, where it fits
+        packed = packing.pack(share, reuse=self._flat)
+        self._flat = packed.flat
+        self.writer.submit(step, packed)
         self.saved_step = step
         self.last_stall_s = time.perf_counter() - start
 
@@ -162,10 +165,10 @@ class TierRun:
         problems = [p for p in self.gather(problem) if p]
         if problems:
             return self._persistent(persistent, pstep, f"step {plan.step} failed its checks: " + "; ".join(problems))
-        share = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        share = packing.unpack(data)
         fetched = sum(1 for o, (s, _) in plan.sources.items() if s != o)
         if plan.sources[self.rank][0] != self.rank:  # a node back with an empty directory holds its own again
-            self.store.write(plan.step, self.rank, data, plan.sources[self.rank][1].crc32, self.topology)
+            self.store.write(plan.step, self.rank, [data], plan.sources[self.rank][1].crc32, self.topology)
         checkpoint = shares.assemble(share, self.group) if share["mode"] == shares.REPLICATED else share["state"]
         key = str(self.config.root / f"restore-step-{plan.step}")
         self._restored[key] = checkpoint
@@ -175,7 +178,7 @@ class TierRun:
                         " peers' replicas)", plan.step, fetched, self.world)
         return key
 
-    def _fetch(self, plan: recovery.Plan, held: list) -> tuple[bytes | None, str | None]:
+    def _fetch(self, plan: recovery.Plan, held: list) -> tuple[torch.Tensor, str | None]:
         """(every rank) This rank's share at ``plan.step`` and a problem (a CRC mismatch), if any."""
         moves = plan.moves(self.clique)
         sending = {o: self.store.read(h) for h in held for o, s, _ in moves
@@ -183,7 +186,7 @@ class TierRun:
         got = exchange.retrieve(moves, sending, self.rank, self.clique_group) if moves else {}
         source, manifest = plan.sources[self.rank]
         data = self.store.read(manifest) if source == self.rank else got[self.rank]
-        actual = crc32(data)
+        actual = packing.crc32([data])
         if actual != manifest.crc32:
             where = "its own copy" if source == self.rank else f"the replica held by rank {source}"
             return data, (f"rank {self.rank}'s share in {where} has CRC32 {actual:08x}, its manifest"

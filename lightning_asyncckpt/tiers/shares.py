@@ -6,7 +6,8 @@
 - ``sharded`` (FSDP2, tensor parallel): each rank's share is its own ``DTensor`` local shards and its own
   plain tensors, with what rebuilds each ``DTensor`` on the same mesh (:class:`LocalShard`).
 
-The tensors of a share are copies on the CPU: the training loop may change its own right after.
+A share holds the live tensors (no copies): :func:`lightning_asyncckpt.tiers.packing.pack` copies them
+into its flat buffer before the training loop changes them.
 """
 
 from __future__ import annotations
@@ -34,10 +35,6 @@ class LocalShard:
     stride: tuple
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
-
-
 def has_dtensors(checkpoint: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -47,12 +44,12 @@ def has_dtensors(checkpoint: Any) -> bool:
 
 
 def make(checkpoint: dict[str, Any], rank: int, world_size: int, mode: str) -> dict[str, Any]:
-    """(every rank, at a local save, on the training thread) This rank's share, its tensors copied."""
+    """(every rank, at a local save, on the training thread) This rank's share (its live tensors)."""
     if mode == SHARDED:
         return {"mode": SHARDED, "state": tree.walk(checkpoint, (), lambda p, t: _local(t))}
     skeleton, tensors = tree.split(checkpoint)
     owners = {name: r for r, part in enumerate(tree.partition(tensors, world_size)) for name in part}
-    mine = {name: _copy(t) for name, t in tensors.items() if owners[name] == rank}
+    mine = {name: t for name, t in tensors.items() if owners[name] == rank}
     return {"mode": REPLICATED, "skeleton": skeleton, "owners": owners, "tensors": mine}
 
 
@@ -60,9 +57,9 @@ def _local(t: torch.Tensor) -> Any:
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
-        return _copy(t)
+        return t
     mesh = t.device_mesh
-    return LocalShard(_copy(t.to_local()), tuple(t.placements), mesh.mesh_dim_names,
+    return LocalShard(t.to_local(), tuple(t.placements), mesh.mesh_dim_names,
                       tuple(mesh.mesh.flatten().tolist()), tuple(t.shape), tuple(t.stride()))
 
 

@@ -12,9 +12,10 @@ import contextlib
 import json
 import os
 import re
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 _NAME = re.compile(r"step-(\d{10})\.owner-(\d+)\.json")
 
@@ -30,10 +31,6 @@ class Held:
     topology: tuple  # (world_size, jump, factor, mode)
 
 
-def crc32(data: bytes | memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
-
-
 class LocalStore:
     """(one rank) Writes, lists, reads and removes the shares this rank holds."""
 
@@ -44,12 +41,17 @@ class LocalStore:
         stem = f"step-{step:010d}.owner-{owner}"
         return self.dir / f"{stem}.pt", self.dir / f"{stem}.json"
 
-    def write(self, step: int, owner: int, data: bytes | memoryview, crc: int, topology: tuple) -> None:
-        """Writes one share, then its manifest; each appears at its name only when complete."""
+    def write(self, step: int, owner: int, parts: list[torch.Tensor], crc: int, topology: tuple) -> None:
+        """Writes one share (its ``uint8`` parts, one after the other), then its manifest; each appears at
+        its name only when complete."""
         self.dir.mkdir(parents=True, exist_ok=True)
         blob, manifest = self._paths(step, owner)
-        _write_atomic(blob, data)
-        held = Held(step, owner, len(data), crc, tuple(topology))
+        tmp = blob.with_name(blob.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for p in parts:  # the write releases the GIL: training's Python goes on meanwhile
+                f.write(memoryview(p.numpy()))
+        os.replace(tmp, blob)
+        held = Held(step, owner, sum(p.numel() for p in parts), crc, tuple(topology))
         _write_atomic(manifest, json.dumps(asdict(held)).encode())
 
     def holdings(self, topology: tuple) -> list[Held]:
@@ -69,8 +71,13 @@ class LocalStore:
                     found.append(held)
         return found
 
-    def read(self, held: Held) -> bytes:
-        return self._paths(held.step, held.owner)[0].read_bytes()
+    def read(self, held: Held) -> torch.Tensor:
+        """The share's bytes, as a ``uint8`` tensor (read into its own buffer, which unpacking then views)."""
+        path = self._paths(held.step, held.owner)[0]
+        buf = bytearray(path.stat().st_size)
+        with open(path, "rb") as f:
+            f.readinto(buf)
+        return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
 
     def remove_older(self, step: int) -> int:
         """Removes this holder's shares (and unfinished files) of steps before ``step``; returns the count.
@@ -92,7 +99,7 @@ class LocalStore:
         return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file())
 
 
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)

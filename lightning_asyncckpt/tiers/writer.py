@@ -1,4 +1,4 @@
-"""The background thread that serializes a share, writes it and replicates it to the clique.
+"""The background thread that writes a packed share and replicates it to the clique.
 
 One share at a time: the next local save first waits for this one (:meth:`ShareWriter.wait`). The thread
 talks only over the clique's own gloo group, never the training's, so it runs beside training steps.
@@ -7,16 +7,14 @@ A failure is kept as text and raised on every rank at the next step boundary, ne
 
 from __future__ import annotations
 
-import io
 import threading
 import time
-from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_asyncckpt.tiers.exchange import ShareStateDict, replicate
-from lightning_asyncckpt.tiers.store import LocalStore, crc32
+from lightning_asyncckpt.tiers.packing import Packed, crc32
+from lightning_asyncckpt.tiers.store import LocalStore
 
 
 class ShareWriter:
@@ -39,27 +37,25 @@ class ShareWriter:
             self._thread.join(timeout_s)
         return not self.busy
 
-    def submit(self, step: int, share: dict[str, Any]) -> None:
+    def submit(self, step: int, packed: Packed) -> None:
         assert not self.busy, "a share is still being written"
-        self._thread = threading.Thread(target=self._job, args=(step, share), name=f"asyncckpt-local-{step}",
+        self._thread = threading.Thread(target=self._job, args=(step, packed), name=f"asyncckpt-local-{step}",
                                         daemon=True)
         self._thread.start()
 
-    def _job(self, step: int, share: dict[str, Any]) -> None:
+    def _job(self, step: int, packed: Packed) -> None:
         start = time.perf_counter()
         try:
-            buf = io.BytesIO()
-            torch.serialization.save(share, buf)
-            data = buf.getbuffer()
-            own = ShareStateDict(step, self.rank, crc32(data), torch.frombuffer(data, dtype=torch.uint8))
+            parts = [packed.prefix(), packed.flat]
+            own = ShareStateDict(step, self.rank, crc32(parts), parts)
             received = replicate(own, self.group) if self.group is not None else [own]
             for sd in received:
-                got = crc32(sd.data)
+                got = crc32(list(sd.tensors))
                 if got != sd.crc32:
                     raise OSError(f"rank {sd.owner}'s share of step {step} arrived with CRC32 {got:08x},"
                                   f" not {sd.crc32:08x}")
-                self.store.write(step, sd.owner, sd.data, sd.crc32, self.topology)
-            del own, received, data
+                self.store.write(step, sd.owner, list(sd.tensors), sd.crc32, self.topology)
+            del own, received, parts
             self.newest_done = step
         except BaseException as e:  # noqa: BLE001 - kept, and raised on every rank at the next boundary
             self.error = f"local save of step {step}: {type(e).__name__}: {e}"
