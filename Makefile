@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # a 2-core machine: 620 s against 1036 s in one process, measured in one session.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train gpu-check lint clean
+.PHONY: demo test test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train bench-tiers gpu-check lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,12 @@ bench: $(STAMP)
 # benchmarks/results/train-<time>.{md,json}
 bench-train: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_train_loop.py $(BENCH_TRAIN_ARGS)
+
+# the local tier (node-local saves replicated to a peer on another node) against the persistent one, 4 ranks on
+# 2 simulated nodes: training overhead per save and recovery after a lost node (about 2 minutes on 2 cores);
+# writes benchmarks/results/tiers-<time>.{md,json}
+bench-tiers: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_tiers.py $(BENCH_TIERS_ARGS)
 
 # on a CUDA machine: the GPU tests and the CUDA benchmark, with the machine's own CUDA torch (see the script)
 gpu-check:

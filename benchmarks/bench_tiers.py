@@ -1,38 +1,46 @@
 """The local tier against the persistent one, in one run: training overhead per save and recovery time.
 
     python benchmarks/bench_tiers.py                      # 0.25 GiB of state, 4 ranks on 2 simulated nodes
-    python benchmarks/bench_tiers.py --size 0.5 --rounds 7 --recoveries 7
+    python benchmarks/bench_tiers.py --size 0.5 --reps 12 --recoveries 7
     python benchmarks/bench_tiers.py --render benchmarks/results/tiers-<time>.json
 
 Four ranks (``torch.multiprocessing``, spawn; gloo on 127.0.0.1) simulate two nodes: ranks 0 and 1 are
 node 0, ranks 2 and 3 node 1 (``TierRun(node_rank=rank // 2, local_world_size=2)``), so the local tier's
 cliques are {0, 2} and {1, 3} and every share has its replica on the other node. Each node has its own
-local directory (``/dev/shm/bench-tiers-<pid>/node<k>``); the persistent tier writes a ``torch.save`` file
-under a temporary directory on the normal disk. Everything is removed at the end; every rank has a hard
-deadline (``--timeout``), after which the parent kills it.
+local directory (``/dev/shm/bench-tiers-<pid>/node<k>``); the persistent tier (``AsyncCheckpointIO("nvrx")``
+on rank 0) writes a ``torch.save`` file under a temporary directory on the normal disk (``--dir``).
+Everything is removed at the end; the run has a hard deadline (``--timeout``), after which the parent
+kills every rank.
 
 Every rank holds the same Lightning-like checkpoint (``state_dict``, ``optimizer_states`` with two
 moments per layer, ``global_step``: ``--size`` GiB of float32 in ``3 x --layers`` tensors). A *training
-step* is a matmul loop (calibrated at start to about ``--compute-ms`` with all ranks running), a
-``--grad-mib`` all-reduce (a DDP gradient bucket's stand-in, which keeps the ranks in step, as DDP does),
-then ``add_(1)`` on every state tensor (an optimizer step writes all of it).
+step* is a matmul loop (``--compute-ms``, calibrated at start with every rank computing), a ``--grad-mib``
+all-reduce (a DDP gradient bucket's stand-in, which keeps the ranks in step as DDP does), then
+``add_(1)`` on every state tensor (an optimizer step writes all of it).
 
-**Overhead.** Variants, in an order rotated per round, in the same processes: ``baseline`` (no saves),
-``local`` (``TierRun.save`` every ``--every`` steps, ``TierRun.boundary()`` after every step) and
-``persistent`` (rank 0 ``AsyncCheckpointIO("nvrx").save_checkpoint`` every ``--every`` steps, the previous
-file removed as ``ModelCheckpoint(save_top_k=1)`` does, ``finalize()`` on every rank after every step). A
-variant's window is ``(--saves + 1) x --every`` steps, the saves after steps ``every, 2 every, ...``, so the
-last save has ``--every`` steps to finish in the background; the window is timed on rank 0 from a barrier
-to a barrier, then the tier is drained (untimed, reported). Per round:
+**Overhead.** A *period* is one save and the ``--every`` training steps after it, timed on rank 0 from a
+barrier to a barrier, in three variants interleaved in the same processes, their order rotated per
+repetition (``--reps``):
 
-- **overhead per save** = (window - the same round's baseline window) / saves;
-- **stall**: the save call itself (local: the slowest rank's ``last_stall_s``; persistent: rank 0's call);
-- **background**: the local writer thread's time per save (serialize, replicate, write; slowest rank), and
-  the persistent save's time from the call to its commit (``SaveRecord.write_s``).
+- ``baseline``: ``--every`` steps, no save;
+- ``local``: ``TierRun.save`` on every rank, the steps with ``TierRun.boundary()`` after each, then
+  ``TierRun.finish()`` (the wait for the save's thread, if it is still running, counts);
+- ``persistent``: rank 0 ``save_checkpoint`` (the previous file removed as ``ModelCheckpoint(save_top_k=1)``
+  does), the steps with ``finalize()`` on every rank after each, then ``finalize(blocking=True)``.
 
-One untimed save of each tier, drained, comes first (worker start, staging buffers, the space check).
+**Overhead per save** = the period - the same repetition's baseline period (median over repetitions; also
+the median period minus the median baseline period). **Stall**: the save call (local: the slowest rank's
+``last_stall_s``; persistent: rank 0's call). **Background**: the local writer thread's time (serialize,
+CRC32, replicate, write; the slowest rank), and the persistent save's from the call to its commit
+(``SaveRecord.write_s``). **Drain**: the wait at the period's end (near 0: the save finished within
+``--every`` steps). **CPU**: user + system seconds of every rank's process (its threads: the local
+writer) and its children (the persistent worker) over the period, summed over the ranks; the extra CPU
+per save is the period's minus the same repetition's baseline's. Parts of the save call, its thread and the recovery are timed by wrapping the tier's
+functions (``shares.make`` and ``packing.pack`` where it exists, ``ShareWriter.wait``, ``writer.replicate``, ``LocalStore.write``,
+``TierRun._fetch``, ``shares.assemble``) in this process; nothing else changes. One untimed save of each
+tier, drained, comes first (the worker start, the staging buffers, the space check).
 
-**Recovery.** After one more save of each tier, of the same step, is complete (and committed): node 1
+**Recovery.** After one more save of each tier, of the same step, is complete (and committed), node 1
 *comes back empty*: rank 2 deletes everything in node 1's local directory, then every rank times
 ``TierRun.latest(None)`` + ``take`` (its own share from its copy or its peer's replica, CRC checks, the
 full checkpoint assembled on every rank) against every rank's ``AsyncCheckpointIO.load_checkpoint`` of the
@@ -49,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -57,13 +66,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 VARIANTS = ["baseline", "local", "persistent"]
 RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm"]
+SAVE_PARTS = ["wait_previous", "copy_share"]  # of the local save call
+THREAD_PARTS = ["replicate", "write"]  # of the local save's thread (the rest: serialize, CRC32)
+RECOVERY_PARTS = ["fetch", "write_back", "assemble"]  # of TierRun.latest (the rest: listing, plan, unpickle)
 GiB = 1 << 30
 WORLD, PER_NODE = 4, 2
 
@@ -110,6 +124,38 @@ def same_state(restored: Any, live: dict[str, Any]) -> bool:
             and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)))
 
 
+class Timers:
+    """Seconds spent in wrapped functions, summed per name (any thread)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        inner = getattr(owner, attr, None)
+        if inner is None:  # not in this version of the library: that part reads 0
+            return
+
+        @functools.wraps(inner)
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                with self._lock:
+                    self.total[name] += time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def mark(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.total)
+
+    def since(self, mark: dict[str, float], names: list[str]) -> dict[str, float]:
+        now = self.mark()
+        return {n: now.get(n, 0.0) - mark.get(n, 0.0) for n in names}
+
+
 class Trainer:
     """The simulated training loop of one rank, and its two tiers."""
 
@@ -118,6 +164,8 @@ class Trainer:
         import torch.distributed as dist
 
         from lightning_asyncckpt import AsyncCheckpointIO
+        from lightning_asyncckpt.tiers import run as tier_run
+        from lightning_asyncckpt.tiers import writer as tier_writer
         from lightning_asyncckpt.tiers.config import LocalTier
         from lightning_asyncckpt.tiers.run import TierRun
 
@@ -136,20 +184,40 @@ class Trainer:
         if rank == 0:
             self.io.warmup(like=self.state)  # starts the worker and allocates its staging buffers
         self.persistent_path: Path | None = None
+        self.timers = t = Timers()
+        t.wrap(tier_run.shares, "make", "copy_share")
+        t.wrap(getattr(tier_run, "packing", None), "pack", "copy_share")  # where the copy is a packing step
+        t.wrap(self.tier.writer, "wait", "wait_previous")
+        t.wrap(tier_writer, "replicate", "replicate")
+        t.wrap(self.tier.store, "write", "write")  # the thread's writes; in a recovery, the write-back
+        t.wrap(self.tier, "_fetch", "fetch")
+        t.wrap(tier_run.shares, "assemble", "assemble")
 
     def _calibrate(self) -> int:
         """Matmuls per step for about --compute-ms, timed with every rank computing at once (contended)."""
         torch, dist = self.torch, self.dist
         times = []
-        for _ in range(5):
+        for _ in range(4):
             dist.barrier()
             t0 = time.perf_counter()
-            for _ in range(10):
+            for _ in range(100):
                 torch.mm(self.a, self.b)
-            times.append((time.perf_counter() - t0) / 10)
+            times.append((time.perf_counter() - t0) / 100)
         per = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
         dist.all_reduce(per, op=dist.ReduceOp.MAX)
         return max(1, round(self.args.compute_ms / 1000 / float(per)))
+
+    @staticmethod
+    def cpu_s() -> float:
+        """CPU seconds (user + system) of this rank's process (its threads) and its children (the worker)."""
+        import psutil
+
+        me, total = psutil.Process(), 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        return total
 
     def gather(self, obj: Any) -> list:
         out: list = [None] * WORLD
@@ -183,69 +251,71 @@ class Trainer:
         self.persistent_path = path
         return stall
 
-    def drain(self, variant: str) -> float:
-        t0 = time.perf_counter()
+    def drain(self, variant: str) -> None:
         if variant == "local":
             complete = self.tier.finish()
             assert complete == self.tier.saved_step, (complete, self.tier.saved_step)
         elif variant == "persistent":
             self.io.finalize(blocking=True)
-        self.dist.barrier()
-        return time.perf_counter() - t0
 
     # overhead ---------------------------------------------------------------------------------------
-    def window(self, variant: str) -> dict[str, Any]:
-        """(all ranks) One variant's timed window: (saves + 1) x every steps, saving after every ``every``."""
-        every, saves = self.args.every, self.args.saves
-        local_writes, history_before = [], len(self.io.history)
-        stalls, step_times = [], []
+    def period(self, variant: str) -> dict[str, Any]:
+        """(all ranks) One timed period: a save (none for the baseline), ``--every`` steps, the drain."""
+        history = len(self.io.history)
         self.dist.barrier()
+        mark, cpu0 = self.timers.mark(), self.cpu_s()
         t0 = time.perf_counter()
-        for i in range(1, (saves + 1) * every + 1):
-            s0 = time.perf_counter()
+        stall = None
+        if variant == "local":
+            stall = self.local_save()
+        elif variant == "persistent":
+            stall = self.persistent_save()
+        save_parts = self.timers.since(mark, SAVE_PARTS)
+        for _ in range(self.args.every):
             self.train_step()
-            if i % every == 0 and i <= saves * every:
-                if variant == "local":
-                    stalls.append(self.local_save())  # waits for the previous save's thread, then starts this one
-                    if i > every:  # the previous save's thread time (this one's is far from done)
-                        local_writes.append(self.tier.writer.last_write_s)
-                elif variant == "persistent":
-                    stalls.append(self.persistent_save())
             if variant == "local":
                 self.tier.boundary()
             elif variant == "persistent":
                 self.io.finalize()
-            step_times.append(time.perf_counter() - s0)
+        t1 = time.perf_counter()
+        self.drain(variant)
         self.dist.barrier()
-        elapsed = time.perf_counter() - t0
-        drain_s = self.drain(variant)
+        elapsed, drain = time.perf_counter() - t0, time.perf_counter() - t1
+        cpu = self.cpu_s() - cpu0
+        thread_parts = self.timers.since(mark, THREAD_PARTS)
+        background = None
         if variant == "local":
-            local_writes.append(self.tier.writer.last_write_s)
-        commits = [r.write_s for r in self.io.history[history_before:]] if variant == "persistent" else []
-        rows = self.gather({"stalls": stalls, "writes": local_writes, "commits": commits})
-        # the slowest rank's stall and background time per save (the ranks wait for each other every step)
-        n = len(stalls)
-        if variant == "local":
-            stall = [max(r["stalls"][j] for r in rows) for j in range(n)]
-            background = [max(r["writes"][j] for r in rows) for j in range(len(local_writes))]
+            background = self.tier.writer.last_write_s
+        elif variant == "persistent" and self.rank == 0:
+            background = self.io.history[-1].write_s if len(self.io.history) > history else None
+        rows = self.gather({"stall": stall, "save_parts": save_parts, "background": background,
+                            "thread_parts": thread_parts, "cpu": cpu})
+        out: dict[str, Any] = {"variant": variant, "period_s": elapsed, "drain_s": drain, "steps": self.args.every,
+                               "cpu_s": sum(r["cpu"] for r in rows), "cpu_per_rank_s": [r["cpu"] for r in rows]}
+        if variant == "local":  # the slowest rank's, with its parts (the ranks wait for each other every step)
+            slow = max(rows, key=lambda r: r["stall"])
+            out.update(stall_s=slow["stall"], save_parts=slow["save_parts"])
+            slow = max(rows, key=lambda r: r["background"])
+            out.update(background_s=slow["background"], thread_parts=slow["thread_parts"])
         elif variant == "persistent":
-            stall, background = rows[0]["stalls"], rows[0]["commits"]
-        else:
-            stall, background = [], []
-        return {"variant": variant, "window_s": elapsed, "steps": len(step_times), "saves": n,
-                "step_times": step_times, "stall_s": stall, "background_s": background, "drain_s": drain_s}
+            out.update(stall_s=rows[0]["stall"], background_s=rows[0]["background"])
+        return out
 
     def warmup(self) -> dict[str, Any]:
         """(all ranks) A few steps, then one untimed save of each tier, drained: first-time costs."""
-        for _ in range(3):
+        for _ in range(2):
             self.train_step()
-        local_stall = self.local_save()
-        local_drain = self.drain("local")
-        pstall = self.persistent_save()
-        pdrain = self.drain("persistent")
-        rows = self.gather(local_stall)
-        return {"local_first_stall_s": max(rows), "local_first_drain_s": local_drain,
-                "persistent_first_stall_s": pstall if self.rank == 0 else None, "persistent_first_drain_s": pdrain}
+        out = {}
+        for variant in ("local", "persistent"):
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            stall = self.local_save() if variant == "local" else self.persistent_save()
+            self.drain(variant)
+            self.dist.barrier()
+            rows = self.gather(stall)
+            out[f"{variant}_first_stall_s"] = max(rows) if variant == "local" else rows[0]
+            out[f"{variant}_first_to_done_s"] = time.perf_counter() - t0
+        return out
 
     # recovery ---------------------------------------------------------------------------------------
     def prepare_recovery(self) -> int:
@@ -268,10 +338,11 @@ class Trainer:
                 for child in node1_dir.iterdir():
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
             self.dist.barrier()
-            info["node1_files_before"] = sum(1 for _ in node1_dir.rglob("*"))
+            info["node1_entries_before"] = sum(1 for _ in node1_dir.rglob("*"))
         elif self.rank == 0:
             info.update(drop_cache(Path(path)) if how == "persistent_cold" else warm_cache(Path(path)))
         self.dist.barrier()
+        mark = self.timers.mark()
         t0 = time.perf_counter()
         if how == "local_replicas":
             key = self.tier.latest(None)
@@ -281,10 +352,15 @@ class Trainer:
             restored = self.io.load_checkpoint(path)
             info["from"] = path
         elapsed = time.perf_counter() - t0
+        parts = self.timers.since(mark, ["fetch", "write", "assemble"])
+        parts["write_back"] = parts.pop("write")
         ok = restored is not None and same_state(restored, self.state)
         del restored
-        rows = self.gather((elapsed, ok))
-        info.update(seconds=max(r[0] for r in rows), per_rank_s=[r[0] for r in rows], exact=all(r[1] for r in rows))
+        rows = self.gather((elapsed, ok, parts))
+        slow = max(rows, key=lambda r: r[0])
+        info.update(seconds=slow[0], per_rank_s=[r[0] for r in rows], exact=all(r[1] for r in rows))
+        if how == "local_replicas":
+            info["parts"] = slow[2]
         return info
 
     def close(self) -> None:
@@ -293,7 +369,7 @@ class Trainer:
 
 
 def drop_cache(path: Path) -> dict[str, Any]:
-    """Drops the page cache (the whole machine's; we are root), else the file's pages (fadvise)."""
+    """Drops the page cache (the whole machine's; needs root), else the file's own pages (fadvise)."""
     os.sync()
     method = "drop_caches"
     try:
@@ -318,7 +394,7 @@ def warm_cache(path: Path) -> dict[str, Any]:
 
 def cached_bytes(path: Path) -> int | None:
     """The file's bytes in the page cache (util-linux ``fincore``), or None without it."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError, IndexError):
         out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
                              capture_output=True, text=True, timeout=30, check=True).stdout
         return int(out.split()[0])
@@ -335,19 +411,19 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_d
                                 timeout=datetime.timedelta(seconds=args.timeout))
         trainer = Trainer(rank, args, base / f"node{rank // PER_NODE}", ckpt_dir)
         result: dict[str, Any] = {"matmuls_per_step": trainer.matmuls, "state_bytes": trainer.state_bytes,
-                                  "tensors": len(trainer.tensors)}
+                                  "tensors": len(trainer.tensors), "loadavg_start": os.getloadavg()}
         result["first"] = trainer.warmup()
-        windows = []
-        for rnd in range(args.rounds):
-            order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[: rnd % len(VARIANTS)]
+        periods = []
+        for rep in range(args.reps):
+            order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
             for variant in order:
-                w = trainer.window(variant)
-                w["round"] = rnd
-                windows.append(w)
+                p = trainer.period(variant)
+                p["rep"] = rep
+                periods.append(p)
                 if rank == 0:
-                    print(f"round {rnd} {variant:>10}: {w['window_s']:.2f} s, drain {w['drain_s']:.2f} s",
+                    print(f"rep {rep} {variant:>10}: {p['period_s']:.2f} s, drain {p['drain_s']:.2f} s",
                           file=sys.stderr, flush=True)
-        result["windows"] = windows
+        result["periods"] = periods
         result["recovery_step"] = trainer.prepare_recovery()
         recoveries = []
         for rep in range(args.recoveries):
@@ -360,6 +436,7 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_d
                     print(f"recovery {rep} {how:>16}: {r['seconds']:.2f} s, exact {r['exact']}",
                           file=sys.stderr, flush=True)
         result["recoveries"] = recoveries
+        result["loadavg_end"] = os.getloadavg()
         trainer.close()
         dist.barrier()
         if rank == 0:
@@ -368,7 +445,7 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_d
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
-        os._exit(1)  # never leave the other ranks waiting in a collective longer than their timeout
+        os._exit(1)  # the other ranks fail their next collective (the group's timeout) or are killed
 
 
 # -------------------------------------------------------------------------------------------------
@@ -378,33 +455,43 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    windows = result["windows"]
-    base = {w["round"]: w["window_s"] for w in windows if w["variant"] == "baseline"}
-    base_steps = [s for w in windows if w["variant"] == "baseline" for s in w["step_times"]]
-    base_step = _median(base_steps)
+    periods = result["periods"]
+    base = {p["rep"]: p["period_s"] for p in periods if p["variant"] == "baseline"}
+    base_cpu = {p["rep"]: p["cpu_s"] for p in periods if p["variant"] == "baseline"}
+    base_median = _median(list(base.values()))
     rows = []
     for name in VARIANTS:
-        mine = [w for w in windows if w["variant"] == name]
-        per_save = [(w["window_s"] - base[w["round"]]) / w["saves"] for w in mine if w["saves"] and w["round"] in base]
-        rows.append({
+        mine = [p for p in periods if p["variant"] == name]
+        paired = [p["period_s"] - base[p["rep"]] for p in mine if p["rep"] in base]
+        median = _median([p["period_s"] for p in mine])
+        row = {
             "variant": name,
-            "windows": len(mine),
-            "window_s": _median([w["window_s"] for w in mine]),
-            "step_s": _median([s for w in mine for s in w["step_times"]]),
-            "overhead_per_save_s": _median(per_save),
-            "overhead_per_save_all_s": per_save,
-            "overhead_vs_step": (_median(per_save) / base_step) if per_save and base_step else None,
-            "stall_s": _median([s for w in mine for s in w["stall_s"]]),
-            "background_s": _median([s for w in mine for s in w["background_s"]]),
-            "drain_s": _median([w["drain_s"] for w in mine]),
-        })
+            "periods": len(mine),
+            "period_s": median,
+            "overhead_s": _median(paired) if name != "baseline" else None,
+            "overhead_all_s": paired,
+            "overhead_of_medians_s": (median - base_median) if name != "baseline" and median is not None else None,
+            "cpu_s": _median([p["cpu_s"] for p in mine]),
+            "extra_cpu_s": _median([p["cpu_s"] - base_cpu[p["rep"]] for p in mine if p["rep"] in base_cpu])
+            if name != "baseline" else None,
+            "stall_s": _median([p.get("stall_s") for p in mine]),
+            "background_s": _median([p.get("background_s") for p in mine]),
+            "drain_s": _median([p["drain_s"] for p in mine]),
+        }
+        if name == "local":
+            row["save_parts"] = {k: _median([p["save_parts"][k] for p in mine]) for k in SAVE_PARTS}
+            row["thread_parts"] = {k: _median([p["thread_parts"][k] for p in mine]) for k in THREAD_PARTS}
+        rows.append(row)
     by = {r["variant"]: r for r in rows}
     rec_rows = []
-    recs = result["recoveries"]
     for how in RECOVERIES:
-        mine = [r for r in recs if r["how"] == how]
-        rec_rows.append({
+        mine = [r for r in result["recoveries"] if r["how"] == how]
+        row = {
             "how": how,
             "reps": len(mine),
             "seconds": _median([r["seconds"] for r in mine]),
@@ -414,47 +501,57 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "cache": mine[0].get("cache") if mine else None,
             "cached_bytes": _median([r.get("cached_bytes") for r in mine]),
             "file_bytes": mine[0].get("file_bytes") if mine else None,
-        })
+        }
+        if how == "local_replicas":
+            row["parts"] = {k: _median([r["parts"][k] for r in mine]) for k in RECOVERY_PARTS}
+        rec_rows.append(row)
     rec = {r["how"]: r for r in rec_rows}
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b else None
-
     ratios = {
-        "overhead_local_vs_persistent": ratio(by["local"]["overhead_per_save_s"], by["persistent"]["overhead_per_save_s"]),
-        "stall_local_vs_persistent": ratio(by["local"]["stall_s"], by["persistent"]["stall_s"]),
-        "recovery_replicas_vs_persistent_cold": ratio(rec["local_replicas"]["seconds"], rec["persistent_cold"]["seconds"]),
-        "recovery_replicas_vs_persistent_warm": ratio(rec["local_replicas"]["seconds"], rec["persistent_warm"]["seconds"]),
+        "overhead_local_vs_persistent": _ratio(by["local"]["overhead_s"], by["persistent"]["overhead_s"]),
+        "overhead_of_medians_local_vs_persistent": _ratio(by["local"]["overhead_of_medians_s"],
+                                                          by["persistent"]["overhead_of_medians_s"]),
+        "stall_local_vs_persistent": _ratio(by["local"]["stall_s"], by["persistent"]["stall_s"]),
+        "extra_cpu_local_vs_persistent": _ratio(by["local"]["extra_cpu_s"], by["persistent"]["extra_cpu_s"]),
+        "recovery_replicas_vs_persistent_cold": _ratio(rec["local_replicas"]["seconds"], rec["persistent_cold"]["seconds"]),
+        "recovery_replicas_vs_persistent_warm": _ratio(rec["local_replicas"]["seconds"], rec["persistent_warm"]["seconds"]),
     }
-    return {"base_step_s": base_step, "overhead": rows, "recovery": rec_rows, "ratios": ratios}
+    return {"baseline_period_s": base_median, "overhead": rows, "recovery": rec_rows, "ratios": ratios}
 
 
-def markdown(summary: dict[str, Any], result: dict[str, Any]) -> str:
+def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, Any]) -> str:
     def f(v: Any, fmt: str) -> str:
         return "n/a" if v is None else format(v, fmt)
 
-    first = result["first"]
+    first, every = result["first"], args["every"]
+    base_step = summary["baseline_period_s"] / every if summary["baseline_period_s"] else None
     lines = [
-        f"State {result['state_bytes'] / GiB:.3g} GiB in {result['tensors']} tensors per rank, 4 ranks on 2 simulated"
-        f" nodes; baseline step {f(summary['base_step_s'], '.3f')} s ({result['matmuls_per_step']} matmuls);"
-        f" medians.",
+        f"State {result['state_bytes'] / GiB:.3g} GiB in {result['tensors']} tensors on every rank; 4 ranks on 2 simulated"
+        f" nodes; a save every {every} steps; baseline step {f(base_step, '.3f')} s ({result['matmuls_per_step']}"
+        f" matmuls, a {args['grad_mib']:g} MiB all-reduce, add_ on the state); load average"
+        f" {result['loadavg_start'][0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end. Medians.",
         "",
-        "| variant | windows | window (s) | step (s) | overhead per save (s) | × baseline step | stall (s) "
-        "| background per save (s) | drain after window (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| variant | periods | period: save + {every} steps + drain (s) | overhead per save (s) | of the medians (s) "
+        "| stall (s) | background (s) | drain (s) | CPU, all processes (s) | extra CPU per save (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["overhead"]:
         lines.append(
-            f"| {r['variant']} | {r['windows']} | {f(r['window_s'], '.2f')} | {f(r['step_s'], '.3f')} "
-            f"| {f(r['overhead_per_save_s'], '.3f')} | {f(r['overhead_vs_step'], '.2f')} | {f(r['stall_s'], '.3f')} "
-            f"| {f(r['background_s'], '.2f')} | {f(r['drain_s'], '.2f')} |")
+            f"| {r['variant']} | {r['periods']} | {f(r['period_s'], '.2f')} | {f(r['overhead_s'], '.3f')} "
+            f"| {f(r['overhead_of_medians_s'], '.3f')} | {f(r['stall_s'], '.3f')} | {f(r['background_s'], '.2f')} "
+            f"| {f(r['drain_s'], '.2f')} | {f(r['cpu_s'], '.2f')} | {f(r['extra_cpu_s'], '.2f')} |")
+    local = next(r for r in summary["overhead"] if r["variant"] == "local")
+    sp, tp = local["save_parts"], local["thread_parts"]
     lines += [
         "",
-        f"First (untimed) saves: local stall {f(first['local_first_stall_s'], '.3f')} s, drain"
-        f" {f(first['local_first_drain_s'], '.2f')} s; persistent stall {f(first['persistent_first_stall_s'], '.3f')} s,"
-        f" drain {f(first['persistent_first_drain_s'], '.2f')} s.",
+        f"Local save call (slowest rank): waiting for the previous save's thread {f(sp['wait_previous'], '.3f')} s,"
+        f" copying the share {f(sp['copy_share'], '.3f')} s. Its thread: replication {f(tp['replicate'], '.2f')} s,"
+        f" writes {f(tp['write'], '.2f')} s, the rest (serialization, CRC32)"
+        f" {f(local['background_s'] - tp['replicate'] - tp['write'] if local['background_s'] is not None else None, '.2f')} s.",
+        f"First (untimed) saves: local stall {f(first['local_first_stall_s'], '.3f')} s, done after"
+        f" {f(first['local_first_to_done_s'], '.2f')} s; persistent stall {f(first['persistent_first_stall_s'], '.3f')} s,"
+        f" committed after {f(first['persistent_first_to_done_s'], '.2f')} s.",
         "",
-        "| recovery | reps | time, slowest rank (s) | min (s) | max (s) | exact | page cache | file cached before |",
+        "| recovery | reps | slowest rank (s) | min (s) | max (s) | exact | page cache | file cached before |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["recovery"]:
@@ -462,16 +559,25 @@ def markdown(summary: dict[str, Any], result: dict[str, Any]) -> str:
                   if r["cached_bytes"] is not None and r["file_bytes"] else "n/a")
         lines.append(
             f"| {r['how']} | {r['reps']} | {f(r['seconds'], '.3f')} | {f(r['min_s'], '.3f')} | {f(r['max_s'], '.3f')} "
-            f"| {r['exact']} | {r['cache'] or 'n/a (RAM: /dev/shm)'} | {cached if r['how'] != 'local_replicas' else 'n/a'} |")
+            f"| {r['exact']} | {r['cache'] or 'n/a (/dev/shm is RAM)'} | {cached} |")
+    rp = next(r for r in summary["recovery"] if r["how"] == "local_replicas")["parts"]
+    rest = next(r for r in summary["recovery"] if r["how"] == "local_replicas")["seconds"]
+    rest = rest - sum(v for v in rp.values() if v is not None) if rest is not None else None
     ra = summary["ratios"]
     lines += [
+        "",
+        f"Local recovery (slowest rank): fetching its share (own copy or a peer's replica, CRC32) {f(rp['fetch'], '.2f')} s,"
+        f" writing it back (node 1's ranks) {f(rp['write_back'], '.2f')} s, assembling the full checkpoint from"
+        f" every rank's share {f(rp['assemble'], '.2f')} s, the rest (listing, agreeing, unpickling) {f(rest, '.2f')} s.",
         "",
         "| ratio | measured | target |",
         "|---|---|---|",
         f"| overhead per save, local / persistent | {f(ra['overhead_local_vs_persistent'], '.2f')}× | ≤ 0.5× |",
+        f"| the same, of the medians | {f(ra['overhead_of_medians_local_vs_persistent'], '.2f')}× | |",
         f"| stall per save, local / persistent | {f(ra['stall_local_vs_persistent'], '.2f')}× | |",
-        f"| recovery, replicas / persistent (cache dropped) | {f(ra['recovery_replicas_vs_persistent_cold'], '.2f')}× | ≤ 0.5× |",
-        f"| recovery, replicas / persistent (warm cache) | {f(ra['recovery_replicas_vs_persistent_warm'], '.2f')}× | |",
+        f"| extra CPU per save (all processes), local / persistent | {f(ra['extra_cpu_local_vs_persistent'], '.2f')}× | |",
+        f"| recovery, replicas / persistent (page cache dropped) | {f(ra['recovery_replicas_vs_persistent_cold'], '.2f')}× | ≤ 0.5× |",
+        f"| recovery, replicas / persistent (warm) | {f(ra['recovery_replicas_vs_persistent_warm'], '.2f')}× | |",
     ]
     return "\n".join(lines)
 
@@ -495,13 +601,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out = tmp / "result.json"
         ctx = mp.get_context("spawn")
         port = _free_port()
-        procs = [ctx.Process(target=rank_main, args=(r, port, args, base, tmp / "ckpt", out), daemon=False)
-                 for r in range(WORLD)]
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch.cuda's pynvml notice, per rank
+        procs = [ctx.Process(target=rank_main, args=(r, port, args, base, tmp / "ckpt", out)) for r in range(WORLD)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + args.timeout
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: the others fail within a grace
+            if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: the others, within a grace
                 grace = min(deadline, time.monotonic() + 15)
                 while any(p.is_alive() for p in procs) and time.monotonic() < grace:
                     time.sleep(0.2)
@@ -513,7 +619,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             p.join(timeout=30)
         codes = [p.exitcode for p in procs]
         if any(c != 0 for c in codes) or not out.is_file():
-            raise SystemExit(f"bench_tiers: ranks exited with {codes} (deadline --timeout {args.timeout:g} s); see above")
+            raise SystemExit(f"bench_tiers: the ranks exited with {codes} (deadline --timeout {args.timeout:g} s)")
         return json.loads(out.read_text())
     finally:
         for p in procs:
@@ -525,12 +631,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=float, default=0.25, help="state per rank in GiB (every rank holds all of it)")
+    p.add_argument("--size", type=float, default=0.25, help="state in GiB (every rank holds all of it)")
     p.add_argument("--layers", type=int, default=16, help="layers; 3 tensors each (weight, two moments)")
-    p.add_argument("--every", type=int, default=8, help="steps between saves")
-    p.add_argument("--saves", type=int, default=3, help="saves per timed window")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of every variant, order rotated")
-    p.add_argument("--recoveries", type=int, default=5, help="repetitions of every recovery, order rotated")
+    p.add_argument("--every", type=int, default=8, help="training steps after each save (a period)")
+    p.add_argument("--reps", type=int, default=10, help="periods of every variant, in a rotated order")
+    p.add_argument("--recoveries", type=int, default=7, help="repetitions of every recovery, in a rotated order")
     p.add_argument("--compute-ms", type=float, default=60.0, help="matmul time per step, calibrated at start")
     p.add_argument("--grad-mib", type=float, default=4.0, help="the all-reduce per step, in MiB")
     p.add_argument("--timeout", type=float, default=420.0, help="hard deadline of the whole run, in seconds")
@@ -541,23 +646,22 @@ def main() -> None:
 
     if args.render:
         saved = json.loads(Path(args.render).read_text())
-        print(markdown(summarize(saved["result"]), saved["result"]))
+        print(markdown(summarize(saved["result"]), saved["result"], saved["args"]))
         return
     t0 = time.monotonic()
     result = run(args)
     summary = summarize(result)
-    table = markdown(summary, result)
+    table = markdown(summary, result, vars(args))
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    load = os.getloadavg()
+    wall = time.monotonic() - t0
     (out / f"tiers-{stamp}.json").write_text(json.dumps(
-        {"args": vars(args), "summary": summary, "result": result, "cpus": os.cpu_count(), "loadavg": load,
-         "wall_s": time.monotonic() - t0}, indent=1))
+        {"args": vars(args), "cpus": os.cpu_count(), "wall_s": wall, "summary": summary, "result": result}, indent=1))
     (out / f"tiers-{stamp}.md").write_text(
         f"# bench_tiers.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs,"
-        f" load average {load[0]:.1f} at the end, {time.monotonic() - t0:.0f} s\n\n" + table + "\n")
+        f" {wall:.0f} s\n\n" + table + "\n")
 
 
 if __name__ == "__main__":
