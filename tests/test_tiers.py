@@ -62,7 +62,17 @@ def test_plan_takes_the_newest_step_complete_in_every_clique_preferring_own_copi
     plan = recovery.plan(holdings, c)
     assert plan.step == 10
     assert {o: s for o, (s, _) in plan.sources.items()} == {0: 0, 1: 1, 2: 0, 3: 1}
-    assert plan.moves([0, 2]) == [(2, 0, 10)]
+    node_of = [0, 0, 1, 1]
+    # FSDP2: each rank needs its own share; node 1's come from node 0
+    sharded = recovery.fetch(plan, holdings, node_of, {r: [r] for r in range(4)})
+    assert [(o, s, r) for o, s, r, _ in sharded.moves] == [(2, 0, 2), (3, 1, 3)]
+    assert [(o, h) for o, h, _ in sharded.reads[0]] == [(0, 0)] and sharded.reads[2] == []
+    # DDP: every rank needs every share; node 0 reads all four on its node, node 1 gets them sent, the
+    # senders taken in turn
+    replicated = recovery.fetch(plan, holdings, node_of, {r: list(range(4)) for r in range(4)})
+    assert sorted((o, h) for o, h, _ in replicated.reads[1]) == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert [(o, s, r) for o, s, r, _ in replicated.moves] == [
+        (0, 0, 2), (1, 1, 2), (2, 0, 2), (3, 1, 2), (0, 0, 3), (1, 1, 3), (2, 0, 3), (3, 1, 3)]
 
 
 def test_a_lost_clique_has_no_plan_and_says_whose_shares_are_missing():
@@ -103,7 +113,8 @@ def test_replicated_share_packed_and_unpacked_on_one_rank():
     ck["state_dict"]["w"].add_(1)  # the packed share holds copies
     data = torch.cat([packed.prefix(), packed.flat])
     assert packing.crc32([data]) == packing.crc32([packed.prefix(), packed.flat])
-    back = shares.assemble(packing.unpack(data), None)
+    own = packing.unpack(data)
+    back = shares.assemble(own, [own])
     assert back["global_step"] == 7
     assert not torch.equal(back["state_dict"]["w"], ck["state_dict"]["w"])
     torch.testing.assert_close(back["state_dict"]["w"], ck["state_dict"]["w"] - 1)

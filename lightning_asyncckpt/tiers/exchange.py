@@ -1,22 +1,24 @@
-"""Moving shares between the ranks of a clique, over its own gloo group.
+"""Moving shares between ranks over gloo: replication within a clique, recovery between nodes.
 
 - A share travels as :class:`ShareStateDict`, an implementation of NVRx's ``TensorAwareStateDict``
   protocol: two ``uint8`` tensors (the packed share's header and flat buffer,
   :mod:`lightning_asyncckpt.tiers.packing`) and its plain metadata (step, owner, CRC32).
 - :func:`replicate` is NVRx's ``CliqueReplicationStrategy.replicate``: every clique member ends with every
   member's share (an all-gather of the hollow dicts, then one broadcast per member). It is CPU-only here.
-- :func:`retrieve` is ours: NVRx's retrieval sends every tensor through CUDA. Point-to-point sends, in an
-  order every member computes alike (:mod:`lightning_asyncckpt.tiers.recovery`), so nothing waits forever
-  on a peer that is not sending: the group's timeout bounds every call.
+- :func:`transfer` is ours: NVRx's retrieval sends every tensor through CUDA, and only within a clique.
+  Point-to-point sends between nodes, of the shares that a rank's own node does not hold, in an order
+  every rank computes alike (:func:`lightning_asyncckpt.tiers.recovery.fetch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+
+from lightning_asyncckpt.tiers.store import Held
 
 
 class ShareStateDict(TensorAwareStateDict):
@@ -62,18 +64,19 @@ def replicate(share: ShareStateDict, group: dist.ProcessGroup) -> list[ShareStat
     return list(shares)
 
 
-def retrieve(moves: Sequence[tuple[int, int, int]], mine: dict[int, torch.Tensor], me: int,
-             group: dist.ProcessGroup) -> dict[int, torch.Tensor]:
-    """(every member of the clique ``group``, together) Executes ``moves`` (``(owner, sender, nbytes)``,
-    the same list on every member): the sender sends its copy of ``owner``'s share to ``owner``.
-    ``mine``: the shares this rank holds (their bytes, ``uint8``), by owner. Returns the shares this rank
-    received, by owner."""
+def transfer(moves: Sequence[tuple[int, int, int, Held]], read: Callable[[Held], torch.Tensor], me: int,
+             group: dist.ProcessGroup | None) -> dict[int, torch.Tensor]:
+    """(every rank of ``group``, together) Runs ``moves`` (``(owner, sender, receiver, manifest)``, the same
+    list on every rank, in order): the sender sends its copy (``read(manifest)``) to the receiver. Returns
+    the shares this rank received, by owner. Each move involves two ranks and every rank runs them in the
+    same order, so the first unfinished move always has both its ranks at it: nothing waits on a peer
+    that is not coming (and the group's timeout bounds each call)."""
     got: dict[int, torch.Tensor] = {}
-    for owner, sender, nbytes in moves:
+    for owner, sender, receiver, manifest in moves:
         if sender == me:
-            dist.send(mine[owner], dst=owner, group=group)
-        elif owner == me:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+            dist.send(read(manifest), dst=receiver, group=group)
+        elif receiver == me:
+            buf = torch.empty(manifest.nbytes, dtype=torch.uint8)
             dist.recv(buf, src=sender, group=group)
             got[owner] = buf
     return got

@@ -35,6 +35,7 @@ class Packed:
     skeleton: Any
     layout: list[tuple[str, torch.dtype, tuple, int, int]]
     flat: torch.Tensor
+    mode: str
 
     def prefix(self) -> torch.Tensor:
         """(the writer thread) The magic, the header's length, the header and the padding, as a tensor."""
@@ -58,7 +59,7 @@ def pack(share: Any, reuse: torch.Tensor | None = None) -> Packed:
     for name, dtype, shape, off, n in layout:
         if n:
             flat[off:off + n].view(dtype).view(shape).copy_(tensors[name])
-    return Packed(skeleton, layout, flat)
+    return Packed(skeleton, layout, flat, share["mode"])
 
 
 def crc32(parts: list[torch.Tensor]) -> int:

@@ -1,5 +1,5 @@
-"""Which step the local tier can restore, and who sends each share (pure: every rank computes the same
-answer from the same gathered holdings)."""
+"""Which step the local tier can restore (:func:`plan`), and where each rank gets each share it needs
+(:func:`fetch`). Pure: every rank computes the same answer from the same gathered holdings."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ from lightning_asyncckpt.tiers.store import Held
 
 @dataclass(frozen=True)
 class Plan:
-    """Step ``step`` is complete: every owner's share is held in its clique. ``sources[owner]`` is the rank
-    whose copy that owner gets (itself when it still holds its own), with its manifest."""
+    """Step ``step`` is complete: every owner's share is held in its clique. ``sources[owner]`` is a rank
+    that holds that owner's share (the owner itself when it still holds its own), with its manifest."""
 
     step: int
     sources: dict[int, tuple[int, Held]]
-
-    def moves(self, clique: list[int]) -> list[tuple[int, int, int]]:
-        """``(owner, sender, nbytes)`` of ``clique``'s owners that get their share from a peer, in rank order."""
-        return [(o, s, h.nbytes) for o in sorted(clique) for s, h in [self.sources[o]] if s != o]
 
 
 def plan(holdings: list[list[Held]], cliques: list[list[int]]) -> Plan | None:
@@ -38,6 +34,40 @@ def plan(holdings: list[list[Held]], cliques: list[list[int]]) -> Plan | None:
         if len(sources) == world:
             return Plan(step, sources)
     return None
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """How every rank gets the shares it needs at one step: ``reads[r]``, the ``(owner, holder, manifest)``
+    that rank ``r`` reads from a holder directory on its own node (node-local storage: no network);
+    ``moves``, the ``(owner, sender, receiver, manifest)`` sent between nodes, in the order every rank runs
+    them."""
+
+    reads: dict[int, list[tuple[int, int, Held]]]
+    moves: list[tuple[int, int, int, Held]]
+
+
+def fetch(plan: Plan, holdings: list[list[Held]], node_of: list[int], needs: dict[int, list[int]]) -> Fetch:
+    """Where each rank gets each owner's share in ``needs[rank]`` (a sharded state: its own; a replicated
+    one: every owner's): a copy on its own node if there is one (its own first), else a copy on another
+    node, the senders taken in turn so that no holder sends everything."""
+    where: dict[int, list[tuple[int, Held]]] = {}
+    for holder, held in enumerate(holdings):
+        for h in held:
+            if h.step == plan.step:
+                where.setdefault(h.owner, []).append((holder, h))
+    reads: dict[int, list[tuple[int, int, Held]]] = {r: [] for r in needs}
+    moves: list[tuple[int, int, int, Held]] = []
+    for receiver in sorted(needs):
+        for owner in needs[receiver]:
+            copies = sorted(where[owner], key=lambda c: (c[0] != receiver, c[0]))
+            near = [c for c in copies if node_of[c[0]] == node_of[receiver]]
+            if near:
+                reads[receiver].append((owner, *near[0]))
+            else:
+                sender, manifest = copies[receiver % len(copies)]
+                moves.append((owner, sender, receiver, manifest))
+    return Fetch(reads, moves)
 
 
 def why_not(holdings: list[list[Held]], cliques: list[list[int]]) -> str:

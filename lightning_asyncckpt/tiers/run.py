@@ -150,48 +150,59 @@ class TierRun:
 
     # recovering --------------------------------------------------------------------------------------
     def latest(self, persistent: Any) -> Any:
-        """(every rank, together, before loading) The checkpoint to resume from: a key for
-        :meth:`take` (the local tier's newest complete step, with this rank's share fetched), else
+        """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take` (the
+        local tier's newest complete step, its shares read on this node or sent from another), else
         ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why."""
-        held = self.store.holdings(self.topology)
-        rows = self.gather((held, global_step(persistent) if self.rank == 0 else None))
+        rows = self.gather((self.store.holdings(self.topology), global_step(persistent) if self.rank == 0 else None))
         holdings, pstep = [r[0] for r in rows], rows[0][1]
         plan = recovery.plan(holdings, self.cliques)
         if plan is None:
             return self._persistent(persistent, pstep, recovery.why_not(holdings, self.cliques))
         if pstep is not None and pstep > plan.step:
             return self._persistent(persistent, pstep, f"its step {pstep} is newer than the local tier's {plan.step}")
-        data, problem = self._fetch(plan, held)
-        problems = [p for p in self.gather(problem) if p]
+        mode = plan.sources[0][1].mode
+        needs = {r: ([r] if mode == shares.SHARDED else list(range(self.world))) for r in range(self.world)}
+        fetch = recovery.fetch(plan, holdings, self.node_of, needs)
+        got, problem = self._fetch(fetch)
+        problems = sorted({p for p in self.gather(problem) if p})
         if problems:
-            return self._persistent(persistent, pstep, f"step {plan.step} failed its checks: " + "; ".join(problems))
-        share = packing.unpack(data)
-        fetched = sum(1 for o, (s, _) in plan.sources.items() if s != o)
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            return self._persistent(persistent, pstep, f"step {plan.step} failed its checks: " + "; ".join(problems[:3]) + more)
+        own = packing.unpack(got[self.rank])
         if plan.sources[self.rank][0] != self.rank:  # a node back with an empty directory holds its own again
-            self.store.write(plan.step, self.rank, [data], plan.sources[self.rank][1].crc32, self.topology)
-        checkpoint = shares.assemble(share, self.group) if share["mode"] == shares.REPLICATED else share["state"]
+            self.store.write(plan.step, self.rank, [got[self.rank]], plan.sources[self.rank][1].crc32,
+                             self.topology, mode)
+        if mode == shares.REPLICATED:
+            checkpoint = shares.assemble(own, [own, *(packing.unpack(d) for o, d in got.items() if o != self.rank)])
+        else:
+            checkpoint = own["state"]
         key = str(self.config.root / f"restore-step-{plan.step}")
         self._restored[key] = checkpoint
         self.complete = plan.step
         if self.rank == 0:
-            log.warning("lightning-asyncckpt: resuming from the local tier at step %d (%d of %d shares from"
-                        " peers' replicas)", plan.step, fetched, self.world)
+            reads = sum(len(v) for v in fetch.reads.values())
+            log.warning("lightning-asyncckpt: resuming from the local tier at step %d (%d share(s) sent from other"
+                        " nodes, %d read on their own node)", plan.step, len(fetch.moves), reads)
         return key
 
-    def _fetch(self, plan: recovery.Plan, held: list) -> tuple[torch.Tensor, str | None]:
-        """(every rank) This rank's share at ``plan.step`` and a problem (a CRC mismatch), if any."""
-        moves = plan.moves(self.clique)
-        sending = {o: self.store.read(h) for h in held for o, s, _ in moves
-                   if s == self.rank and h.owner == o and h.step == plan.step}
-        got = exchange.retrieve(moves, sending, self.rank, self.clique_group) if moves else {}
-        source, manifest = plan.sources[self.rank]
-        data = self.store.read(manifest) if source == self.rank else got[self.rank]
-        actual = packing.crc32([data])
-        if actual != manifest.crc32:
-            where = "its own copy" if source == self.rank else f"the replica held by rank {source}"
-            return data, (f"rank {self.rank}'s share in {where} has CRC32 {actual:08x}, its manifest"
-                          f" {manifest.crc32:08x}")
-        return data, None
+    def _fetch(self, fetch: recovery.Fetch) -> tuple[dict[int, torch.Tensor], str | None]:
+        """(every rank) The shares this rank needs, by owner, and a problem (a CRC mismatch), if any."""
+        def read(holder: int, manifest: Any) -> torch.Tensor:
+            return LocalStore(self.config.root, holder).read(manifest)
+
+        got = exchange.transfer(fetch.moves, lambda m: read(self.rank, m), self.rank, self.group)
+        came = {o: s for o, s, r, _ in fetch.moves if r == self.rank}
+        manifests = {o: m for o, _, r, m in fetch.moves if r == self.rank}
+        for owner, holder, manifest in fetch.reads.get(self.rank, []):
+            got[owner] = read(holder, manifest)
+            came[owner], manifests[owner] = holder, manifest
+        bad = []
+        for owner, data in sorted(got.items()):
+            actual = packing.crc32([data])
+            if actual != manifests[owner].crc32:
+                bad.append(f"rank {owner}'s share in the copy held by rank {came[owner]} has CRC32 {actual:08x},"
+                           f" its manifest {manifests[owner].crc32:08x}")
+        return got, "; ".join(bad) or None
 
     def _persistent(self, persistent: Any, pstep: int | None, why: str) -> Any:
         if self.rank == 0:

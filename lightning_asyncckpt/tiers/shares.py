@@ -2,7 +2,7 @@
 
 - ``replicated`` (single device, DDP, Fabric DDP): every rank holds the same tensors, so each rank's share
   is a disjoint part of them (:func:`lightning_asyncckpt.snapshot.tree.partition`, balanced by bytes), plus
-  the whole non-tensor state (the skeleton). Restoring gathers the parts back from their owners.
+  the whole non-tensor state (the skeleton). Restoring needs every owner's share on every rank.
 - ``sharded`` (FSDP2, tensor parallel): each rank's share is its own ``DTensor`` local shards and its own
   plain tensors, with what rebuilds each ``DTensor`` on the same mesh (:class:`LocalShard`).
 
@@ -16,7 +16,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_asyncckpt.snapshot import tree
 
@@ -63,32 +62,16 @@ def _local(t: torch.Tensor) -> Any:
                       tuple(mesh.mesh.flatten().tolist()), tuple(t.shape), tuple(t.stride()))
 
 
-def assemble(share: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """(all ranks of ``group``, together) The full replicated checkpoint from every rank's share: each
-    owner broadcasts its tensors, packed into one buffer, in rank order. Every rank keeps its own skeleton."""
-    skeleton, owners, mine = share["skeleton"], share["owners"], share["tensors"]
-    names = _placeholder_names(skeleton)  # the skeleton's meta tensors carry each shape and dtype
-    tensors: dict[str, torch.Tensor] = dict(mine)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    me = dist.get_rank(group) if world > 1 else 0
-    for owner in range(world if world > 1 else 0):
-        part = sorted(n for n in names if owners.get(n) == owner)
-        if not part:
-            continue
-        sizes = [names[n].numel() * names[n].element_size() for n in part]
-        if me == owner:
-            buf = torch.cat([mine[n].contiguous().reshape(-1).view(torch.uint8) for n in part])
-        else:
-            buf = torch.empty(sum(sizes), dtype=torch.uint8)
-        dist.broadcast(buf, src=dist.get_global_rank(group, owner) if group is not None else owner, group=group)
-        if me != owner:
-            offset = 0
-            for n, size in zip(part, sizes):
-                meta = names[n]
-                # cloned before the view: a part's offset need not be aligned for its dtype
-                tensors[n] = buf[offset:offset + size].clone().view(meta.dtype).reshape(meta.shape)
-                offset += size
-    return tree.join(skeleton, tensors)
+def assemble(own: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, Any]:
+    """The full replicated checkpoint from every owner's share: this rank's own skeleton (its non-tensor
+    state) with every owner's tensors in place."""
+    tensors: dict[str, torch.Tensor] = {}
+    for share in every:
+        tensors.update(share["tensors"])
+    missing = sorted(set(_placeholder_names(own["skeleton"])) - set(tensors))
+    if missing:
+        raise RuntimeError(f"the local tier's shares lack {len(missing)} tensor(s), e.g. {missing[:3]}")
+    return tree.join(own["skeleton"], tensors)
 
 
 def _placeholder_names(skeleton: Any) -> dict[str, torch.Tensor]:

@@ -28,7 +28,8 @@ class Held:
     owner: int
     nbytes: int
     crc32: int
-    topology: tuple  # (world_size, jump, factor, mode)
+    topology: tuple  # (world_size, jump, factor)
+    mode: str = "replicated"  # shares.REPLICATED or shares.SHARDED: which shares a restore needs
 
 
 class LocalStore:
@@ -41,7 +42,8 @@ class LocalStore:
         stem = f"step-{step:010d}.owner-{owner}"
         return self.dir / f"{stem}.pt", self.dir / f"{stem}.json"
 
-    def write(self, step: int, owner: int, parts: list[torch.Tensor], crc: int, topology: tuple) -> None:
+    def write(self, step: int, owner: int, parts: list[torch.Tensor], crc: int, topology: tuple,
+              mode: str = "replicated") -> None:
         """Writes one share (its ``uint8`` parts, one after the other), then its manifest; each appears at
         its name only when complete."""
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -51,7 +53,7 @@ class LocalStore:
             for p in parts:  # the write releases the GIL: training's Python goes on meanwhile
                 f.write(memoryview(p.numpy()))
         os.replace(tmp, blob)
-        held = Held(step, owner, sum(p.numel() for p in parts), crc, tuple(topology))
+        held = Held(step, owner, sum(p.numel() for p in parts), crc, tuple(topology), mode)
         _write_atomic(manifest, json.dumps(asdict(held)).encode())
 
     def holdings(self, topology: tuple) -> list[Held]:
@@ -65,7 +67,7 @@ class LocalStore:
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
                 raw = json.loads(path.read_text())
                 held = Held(int(raw["step"]), int(raw["owner"]), int(raw["nbytes"]), int(raw["crc32"]),
-                            tuple(raw["topology"]))
+                            tuple(raw["topology"]), str(raw.get("mode", "replicated")))
                 blob = self._paths(held.step, held.owner)[0]
                 if held.topology == tuple(topology) and blob.stat().st_size == held.nbytes:
                     found.append(held)
