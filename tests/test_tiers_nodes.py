@@ -90,6 +90,16 @@ def _scenarios(tmp_path, extra):
     assert all(r["ckpt_path"].endswith("last.ckpt") and r["resume_exact"] for r in reports)
     assert "step 10 failed its checks: rank 2's share in the copy held by rank 0 has CRC32" in logs
 
+    # a lost clique: node 1 empty and node 0's copy of rank 2's share gone too, so it is nowhere
+    _empty(tmp_path, 1)
+    replica.unlink()
+    replica.with_suffix(".json").unlink()
+    reports, logs = _resume(tmp_path, extra)
+    assert [r["start_step"] for r in reports] == [8] * 4, logs
+    assert all(r["ckpt_path"].endswith("last.ckpt") and r["resume_exact"] for r in reports)
+    assert ("resuming from the persistent tier" in logs
+            and "local tier: step 10 lacks the shares of rank(s) [2] (their whole clique lost them)" in logs), logs
+
     # both nodes' local tiers lost: step 8 from the persistent tier, with the reason
     _empty(tmp_path, 0)
     _empty(tmp_path, 1)
