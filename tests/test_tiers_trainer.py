@@ -11,7 +11,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import TinyModel, assert_tree_equal, clone_tree, loader, trainer
-from lightning_asyncckpt import AsyncCheckpointIO, LocalTier
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, LocalTier
 
 
 class States(L.Callback):
@@ -91,3 +91,39 @@ def test_a_missing_local_directory_is_refused_at_setup(tmp_path):
     with pytest.raises(Exception, match=r"does not exist on node 0 \(global rank 0\).*mkdir -p"):
         _fit(tmp_path, 2)
     assert not (tmp_path / "c").exists() or not list((tmp_path / "c").iterdir())
+
+
+class FillAt(L.Callback):
+    """At ``step``, another process's file fills the local tier's filesystem (a real ENOSPC for the next
+    local save)."""
+
+    def __init__(self, step, path):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step:
+            trainer.strategy.checkpoint_io.tier.finish()  # the local save before is written in full first
+            with open(self.path, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+
+
+def test_a_local_save_that_hits_enospc_raises_on_the_next_step_and_keeps_the_previous_step(tmp_path):
+    import subprocess
+
+    local = tmp_path / "local"
+    local.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(local)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        with pytest.raises(CheckpointWriteError, match=r"rank 0: LocalTierError: local save of step 4: OSError.*No space left"):
+            _fit(tmp_path, 100, callbacks=[FillAt(3, local / "other-process.bin")])
+        holder = local / "asyncckpt-local" / "default" / "holder-0"
+        assert sorted(p.name for p in holder.glob("*.pt")) == ["step-0000000002.owner-0.pt"]
+    finally:
+        subprocess.run(["umount", "-l", str(local)], check=False)
