@@ -42,7 +42,8 @@ test-faults: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m faults $(PYTEST_ARGS)
 
 # 4 ranks on 2 simulated nodes (own /dev/shm, TMPDIR, scratch each; needs root or user namespaces for
-# `unshare --mount`, else skipped): every strategy, resharding 4 -> 2 -> 4, a failure on node 1, node 1 lost mid-save
+# `unshare --mount`, else skipped): every strategy, resharding 4 -> 2 -> 4, a failure on node 1, node 1 lost mid-save,
+# and the two tiers (a lost node resumed from its peers' replicas, a corrupted replica, SIGTERM)
 test-scale: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m scale $(PYTEST_ARGS)
 

@@ -152,7 +152,7 @@ def test_fsdp2_node_lost_resumes_from_replicas_then_persistent(tmp_path, engine)
 FABRIC_JOB = job_script("tiers_fabric_job.py")
 
 
-@pytest.mark.parametrize("engine", ["mcore", "nvrx"])
+@pytest.mark.parametrize("engine", ["mcore", pytest.param("nvrx", marks=pytest.mark.slow)])
 def test_fabric_node_lost_resumes_from_the_replica_then_persistent(tmp_path, engine):
     """Fabric, DDP over 2 nodes x 1 rank: node 1 lost after local step 10 and back empty resumes at 10
     from node 0's replica; with both local tiers lost, at 8 from the persistent file."""
