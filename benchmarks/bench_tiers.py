@@ -166,6 +166,11 @@ class Trainer:
         from lightning_asyncckpt import AsyncCheckpointIO
         from lightning_asyncckpt.tiers import run as tier_run
         from lightning_asyncckpt.tiers import writer as tier_writer
+
+        try:  # where replication has its own module, the writer imports it at each save
+            from lightning_asyncckpt.tiers import replication as tier_replication
+        except ImportError:
+            tier_replication = None
         from lightning_asyncckpt.tiers.config import LocalTier
         from lightning_asyncckpt.tiers.run import TierRun
 
@@ -189,6 +194,7 @@ class Trainer:
         t.wrap(getattr(tier_run, "packing", None), "pack", "copy_share")  # where the copy is a packing step
         t.wrap(self.tier.writer, "wait", "wait_previous")
         t.wrap(tier_writer, "replicate", "replicate")
+        t.wrap(tier_replication, "replicate", "replicate")
         t.wrap(self.tier.store, "write", "write")  # the thread's writes; in a recovery, the write-back
         t.wrap(self.tier, "_fetch", "fetch")
         t.wrap(tier_run.shares, "assemble", "assemble")

@@ -186,3 +186,28 @@ def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
     for rank in (0, 1):
         assert got[rank] and "TierConfigError" in got[rank] and "is shared between nodes" in got[rank], got[rank]
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the probes are gone
+
+
+def test_the_plugin_imports_without_nvidia_resiliency_ext_and_local_tier_says_what_to_install():
+    """With megatron-core alone (nvidia-resiliency-ext hidden), the plugin and callback import and the mcore
+    engine is used; only LocalTier needs nvidia-resiliency-ext, and says so."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'nvidia_resiliency_ext': raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "import importlib.util; importlib.util.find_spec = (lambda f: lambda n, *a: None if n.startswith('nvidia_resiliency_ext') else f(n, *a))(importlib.util.find_spec)\n"
+        "from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, LocalTier\n"
+        "print(AsyncCheckpointIO('mcore').engine)\n"
+        "try:\n"
+        "    LocalTier('/dev/shm')\n"
+        "except ImportError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "mcore" in p.stdout and "refused: LocalTier uses nvidia-resiliency-ext" in p.stdout, p.stdout

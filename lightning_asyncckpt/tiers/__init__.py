@@ -7,7 +7,8 @@ One concern per module, lowest first:
 - ``cliques``: which ranks hold each other's shares (NVRx's clique layout).
 - ``store``: one rank's files in the node-local directory: a share, its manifest (size and CRC32).
 - ``shares``: a checkpoint as this rank's share, and back.
-- ``exchange``: the share as NVRx's ``TensorAwareStateDict``; replication and retrieval over gloo.
+- ``replication``: the share as NVRx's ``TensorAwareStateDict``, replicated within its clique (NVRx's).
+- ``exchange``: recovery transfers between nodes, point to point over gloo.
 - ``checks``: refusing a missing, shared or too small directory at setup.
 - ``recovery``: which step is complete in the local tier, and who sends each share (pure).
 - ``preemption``: SIGTERM/SIGUSR1 set a flag, nothing more.

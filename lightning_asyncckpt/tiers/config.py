@@ -41,6 +41,15 @@ class LocalTier:
     emergency_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
 
     def __post_init__(self) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+            from lightning_asyncckpt.errors import EngineNotAvailableError
+
+            raise EngineNotAvailableError(
+                "LocalTier uses nvidia-resiliency-ext's clique layout and replication:"
+                " `pip install nvidia-resiliency-ext` (the \"nvrx\" engine's package; the persistent tier may still"
+                " use either engine).")
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
             raise TypeError(f"LocalTier(dir=...) must be a path to a node-local directory; got {self.dir!r}.")
         object.__setattr__(self, "dir", Path(self.dir))

@@ -12,7 +12,6 @@ import time
 
 import torch.distributed as dist
 
-from lightning_asyncckpt.tiers.exchange import ShareStateDict, replicate
 from lightning_asyncckpt.tiers.packing import Packed, crc32
 from lightning_asyncckpt.tiers.store import LocalStore
 
@@ -46,6 +45,11 @@ class ShareWriter:
     def _job(self, step: int, packed: Packed) -> None:
         start = time.perf_counter()
         try:
+            from lightning_asyncckpt.tiers.replication import (  # nvidia-resiliency-ext
+                ShareStateDict,
+                replicate,
+            )
+
             parts = [packed.prefix(), packed.flat]
             own = ShareStateDict(step, self.rank, crc32(parts), parts)
             received = replicate(own, self.group) if self.group is not None else [own]
