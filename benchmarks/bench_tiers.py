@@ -76,8 +76,8 @@ from typing import Any
 VARIANTS = ["baseline", "local", "persistent"]
 RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm"]
 SAVE_PARTS = ["wait_previous", "copy_share"]  # of the local save call
-THREAD_PARTS = ["replicate", "write"]  # of the local save's thread (the rest: serialize, CRC32)
-RECOVERY_PARTS = ["fetch", "write_back", "assemble"]  # of TierRun.latest (the rest: listing, plan, unpickle)
+THREAD_PARTS = ["replicate", "write"]  # of the local save's thread: replicas settled, shares committed
+RECOVERY_PARTS = ["transfer", "read", "assemble"]  # of TierRun.latest (the rest: listing, CRC32, agreeing, unpickling)
 GiB = 1 << 30
 WORLD, PER_NODE = 4, 2
 
@@ -164,8 +164,10 @@ class Trainer:
         import torch.distributed as dist
 
         from lightning_asyncckpt import AsyncCheckpointIO
+        from lightning_asyncckpt.tiers import restore as tier_restore
         from lightning_asyncckpt.tiers import run as tier_run
         from lightning_asyncckpt.tiers import writer as tier_writer
+        from lightning_asyncckpt.tiers.store import LocalStore
 
         try:  # where replication has its own module, the writer imports it at each save
             from lightning_asyncckpt.tiers import replication as tier_replication
@@ -190,14 +192,14 @@ class Trainer:
             self.io.warmup(like=self.state)  # starts the worker and allocates its staging buffers
         self.persistent_path: Path | None = None
         self.timers = t = Timers()
-        t.wrap(tier_run.shares, "make", "copy_share")
-        t.wrap(getattr(tier_run, "packing", None), "pack", "copy_share")  # where the copy is a packing step
+        t.wrap(tier_run.packing, "copy_into", "copy_share")  # the save call's one copy, into mapped files
         t.wrap(self.tier.writer, "wait", "wait_previous")
-        t.wrap(tier_writer, "replicate", "replicate")
-        t.wrap(tier_replication, "replicate", "replicate")
-        t.wrap(self.tier.store, "write", "write")  # the thread's writes; in a recovery, the write-back
-        t.wrap(self.tier, "_fetch", "fetch")
-        t.wrap(tier_run.shares, "assemble", "assemble")
+        t.wrap(tier_writer.local_replicas, "settle", "replicate")  # replicated state: CRC32s gathered, repairs
+        t.wrap(tier_replication, "replicate", "replicate")  # sharded state: NVRx's clique exchange
+        t.wrap(self.tier.store, "commit", "write")  # header, manifest, renames
+        t.wrap(tier_restore.exchange, "transfer", "transfer")  # recovery: shares sent between ranks
+        t.wrap(LocalStore, "read", "read")  # recovery: shares read from node-local files
+        t.wrap(tier_restore.shares, "assemble", "assemble")
 
     def _calibrate(self) -> int:
         """Matmuls per step for about --compute-ms, timed with every rank computing at once (contended)."""
@@ -358,8 +360,7 @@ class Trainer:
             restored = self.io.load_checkpoint(path)
             info["from"] = path
         elapsed = time.perf_counter() - t0
-        parts = self.timers.since(mark, ["fetch", "write", "assemble"])
-        parts["write_back"] = parts.pop("write")
+        parts = self.timers.since(mark, RECOVERY_PARTS)
         ok = restored is not None and same_state(restored, self.state)
         del restored
         rows = self.gather((elapsed, ok, parts))
@@ -490,8 +491,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "drain_s": _median([p["drain_s"] for p in mine]),
         }
         if name == "local":
-            row["save_parts"] = {k: _median([p["save_parts"][k] for p in mine]) for k in SAVE_PARTS}
-            row["thread_parts"] = {k: _median([p["thread_parts"][k] for p in mine]) for k in THREAD_PARTS}
+            row["save_parts"] = {k: _median([p["save_parts"].get(k, 0.0) for p in mine]) for k in SAVE_PARTS}
+            row["thread_parts"] = {k: _median([p["thread_parts"].get(k, 0.0) for p in mine]) for k in THREAD_PARTS}
         rows.append(row)
     by = {r["variant"]: r for r in rows}
     rec_rows = []
@@ -509,7 +510,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "file_bytes": mine[0].get("file_bytes") if mine else None,
         }
         if how == "local_replicas":
-            row["parts"] = {k: _median([r["parts"][k] for r in mine]) for k in RECOVERY_PARTS}
+            row["parts"] = {k: _median([r["parts"].get(k, 0.0) for r in mine]) for k in RECOVERY_PARTS}
         rec_rows.append(row)
     rec = {r["how"]: r for r in rec_rows}
     ratios = {
@@ -550,8 +551,8 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
     lines += [
         "",
         f"Local save call (slowest rank): waiting for the previous save's thread {f(sp['wait_previous'], '.3f')} s,"
-        f" copying the share {f(sp['copy_share'], '.3f')} s. Its thread: replication {f(tp['replicate'], '.2f')} s,"
-        f" writes {f(tp['write'], '.2f')} s, the rest (serialization, CRC32)"
+        f" copying the shares into their mapped files {f(sp['copy_share'], '.3f')} s. Its thread: replicas settled"
+        f" (CRC32s gathered, repairs) {f(tp['replicate'], '.2f')} s, commits {f(tp['write'], '.2f')} s, the rest"
         f" {f(local['background_s'] - tp['replicate'] - tp['write'] if local['background_s'] is not None else None, '.2f')} s.",
         f"First (untimed) saves: local stall {f(first['local_first_stall_s'], '.3f')} s, done after"
         f" {f(first['local_first_to_done_s'], '.2f')} s; persistent stall {f(first['persistent_first_stall_s'], '.3f')} s,"
@@ -572,9 +573,9 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
     ra = summary["ratios"]
     lines += [
         "",
-        f"Local recovery (slowest rank): fetching its share (own copy or a peer's replica, CRC32) {f(rp['fetch'], '.2f')} s,"
-        f" writing it back (node 1's ranks) {f(rp['write_back'], '.2f')} s, assembling the full checkpoint from"
-        f" every rank's share {f(rp['assemble'], '.2f')} s, the rest (listing, agreeing, unpickling) {f(rest, '.2f')} s.",
+        f"Local recovery (slowest rank): shares sent between ranks {f(rp['transfer'], '.2f')} s, read from node-local"
+        f" files {f(rp['read'], '.2f')} s, the full checkpoint assembled {f(rp['assemble'], '.2f')} s, the rest"
+        f" (listing, CRC32 checks, agreeing, unpickling) {f(rest, '.2f')} s.",
         "",
         "| ratio | measured | target |",
         "|---|---|---|",

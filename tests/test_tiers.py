@@ -63,16 +63,31 @@ def test_plan_takes_the_newest_step_complete_in_every_clique_preferring_own_copi
     assert plan.step == 10
     assert {o: s for o, (s, _) in plan.sources.items()} == {0: 0, 1: 1, 2: 0, 3: 1}
     node_of = [0, 0, 1, 1]
-    # FSDP2: each rank needs its own share; node 1's come from node 0
-    sharded = recovery.fetch(plan, holdings, node_of, {r: [r] for r in range(4)})
-    assert [(o, s, r) for o, s, r, _ in sharded.moves] == [(2, 0, 2), (3, 1, 3)]
-    assert [(o, h) for o, h, _ in sharded.reads[0]] == [(0, 0)] and sharded.reads[2] == []
-    # DDP: every rank needs every share; node 0 reads all four on its node, node 1 gets them sent, the
-    # senders taken in turn
-    replicated = recovery.fetch(plan, holdings, node_of, {r: list(range(4)) for r in range(4)})
-    assert sorted((o, h) for o, h, _ in replicated.reads[1]) == [(0, 0), (1, 1), (2, 0), (3, 1)]
-    assert [(o, s, r) for o, s, r, _ in replicated.moves] == [
-        (0, 0, 2), (1, 1, 2), (2, 0, 2), (3, 1, 2), (0, 0, 3), (1, 1, 3), (2, 0, 3), (3, 1, 3)]
+    # node 1 holds again what it holds after a save: rank 2 its own share and rank 0's replica, rank 3 likewise;
+    # each of the four shares crosses to node 1 once
+    refill = recovery.refill(plan, holdings, c, 2, node_of)
+    assert [(o, s, r) for o, s, r, _ in refill] == [(0, 0, 2), (2, 0, 2), (1, 1, 3), (3, 1, 3)]
+    after = recovery.after(holdings, refill)
+    # FSDP2: each rank needs its own share, which its own directory now holds
+    sharded = recovery.fetch(plan, after, node_of, {r: [r] for r in range(4)})
+    assert sharded.moves == [] and [(o, h) for o, h, _ in sharded.reads[2]] == [(2, 2)]
+    # DDP: every rank needs every share, and its node holds all four: nothing more is sent
+    replicated = recovery.fetch(plan, after, node_of, {r: list(range(4)) for r in range(4)})
+    assert replicated.moves == []
+    assert sorted((o, h) for o, h, _ in replicated.reads[3]) == [(0, 2), (1, 3), (2, 2), (3, 3)]
+
+
+def test_fetch_sends_between_nodes_only_what_a_node_does_not_hold():
+    # 8 ranks on 4 nodes: node 0 (ranks 0, 1) holds cliques {0, 2} and {1, 3}, not the shares of ranks 4 to 7
+    c = cliques.layout(8, 2, 2)
+    node_of = [r // 2 for r in range(8)]
+    holdings = [[_held(10, o) for o in recovery.holds(r, c, 2)] for r in range(8)]
+    plan = recovery.plan(holdings, c)
+    assert recovery.refill(plan, holdings, c, 2, node_of) == []
+    got = recovery.fetch(plan, holdings, node_of, {0: list(range(8))})
+    assert sorted(o for o, _, _ in got.reads[0]) == [0, 1, 2, 3]
+    assert [(o, r) for o, _, r, _ in got.moves] == [(4, 0), (5, 0), (6, 0), (7, 0)]
+    assert all(node_of[s] in (2, 3) for _, s, _, _ in got.moves)
 
 
 def test_a_lost_clique_has_no_plan_and_says_whose_shares_are_missing():
@@ -83,43 +98,85 @@ def test_a_lost_clique_has_no_plan_and_says_whose_shares_are_missing():
     assert "every local directory is empty" in recovery.why_not([[], [], [], []], c)
 
 
+def _write(store, step, owner, data):
+    head = b"header"
+    store.write(Held(step, owner, data.numel(), packing.crc32(data), TOPO, "replicated", len(head),
+                     packing.crc32(head)), data, head)
+
+
 def test_store_lists_complete_shares_only_and_removes_only_older_steps_of_its_own_holder(tmp_path):
-    store, other = LocalStore(tmp_path, 0), LocalStore(tmp_path, 1)
+    store, other = LocalStore(tmp_path, 0, keep_free=1), LocalStore(tmp_path, 1)
     for step in (8, 10):
-        data = [torch.full((100,), step, dtype=torch.uint8)]
-        store.write(step, 0, data, packing.crc32(data), TOPO)
-    other.write(8, 1, [torch.ones(1, dtype=torch.uint8)], 0, TOPO)
+        _write(store, step, 0, torch.full((100,), step, dtype=torch.uint8))
+    _write(other, 8, 1, torch.ones(1, dtype=torch.uint8))
     (store.dir / "step-0000000012.owner-0.pt").write_bytes(b"unfinished: no manifest")
     (tmp_path / "user-file.ckpt").write_bytes(b"not ours")
     assert [(h.step, h.owner) for h in store.holdings(TOPO)] == [(8, 0), (10, 0)]
     assert store.holdings((8, 2, 2)) == []  # saved under another topology: not usable
+    head, flat = store.read(store.holdings(TOPO)[1])
+    assert head == b"header" and torch.equal(flat, torch.full((100,), 10, dtype=torch.uint8))
     store.remove_older(10)
     assert [h.step for h in store.holdings(TOPO)] == [10]
+    assert sorted(p.name for p in store.dir.glob("step-0000000008*")) == []
     assert (store.dir / "step-0000000012.owner-0.pt").exists()  # newer: may still be being written
     assert [h.step for h in other.holdings(TOPO)] == [8] and (tmp_path / "user-file.ckpt").exists()
 
 
+def test_a_removed_steps_file_is_reused_by_the_next_share_of_its_size(tmp_path):
+    """The pool keeps a removed step's tensor file (mapped) and gives it to the next share of that size:
+    the same inode, now under the new step's name, with the new bytes."""
+    store = LocalStore(tmp_path, 0, keep_free=1)
+    _write(store, 2, 0, torch.full((4096,), 2, dtype=torch.uint8))
+    inode = (store.dir / "step-0000000002.owner-0.pt").stat().st_ino
+    _write(store, 4, 0, torch.full((4096,), 4, dtype=torch.uint8))
+    store.remove_older(4)
+    assert not list(store.dir.glob("step-0000000002*"))
+    _write(store, 6, 0, torch.full((4096,), 6, dtype=torch.uint8))
+    assert (store.dir / "step-0000000006.owner-0.pt").stat().st_ino == inode
+    assert (store.dir / "step-0000000006.owner-0.pt").read_bytes() == bytes([6]) * 4096
+    store.close()
+    assert not list(store.dir.glob(".free-*"))
+
+
 def test_a_share_cut_short_is_not_listed(tmp_path):
     store = LocalStore(tmp_path, 0)
-    store.write(4, 0, [torch.arange(10, dtype=torch.uint8)], 0, TOPO)
+    _write(store, 4, 0, torch.arange(10, dtype=torch.uint8))
     (store.dir / "step-0000000004.owner-0.pt").write_bytes(b"01234")
     assert store.holdings(TOPO) == []
+
+
+def test_a_full_directory_fails_the_reservation_cleanly_not_with_sigbus(small_tmpfs):
+    """posix_fallocate reserves a share's file before the copy: on a full filesystem the reservation
+    raises ENOSPC and leaves no file; a mapping is never written past the space there is."""
+    store = LocalStore(small_tmpfs, 0)
+    with pytest.raises(OSError, match="No space left"):
+        store.reserve(2, 0, 4 << 20)
+    assert not [p for p in small_tmpfs.rglob("*") if p.is_file()]
 
 
 def test_replicated_share_packed_and_unpacked_on_one_rank():
     ck = {"state_dict": {"w": torch.randn(3, 4), "b": torch.arange(4)}, "optimizer_states": [{"state": {0: {
         "step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4).t()}}}], "global_step": 7, "flag": torch.tensor([True])}
-    packed = packing.pack(shares.make(ck, 0, 1, shares.REPLICATED))
+    lay, tensors = packing.layout(shares.make(ck, 0, 1, shares.REPLICATED))
+    flat = torch.empty(lay.nbytes, dtype=torch.uint8)
+    packing.copy_into(lay, tensors, flat)
+    head = lay.header()
     ck["state_dict"]["w"].add_(1)  # the packed share holds copies
-    data = torch.cat([packed.prefix(), packed.flat])
-    assert packing.crc32([data]) == packing.crc32([packed.prefix(), packed.flat])
-    own = packing.unpack(data)
+    own = packing.unpack(head, flat)
     back = shares.assemble(own, [own])
     assert back["global_step"] == 7
     assert not torch.equal(back["state_dict"]["w"], ck["state_dict"]["w"])
     torch.testing.assert_close(back["state_dict"]["w"], ck["state_dict"]["w"] - 1)
     assert torch.equal(back["optimizer_states"][0]["state"][0]["exp_avg"], ck["optimizer_states"][0]["state"][0]["exp_avg"])
     assert back["flag"].dtype == torch.bool and back["state_dict"]["b"].dtype == torch.int64
+
+
+def test_crc32_is_zlibs():
+    import zlib
+
+    data = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
+    assert packing.crc32(data) == zlib.crc32(bytes(data.numpy()))
+    assert packing.crc32(b"tail", packing.crc32(b"head")) == zlib.crc32(b"headtail")
 
 
 def test_a_missing_directory_is_refused_with_the_fix(tmp_path):
@@ -211,3 +268,67 @@ def test_the_plugin_imports_without_nvidia_resiliency_ext_and_local_tier_says_wh
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "mcore" in p.stdout and "refused: LocalTier uses nvidia-resiliency-ext" in p.stdout, p.stdout
+
+
+def _replicas_rank(rank, port, root, q):
+    """Two ranks on two "nodes" (each its own directory), a DDP-like state of which one tensor differs
+    between the ranks: each rank copies both shares from its own memory; the replica of the differing one
+    is repaired (sent by its owner). Then both ranks restore from their own directories."""
+    import torch.distributed as dist
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            state = {"state_dict": {f"w{i}": torch.rand(1000 + i, generator=gen) for i in range(6)}, "global_step": 2}
+            state["state_dict"]["running_mean"] = torch.full((500,), float(rank))  # not replicated bit for bit
+            tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+            run = TierRun(tier, node_rank=rank, local_world_size=1)
+            run.save(2, state)
+            assert run.finish() == 2
+            repaired = run.writer.repaired
+            run.close()
+            again = TierRun(tier, node_rank=rank, local_world_size=1)
+            key = again.latest(None)
+            restored = again.take(key)
+            assert restored is not None, "the local tier did not restore (see the log line: a check failed)"
+            again.close()
+            q.put((rank, (repaired, {k: v.clone() for k, v in restored["state_dict"].items()},
+                          {k: v.clone() for k, v in state["state_dict"].items()})))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def test_replicas_of_a_replicated_state_are_copied_locally_and_hold_their_owners_bytes(tmp_path):
+    ctx = mp.get_context("fork")
+    q, port = ctx.Queue(), free_port()
+    for r in range(2):
+        (tmp_path / f"node{r}").mkdir()
+    procs = [ctx.Process(target=_replicas_rank, args=(r, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+    # every replica file holds exactly its owner's bytes
+    for owner, holder in ((0, 1), (1, 0)):
+        name = f"step-0000000002.owner-{owner}.pt"
+        mine = tmp_path / f"node{owner}/asyncckpt-local/default/holder-{owner}" / name
+        replica = tmp_path / f"node{holder}/asyncckpt-local/default/holder-{holder}" / name
+        assert mine.read_bytes() == replica.read_bytes()
+    (repaired0, restored0, live0), (repaired1, restored1, live1) = got[0], got[1]
+    assert repaired0 == repaired1 == 1  # only the share with running_mean was sent
+    # both ranks restored the same state, each tensor its owner's, from their own directories
+    for name in live0:
+        assert torch.equal(restored0[name], restored1[name])
+        assert torch.equal(restored0[name], live0[name]) or torch.equal(restored0[name], live1[name])

@@ -75,9 +75,14 @@ def _scenarios(tmp_path, extra):
     reports, logs = _resume(tmp_path, extra)
     assert [r["start_step"] for r in reports] == [10] * 4, logs
     assert all(r["ckpt_path"].endswith("restore-step-10") and r["resume_exact"] for r in reports)
-    # FSDP2: ranks 2 and 3 get their own shards sent; DDP: both get all four shares (node 0 reads its own)
-    assert ("resuming from the local tier at step 10 (2 share(s) sent from other nodes, 2 read on their own node)"
-            in logs or "at step 10 (8 share(s) sent from other nodes, 8 read on their own node)" in logs), logs
+    # node 1 gets each of the four shares once (ranks 2 and 3: their own and their replica); then FSDP2 ranks
+    # read their own share, DDP ranks all four, on their own node
+    assert ("resuming from the local tier at step 10 (4 share(s) sent between ranks, 4 read on their own node)"
+            in logs or "at step 10 (4 share(s) sent between ranks, 16 read on their own node)" in logs), logs
+    # and node 1 holds again what it held: its ranks' shares and node 0's replicas
+    node1 = node_local_dir(tmp_path, 1) / "asyncckpt-local" / "default"
+    assert sorted(p.name for p in (node1 / "holder-2").glob("*.pt")) == [
+        "step-0000000010.owner-0.pt", "step-0000000010.owner-2.pt"]
 
     # a replica corrupted (one byte): its CRC check fails, and the job resumes at 8 from the persistent tier
     _empty(tmp_path, 1)

@@ -5,14 +5,17 @@ One concern per module, lowest first:
 
 - ``config``: :class:`LocalTier`, the user's settings, checked when made.
 - ``cliques``: which ranks hold each other's shares (NVRx's clique layout).
-- ``store``: one rank's files in the node-local directory: a share, its manifest (size and CRC32).
+- ``mapped``: files mapped into memory and reused from save to save (the save's copy is the write).
+- ``store``: one rank's files in the node-local directory: a share, its header, its manifest (CRC32s).
 - ``shares``: a checkpoint as this rank's share, and back.
-- ``replication``: the share as NVRx's ``TensorAwareStateDict``, replicated within its clique (NVRx's).
+- ``local_replicas``: a replicated (DDP) state's replicas, copied locally and proven by checksums.
+- ``replication``: a sharded share as NVRx's ``TensorAwareStateDict``, replicated within its clique (NVRx's).
 - ``exchange``: recovery transfers between nodes, point to point over gloo.
 - ``checks``: refusing a missing, shared or too small directory at setup.
 - ``recovery``: which step is complete in the local tier, and who sends each share (pure).
 - ``preemption``: SIGTERM/SIGUSR1 set a flag, nothing more.
-- ``writer``: the background thread that writes and replicates a share.
+- ``writer``: the background thread that settles the replicas and commits a save.
+- ``restore``: refill, check and read the newest complete step on every rank.
 - ``run``: :class:`TierRun`, one run's local tier on one rank.
 
 No Lightning here: ``integration`` connects it to the Trainer and to Fabric.

@@ -1,11 +1,10 @@
 """A share as bytes: a small header and one flat buffer that holds every tensor's bytes.
 
-``ACKLOCAL`` | header length (8 bytes, little endian) | header | padding to 64 | flat buffer. The header is
-``torch.save`` of the share's structure (its tensors as placeholders) and where each tensor's bytes are
-in the flat buffer (64-byte aligned). The snapshot copy itself fills the flat buffer, on the training
-thread: one copy, and no tensor bytes go through pickling. The writer thread then pickles the small
-header, checksums and writes, and the large parts (CRC32, file writes, gloo) release the GIL, so the
-copy's thread does not hold up training's Python.
+The header is ``ACKLOCAL`` and ``torch.save`` of the share's structure (its tensors as placeholders) with
+where each tensor's bytes are in the flat buffer (64-byte aligned). The snapshot copy itself fills the
+flat buffer (a mapped file, :mod:`lightning_asyncckpt.tiers.mapped`), on the training thread: one copy,
+and no tensor bytes go through pickling. CRC32 uses ISA-L where it is installed (about 25 GB/s here,
+against zlib's 4; the same checksum) and releases the GIL either way.
 """
 
 from __future__ import annotations
@@ -19,6 +18,11 @@ import torch
 
 from lightning_asyncckpt.snapshot import tree
 
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency where it has wheels
+    _crc32 = zlib.crc32
+
 MAGIC = b"ACKLOCAL"
 ALIGN = 64
 
@@ -28,56 +32,53 @@ def _align(n: int) -> int:
 
 
 @dataclass
-class Packed:
-    """A share copied into ``flat``; ``skeleton`` and ``layout`` (name, dtype, shape, offset, nbytes) say
-    where each tensor is."""
+class Layout:
+    """Where each tensor of a share goes in its flat buffer: ``entries`` (name, dtype, shape, offset,
+    nbytes), ``nbytes`` in all; ``skeleton`` is the share with placeholders for its tensors."""
 
     skeleton: Any
-    layout: list[tuple[str, torch.dtype, tuple, int, int]]
-    flat: torch.Tensor
+    entries: list[tuple[str, torch.dtype, tuple, int, int]]
+    nbytes: int
     mode: str
 
-    def prefix(self) -> torch.Tensor:
-        """(the writer thread) The magic, the header's length, the header and the padding, as a tensor."""
+    def header(self) -> bytes:
         buf = io.BytesIO()
-        torch.serialization.save((self.skeleton, self.layout), buf)
-        header = buf.getvalue()
-        head = MAGIC + len(header).to_bytes(8, "little") + header
-        return torch.frombuffer(bytearray(head + bytes(_align(len(head)) - len(head))), dtype=torch.uint8)
+        torch.serialization.save((self.skeleton, self.entries), buf)
+        return MAGIC + buf.getvalue()
 
 
-def pack(share: Any, reuse: torch.Tensor | None = None) -> Packed:
-    """(the training thread) Copies every tensor of ``share`` into one flat buffer (``reuse`` where it has
-    the size; the previous save's buffer, once its write is done)."""
+def layout(share: dict[str, Any]) -> tuple[Layout, dict[str, torch.Tensor]]:
+    """(the training thread) The share's layout, and its tensors by name (the live ones: not copied)."""
     skeleton, tensors = tree.split(share, objects=True)
-    layout, offset = [], 0
+    entries, offset = [], 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        layout.append((name, t.dtype, tuple(t.shape), offset, n))
+        entries.append((name, t.dtype, tuple(t.shape), offset, n))
         offset = _align(offset + n)
-    flat = reuse if reuse is not None and reuse.numel() == offset else torch.empty(offset, dtype=torch.uint8)
-    for name, dtype, shape, off, n in layout:
+    return Layout(skeleton, entries, offset, share["mode"]), tensors
+
+
+def copy_into(lay: Layout, tensors: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+    """(the training thread) The one copy: every tensor into its place in ``flat`` (``lay.nbytes``)."""
+    for name, dtype, shape, off, n in lay.entries:
         if n:
             flat[off:off + n].view(dtype).view(shape).copy_(tensors[name])
-    return Packed(skeleton, layout, flat, share["mode"])
 
 
-def crc32(parts: list[torch.Tensor]) -> int:
-    crc = 0
-    for p in parts:
-        if p.numel():
-            crc = zlib.crc32(memoryview(p.numpy()), crc)
-    return crc & 0xFFFFFFFF
+def crc32(data: torch.Tensor | bytes, value: int = 0) -> int:
+    """CRC32 of a ``uint8`` tensor's bytes (or of ``bytes``), continuing from ``value``."""
+    if isinstance(data, torch.Tensor):
+        if not data.numel():
+            return value & 0xFFFFFFFF
+        data = memoryview(data.numpy())
+    return _crc32(data, value) & 0xFFFFFFFF
 
 
-def unpack(data: torch.Tensor) -> Any:
-    """The share from its bytes (a ``uint8`` tensor, which its tensors then view: no copy)."""
-    raw = data.numpy()
-    if bytes(raw[:8]) != MAGIC:
+def unpack(head: bytes, flat: torch.Tensor) -> Any:
+    """The share from its header and flat buffer (a ``uint8`` tensor, which its tensors then view)."""
+    if head[:len(MAGIC)] != MAGIC:
         raise ValueError("not a local-tier share (bad magic)")
-    size = int.from_bytes(bytes(raw[8:16]), "little")
-    skeleton, layout = torch.load(io.BytesIO(bytes(raw[16:16 + size])), map_location="cpu", weights_only=False)
-    flat = data[_align(16 + size):]
+    skeleton, entries = torch.load(io.BytesIO(head[len(MAGIC):]), map_location="cpu", weights_only=False)
     tensors = {name: flat[off:off + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
-               for name, dtype, shape, off, n in layout}
+               for name, dtype, shape, off, n in entries}
     return tree.join(skeleton, tensors, objects=True)

@@ -1,5 +1,6 @@
-"""Which step the local tier can restore (:func:`plan`), and where each rank gets each share it needs
-(:func:`fetch`). Pure: every rank computes the same answer from the same gathered holdings."""
+"""Which step the local tier can restore (:func:`plan`), which shares each rank must hold again
+(:func:`refill`), and where each rank gets each share it needs (:func:`fetch`). Pure: every rank computes
+the same answer from the same gathered holdings."""
 
 from __future__ import annotations
 
@@ -36,12 +37,35 @@ def plan(holdings: list[list[Held]], cliques: list[list[int]]) -> Plan | None:
     return None
 
 
+def holds(rank: int, cliques: list[list[int]], factor: int) -> list[int]:
+    """The owners whose shares ``rank`` holds after every save: its clique's (with replication), else its own."""
+    return sorted(next(c for c in cliques if rank in c)) if factor > 1 else [rank]
+
+
+def refill(plan: Plan, holdings: list[list[Held]], cliques: list[list[int]], factor: int,
+           node_of: list[int]) -> list[tuple[int, int, int, Held]]:
+    """The ``(owner, sender, receiver, manifest)`` sends that give every rank back what it holds after a
+    save (a node back with an empty directory gets its ranks' shares and replicas again), each from a copy
+    on the receiver's own node where there is one, else from the holders in turn. Same order on every rank."""
+    where = _where(plan, holdings)
+    moves = []
+    for receiver in range(len(holdings)):
+        have = {h.owner for h in holdings[receiver] if h.step == plan.step}
+        for owner in holds(receiver, cliques, factor):
+            if owner not in have:
+                copies = sorted(where[owner], key=lambda c: (node_of[c[0]] != node_of[receiver], c[0]))
+                near = [c for c in copies if node_of[c[0]] == node_of[receiver]]
+                sender, manifest = near[0] if near else copies[receiver % len(copies)]
+                moves.append((owner, sender, receiver, manifest))
+    return moves
+
+
 @dataclass(frozen=True)
 class Fetch:
-    """How every rank gets the shares it needs at one step: ``reads[r]``, the ``(owner, holder, manifest)``
-    that rank ``r`` reads from a holder directory on its own node (node-local storage: no network);
-    ``moves``, the ``(owner, sender, receiver, manifest)`` sent between nodes, in the order every rank runs
-    them."""
+    """How every rank gets the shares it needs at one step, once :func:`refill` has run: ``reads[r]``, the
+    ``(owner, holder, manifest)`` that rank ``r`` reads from a holder directory on its own node (no
+    network); ``moves``, the ``(owner, sender, receiver, manifest)`` sent between nodes (a replicated state
+    whose shares its node does not hold), in the order every rank runs them."""
 
     reads: dict[int, list[tuple[int, int, Held]]]
     moves: list[tuple[int, int, int, Held]]
@@ -50,12 +74,8 @@ class Fetch:
 def fetch(plan: Plan, holdings: list[list[Held]], node_of: list[int], needs: dict[int, list[int]]) -> Fetch:
     """Where each rank gets each owner's share in ``needs[rank]`` (a sharded state: its own; a replicated
     one: every owner's): a copy on its own node if there is one (its own first), else a copy on another
-    node, the senders taken in turn so that no holder sends everything."""
-    where: dict[int, list[tuple[int, Held]]] = {}
-    for holder, held in enumerate(holdings):
-        for h in held:
-            if h.step == plan.step:
-                where.setdefault(h.owner, []).append((holder, h))
+    node, the senders taken in turn so that no holder sends everything. ``holdings`` as after the refill."""
+    where = _where(plan, holdings)
     reads: dict[int, list[tuple[int, int, Held]]] = {r: [] for r in needs}
     moves: list[tuple[int, int, int, Held]] = []
     for receiver in sorted(needs):
@@ -68,6 +88,23 @@ def fetch(plan: Plan, holdings: list[list[Held]], node_of: list[int], needs: dic
                 sender, manifest = copies[receiver % len(copies)]
                 moves.append((owner, sender, receiver, manifest))
     return Fetch(reads, moves)
+
+
+def after(holdings: list[list[Held]], moves: list[tuple[int, int, int, Held]]) -> list[list[Held]]:
+    """The holdings once ``moves`` have run (each receiver then holds what it was sent)."""
+    out = [list(h) for h in holdings]
+    for _owner, _sender, receiver, manifest in moves:
+        out[receiver].append(manifest)
+    return out
+
+
+def _where(plan: Plan, holdings: list[list[Held]]) -> dict[int, list[tuple[int, Held]]]:
+    where: dict[int, list[tuple[int, Held]]] = {}
+    for holder, held in enumerate(holdings):
+        for h in held:
+            if h.step == plan.step:
+                where.setdefault(h.owner, []).append((holder, h))
+    return where
 
 
 def why_not(holdings: list[list[Held]], cliques: list[list[int]]) -> str:

@@ -1,9 +1,10 @@
 """Replication within a clique, NVRx's: a share travels as :class:`ShareStateDict`, an implementation of
 NVRx's ``TensorAwareStateDict`` protocol (two ``uint8`` tensors, the packed share's header and flat
-buffer, :mod:`lightning_asyncckpt.tiers.packing`, and plain metadata: step, owner, CRC32), and
+buffer, :mod:`lightning_asyncckpt.tiers.packing`, and plain metadata: step, owner, the two CRC32s), and
 :func:`replicate` is NVRx's ``CliqueReplicationStrategy.replicate`` (every clique member ends with every
 member's share: an all-gather of the hollow dicts, then one broadcast per member), on the CPU over the
-clique's own gloo group.
+clique's own gloo group. Used for sharded (FSDP2) states, whose shares differ from rank to rank; a
+replicated state's replicas are copied locally (:mod:`lightning_asyncckpt.tiers.local_replicas`).
 
 The only module of the tier that imports nvidia-resiliency-ext, and only when a local save replicates.
 """
@@ -20,7 +21,7 @@ from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwar
 class ShareStateDict(TensorAwareStateDict):
     """One rank's packed share at one step, as NVRx's replication moves it."""
 
-    def __init__(self, step: int, owner: int, crc32: int, parts: list[torch.Tensor]) -> None:
+    def __init__(self, step: int, owner: int, crc32: tuple[int, int], parts: list[torch.Tensor]) -> None:
         self.step, self.owner, self.crc32 = step, owner, crc32
         self._shapes = [tuple(p.shape) for p in parts]
         self._parts: list[torch.Tensor] | None = list(parts)
@@ -50,6 +51,11 @@ class ShareStateDict(TensorAwareStateDict):
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Nothing to do: a packed share is on the CPU already."""
+
+
+def head_tensor(head: bytes) -> torch.Tensor:
+    """A header's bytes as a ``uint8`` tensor (what the exchange sends)."""
+    return torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else torch.empty(0, dtype=torch.uint8)
 
 
 def replicate(share: ShareStateDict, group: dist.ProcessGroup) -> list[ShareStateDict]:

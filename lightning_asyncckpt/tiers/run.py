@@ -3,12 +3,12 @@
 Made at setup on every rank (it makes process groups: collective), once the training's process group
 exists. Its methods run on every rank, in the same order, at step boundaries:
 
-- :meth:`save` snapshots this rank's share and hands it to the writer thread (which writes it and
-  replicates it to the clique);
+- :meth:`save` copies this rank's share (and, for a replicated state, its clique peers' shares) into
+  mapped node-local files and hands them to the writer thread (which settles the replicas and commits);
 - :meth:`boundary` agrees, in one all-reduce on the tier's own gloo group, on a preemption request, a
   failed local save and the newest step complete everywhere; older steps are then removed;
 - :meth:`latest` picks the step to resume from: the local tier's newest complete step, unless the
-  persistent one is newer, and fetches this rank's share (from its own copy or a peer's replica).
+  persistent one is newer, and restores it (:mod:`lightning_asyncckpt.tiers.restore`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.snapshot import tree
-from lightning_asyncckpt.tiers import checks, cliques, exchange, packing, recovery, shares
+from lightning_asyncckpt.tiers import checks, cliques, packing, recovery, restore, shares
 from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.persistent import global_step
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
 from lightning_asyncckpt.tiers.store import LocalStore
-from lightning_asyncckpt.tiers.writer import ShareWriter
+from lightning_asyncckpt.tiers.writer import Copied, ShareWriter
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +66,13 @@ class TierRun:
         checks.cliques_span_nodes(self.cliques, self.node_of, self.jump)
         checks.not_shared(config.root, self.rank, self.node_of, self.gather)
         self.topology = (self.world, self.jump, factor)
-        self.store = LocalStore(config.root, self.rank)
+        self.store = LocalStore(config.root, self.rank, keep_free=len(self.clique) if factor > 1 else 1)
         self.writer = ShareWriter(self.store, self.rank, self.clique_group, self.topology)
         self.flag = PreemptionFlag(config.emergency_signals)  # armed by arm(), once the loop runs
         self.complete = -1
         self.saved_step = -1
         self.last_stall_s: float | None = None
         self._space_checked = False
-        self._flat: torch.Tensor | None = None  # the packed share's buffer, reused from save to save
         self._restored: dict[str, Any] = {}
 
     def gather(self, obj: Any) -> list[Any]:
@@ -88,23 +86,32 @@ class TierRun:
     # saving ------------------------------------------------------------------------------------------
     def save(self, step: int, checkpoint: dict[str, Any]) -> None:
         """(every rank, at the same step boundaries) Copies this rank's share of ``checkpoint`` (a DTensor
-        state: its local shards; a replicated one: its part) and starts writing and replicating it. Waits
-        for the previous local save's thread first (at most ``timeout_s``)."""
+        state: its local shards; a replicated one: its part, and its clique peers' parts, which it holds
+        too) into mapped files of its holder directory, then a thread checks the replicas and commits. Waits
+        for the previous local save's thread first (at most ``timeout_s``). A file that cannot be reserved
+        (a full directory) fails this save on every rank at the next :meth:`boundary`, as a failed write."""
         start = time.perf_counter()
         if not self.writer.wait(self.config.timeout_s):
             raise TimeoutError(f"lightning-asyncckpt: the local save of step {self.saved_step} is still running"
                                f" after timeout_s={self.config.timeout_s}")
         self._raise_failed()
         mode = shares.SHARDED if shares.has_dtensors(checkpoint) else shares.REPLICATED
-        share = shares.make(checkpoint, self.rank, self.world, mode)
+        owners = self.clique if mode == shares.REPLICATED and self.clique_group is not None else [self.rank]
+        laid = {o: packing.layout(shares.make(checkpoint, o, self.world, mode)) for o in owners}
         if not self._space_checked:
-            checks.space(Path(self.config.dir), self.rank, self.node_of, _nbytes(share), self.store.used_bytes(),
-                         self.config.replication_factor, self.gather)
+            checks.space(Path(self.config.dir), self.rank, self.node_of, laid[self.rank][0].nbytes,
+                         self.store.used_bytes(), self.config.replication_factor, self.gather)
             self._space_checked = True
-        # the one copy: into the flat buffer the previous save's (finished) write used, where it fits
-        packed = packing.pack(share, reuse=self._flat)
-        self._flat = packed.flat
-        self.writer.submit(step, packed)
+        copied = []
+        try:
+            for owner, (lay, tensors) in laid.items():
+                file = self.store.reserve(step, owner, lay.nbytes)
+                packing.copy_into(lay, tensors, file.tensor)  # the one copy, straight into node-local storage
+                copied.append(Copied(owner, lay.header() if owner == self.rank else b"", file))
+        except OSError as e:
+            self.writer.error = f"local save of step {step}: {type(e).__name__}: {e}"
+            return
+        self.writer.submit(step, mode, copied)
         self.saved_step = step
         self.last_stall_s = time.perf_counter() - start
 
@@ -151,7 +158,7 @@ class TierRun:
     # recovering --------------------------------------------------------------------------------------
     def latest(self, persistent: Any) -> Any:
         """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take` (the
-        local tier's newest complete step, its shares read on this node or sent from another), else
+        local tier's newest complete step, :func:`~lightning_asyncckpt.tiers.restore.restore`), else
         ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why."""
         rows = self.gather((self.store.holdings(self.topology), global_step(persistent) if self.rank == 0 else None))
         holdings, pstep = [r[0] for r in rows], rows[0][1]
@@ -160,49 +167,20 @@ class TierRun:
             return self._persistent(persistent, pstep, recovery.why_not(holdings, self.cliques))
         if pstep is not None and pstep > plan.step:
             return self._persistent(persistent, pstep, f"its step {pstep} is newer than the local tier's {plan.step}")
-        mode = plan.sources[0][1].mode
-        needs = {r: ([r] if mode == shares.SHARDED else list(range(self.world))) for r in range(self.world)}
-        fetch = recovery.fetch(plan, holdings, self.node_of, needs)
-        got, problem = self._fetch(fetch)
-        problems = sorted({p for p in self.gather(problem) if p})
-        if problems:
-            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            return self._persistent(persistent, pstep, f"step {plan.step} failed its checks: " + "; ".join(problems[:3]) + more)
-        own = packing.unpack(got[self.rank])
-        if plan.sources[self.rank][0] != self.rank:  # a node back with an empty directory holds its own again
-            self.store.write(plan.step, self.rank, [got[self.rank]], plan.sources[self.rank][1].crc32,
-                             self.topology, mode)
-        if mode == shares.REPLICATED:
-            checkpoint = shares.assemble(own, [own, *(packing.unpack(d) for o, d in got.items() if o != self.rank)])
-        else:
-            checkpoint = own["state"]
+        ranks = restore.Ranks(self.rank, self.world, self.config.root, self.store, self.group, self.node_of,
+                              self.cliques, self.config.replication_factor, self.topology, self.gather)
+        done = restore.restore(plan, holdings, ranks)
+        if done.problems:
+            more = f" (and {len(done.problems) - 3} more)" if len(done.problems) > 3 else ""
+            why = f"step {plan.step} failed its checks: " + "; ".join(done.problems[:3]) + more
+            return self._persistent(persistent, pstep, why)
         key = str(self.config.root / f"restore-step-{plan.step}")
-        self._restored[key] = checkpoint
+        self._restored[key] = done.checkpoint
         self.complete = plan.step
         if self.rank == 0:
-            reads = sum(len(v) for v in fetch.reads.values())
-            log.warning("lightning-asyncckpt: resuming from the local tier at step %d (%d share(s) sent from other"
-                        " nodes, %d read on their own node)", plan.step, len(fetch.moves), reads)
+            log.warning("lightning-asyncckpt: resuming from the local tier at step %d (%d share(s) sent between"
+                        " ranks, %d read on their own node)", plan.step, done.sent, done.read)
         return key
-
-    def _fetch(self, fetch: recovery.Fetch) -> tuple[dict[int, torch.Tensor], str | None]:
-        """(every rank) The shares this rank needs, by owner, and a problem (a CRC mismatch), if any."""
-        def read(holder: int, manifest: Any) -> torch.Tensor:
-            return LocalStore(self.config.root, holder).read(manifest)
-
-        got = exchange.transfer(fetch.moves, lambda m: read(self.rank, m), self.rank, self.group)
-        came = {o: s for o, s, r, _ in fetch.moves if r == self.rank}
-        manifests = {o: m for o, _, r, m in fetch.moves if r == self.rank}
-        for owner, holder, manifest in fetch.reads.get(self.rank, []):
-            got[owner] = read(holder, manifest)
-            came[owner], manifests[owner] = holder, manifest
-        bad = []
-        for owner, data in sorted(got.items()):
-            actual = packing.crc32([data])
-            if actual != manifests[owner].crc32:
-                bad.append(f"rank {owner}'s share in the copy held by rank {came[owner]} has CRC32 {actual:08x},"
-                           f" its manifest {manifests[owner].crc32:08x}")
-        return got, "; ".join(bad) or None
 
     def _persistent(self, persistent: Any, pstep: int | None, why: str) -> Any:
         if self.rank == 0:
@@ -217,20 +195,7 @@ class TierRun:
     def close(self, wait: bool = True) -> None:
         """(every rank) Waits for the local save in flight (at most ``timeout_s``; not at all without
         ``wait``: its thread is a daemon) and gives the signals back."""
-        if wait:
-            self.writer.wait(self.config.timeout_s)
+        if wait and self.writer.wait(self.config.timeout_s):
+            self.store.close()  # its spare files: the next run makes its own
         self.flag.uninstall()
 
-
-def _nbytes(share: dict[str, Any]) -> int:
-    total = [0]
-
-    def add(path: tuple, t: Any) -> Any:
-        local = t.local if isinstance(t, shares.LocalShard) else t
-        if local.device.type != "meta":  # a replicated share's skeleton: placeholders, no bytes
-            total[0] += local.numel() * local.element_size()
-        return t
-
-    tree.walk(share, (), add)
-    tree.walk(share, (), add, leaf=shares.LocalShard)
-    return total[0]

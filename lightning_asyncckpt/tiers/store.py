@@ -1,15 +1,20 @@
 """One rank's files in the node-local directory.
 
-``<root>/holder-<rank>/step-<step>.owner-<owner>.pt`` is the share of rank ``owner`` at ``step`` as this
-rank holds it (its own, or a replica), and ``....json`` beside it its manifest: size, CRC32 and the
-topology it was saved under. The manifest is written (atomically) after the share, so a share without
-one is unfinished and never used. Removal touches only this rank's own holder directory.
+``<root>/holder-<rank>/step-<step>.owner-<owner>`` with three suffixes is the share of rank ``owner`` at
+``step`` as this rank holds it (its own, or a replica): ``.pt`` its tensors' bytes (one flat buffer,
+:mod:`lightning_asyncckpt.tiers.packing`), ``.head`` its structure, ``.json`` its manifest (sizes, CRC32 of
+each, the topology it was saved under). The manifest is written (atomically) last, so a share without one
+is unfinished and never used. Removal touches only this rank's own holder directory.
+
+The ``.pt`` files are mapped and reused (:mod:`lightning_asyncckpt.tiers.mapped`): a save copies into a
+reserved file, then commits it under its name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -17,7 +22,10 @@ from pathlib import Path
 
 import torch
 
+from lightning_asyncckpt.tiers.mapped import FilePool, MappedFile
+
 _NAME = re.compile(r"step-(\d{10})\.owner-(\d+)\.json")
+_ANY = re.compile(r"step-(\d{10})\.owner-\d+\.(pt|head|json)(\.tmp)?")
 
 
 @dataclass(frozen=True)
@@ -26,38 +34,45 @@ class Held:
 
     step: int
     owner: int
-    nbytes: int
-    crc32: int
+    nbytes: int  # of the .pt file (the tensors)
+    crc32: int  # of the .pt file
     topology: tuple  # (world_size, jump, factor)
     mode: str = "replicated"  # shares.REPLICATED or shares.SHARDED: which shares a restore needs
+    head_nbytes: int = 0
+    head_crc32: int = 0
 
 
 class LocalStore:
-    """(one rank) Writes, lists, reads and removes the shares this rank holds."""
+    """(one rank) Reserves, commits, lists, reads and removes the shares this rank holds."""
 
-    def __init__(self, root: Path, rank: int) -> None:
+    def __init__(self, root: Path, rank: int, keep_free: int = 0) -> None:
         self.dir = Path(root) / f"holder-{rank}"
+        self.pool = FilePool(self.dir, keep_free)
 
-    def _paths(self, step: int, owner: int) -> tuple[Path, Path]:
-        stem = f"step-{step:010d}.owner-{owner}"
-        return self.dir / f"{stem}.pt", self.dir / f"{stem}.json"
+    def _file(self, step: int, owner: int, suffix: str) -> Path:
+        return self.dir / f"step-{step:010d}.owner-{owner}{suffix}"
 
-    def write(self, step: int, owner: int, parts: list[torch.Tensor], crc: int, topology: tuple,
-              mode: str = "replicated") -> None:
-        """Writes one share (its ``uint8`` parts, one after the other), then its manifest; each appears at
-        its name only when complete."""
+    def reserve(self, step: int, owner: int, nbytes: int) -> MappedFile:
+        """(any thread) A mapped file for a share's tensors, not yet listed; raises ``OSError`` (ENOSPC)
+        before anything is written."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        blob, manifest = self._paths(step, owner)
-        tmp = blob.with_name(blob.name + ".tmp")
-        with open(tmp, "wb") as f:
-            for p in parts:  # the write releases the GIL: training's Python goes on meanwhile
-                f.write(memoryview(p.numpy()))
-        os.replace(tmp, blob)
-        held = Held(step, owner, sum(p.numel() for p in parts), crc, tuple(topology), mode)
-        _write_atomic(manifest, json.dumps(asdict(held)).encode())
+        return self.pool.take(self._file(step, owner, ".pt.tmp"), nbytes)
+
+    def commit(self, held: Held, mapped: MappedFile, head: bytes) -> None:
+        """(any thread) Gives a reserved file its name and writes the header, then the manifest."""
+        self.pool.rename(mapped.path, self._file(held.step, held.owner, ".pt"))
+        _write_atomic(self._file(held.step, held.owner, ".head"), head)
+        _write_atomic(self._file(held.step, held.owner, ".json"), json.dumps(asdict(held)).encode())
+
+    def write(self, held: Held, flat: torch.Tensor, head: bytes) -> None:
+        """Reserve, copy ``flat`` in and commit: one share written whole."""
+        mapped = self.reserve(held.step, held.owner, held.nbytes)
+        if held.nbytes:
+            mapped.tensor.copy_(flat)
+        self.commit(held, mapped, head)
 
     def holdings(self, topology: tuple) -> list[Held]:
-        """Every complete share here saved under ``topology`` (a manifest whose share has its size)."""
+        """Every complete share here saved under ``topology`` (a manifest whose files have their sizes)."""
         found = []
         if not self.dir.is_dir():
             return found
@@ -67,38 +82,69 @@ class LocalStore:
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
                 raw = json.loads(path.read_text())
                 held = Held(int(raw["step"]), int(raw["owner"]), int(raw["nbytes"]), int(raw["crc32"]),
-                            tuple(raw["topology"]), str(raw.get("mode", "replicated")))
-                blob = self._paths(held.step, held.owner)[0]
-                if held.topology == tuple(topology) and blob.stat().st_size == held.nbytes:
+                            tuple(raw["topology"]), str(raw["mode"]), int(raw["head_nbytes"]),
+                            int(raw["head_crc32"]))
+                pt, head = (self._file(held.step, held.owner, x) for x in (".pt", ".head"))
+                if (held.topology == tuple(topology) and pt.stat().st_size == held.nbytes
+                        and head.stat().st_size == held.head_nbytes):
                     found.append(held)
         return found
 
-    def read(self, held: Held) -> torch.Tensor:
-        """The share's bytes, as a ``uint8`` tensor (read into its own buffer, which unpacking then views)."""
-        path = self._paths(held.step, held.owner)[0]
-        buf = bytearray(path.stat().st_size)
-        with open(path, "rb") as f:
-            f.readinto(buf)
-        return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    def read(self, held: Held) -> tuple[bytes, torch.Tensor]:
+        """The share's header and its tensors' bytes (read into a buffer of its own: nothing of the result
+        stays tied to a file that a later save reuses)."""
+        pt = self._file(held.step, held.owner, ".pt")
+        head = self._file(held.step, held.owner, ".head").read_bytes()
+        flat = torch.empty(held.nbytes, dtype=torch.uint8)
+        if held.nbytes:
+            with open(pt, "rb", buffering=0) as f:
+                view, done = memoryview(flat.numpy()), 0
+                while done < held.nbytes:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise OSError(f"{pt} is shorter than its manifest says")
+                    done += n
+        return head, flat
+
+    def map(self, held: Held) -> tuple[bytes, torch.Tensor]:
+        """The share's header and a private (copy-on-write) mapping of its tensors' bytes: for checksums and
+        sends, which only read (no copy). Not for a restored checkpoint: a later save reuses the file."""
+        head = self._file(held.step, held.owner, ".head").read_bytes()
+        if not held.nbytes:
+            return head, torch.empty(0, dtype=torch.uint8)
+        with open(self._file(held.step, held.owner, ".pt"), "rb") as f:
+            mapping = mmap.mmap(f.fileno(), held.nbytes, access=mmap.ACCESS_COPY)
+        return head, torch.frombuffer(mapping, dtype=torch.uint8)
 
     def remove_older(self, step: int) -> int:
-        """Removes this holder's shares (and unfinished files) of steps before ``step``; returns the count.
-        A newer step's files are left alone: the writer thread may be writing them."""
-        removed = 0
+        """Removes this holder's shares (and unfinished files) of steps before ``step``, the manifest first;
+        their tensor files become the pool's spares. Returns the count of shares removed. A newer step's
+        files are left alone: the writer thread may be writing them."""
         if not self.dir.is_dir():
-            return removed
-        for path in self.dir.iterdir():
-            m = re.fullmatch(r"step-(\d{10})\.owner-\d+\.(pt|json)(\.tmp)?", path.name)
-            if m and int(m.group(1)) < step:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                    removed += 1
+            return 0
+        old = [p for p in self.dir.iterdir() if (m := _ANY.fullmatch(p.name)) and int(m.group(1)) < step]
+        order = {"json": 0, "head": 1, "pt": 2}  # once the manifest is gone, the share is no longer listed
+        old.sort(key=lambda p: order[_ANY.fullmatch(p.name).group(2)])
+        removed = 0
+        for path in old:
+            if path.name.endswith(".pt") or path.name.endswith(".pt.tmp"):
+                self.pool.give_back(path)
+            else:
+                path.unlink(missing_ok=True)
+            removed += path.name.endswith(".json")
         return removed
 
     def used_bytes(self) -> int:
         if not self.dir.is_dir():
             return 0
-        return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file())
+        total = 0
+        for p in self.dir.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                total += p.stat().st_size if p.is_file() else 0
+        return total
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -1,6 +1,12 @@
-"""The background thread that writes a packed share and replicates it to the clique.
+"""The background thread that finishes a local save: checksums, replicas, manifests.
 
-One share at a time: the next local save first waits for this one (:meth:`ShareWriter.wait`). The thread
+The save call has already copied the shares into their mapped files (:class:`Copied`); the thread makes
+the replicas hold their owners' bytes and commits every share under its name. A replicated (DDP) state's
+replicas were copied from this rank's own memory (:mod:`lightning_asyncckpt.tiers.local_replicas`: only
+checksums cross the network); a sharded state's own share is replicated over the clique with NVRx's
+:mod:`lightning_asyncckpt.tiers.replication`, and what arrives is copied into mapped files here.
+
+One save at a time: the next local save first waits for this one (:meth:`ShareWriter.wait`). The thread
 talks only over the clique's own gloo group, never the training's, so it runs beside training steps.
 A failure is kept as text and raised on every rank at the next step boundary, never in this thread.
 """
@@ -9,21 +15,34 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lightning_asyncckpt.tiers.packing import Packed, crc32
-from lightning_asyncckpt.tiers.store import LocalStore
+from lightning_asyncckpt.tiers import local_replicas, shares
+from lightning_asyncckpt.tiers.mapped import MappedFile
+from lightning_asyncckpt.tiers.packing import crc32
+from lightning_asyncckpt.tiers.store import Held, LocalStore
+
+
+@dataclass
+class Copied:
+    """One share copied at the save call: its owner, its header (this rank's) and its reserved file."""
+
+    owner: int
+    head: bytes
+    file: MappedFile
 
 
 class ShareWriter:
-    """(one rank) Writes its own share and, with replication, the shares of its clique peers."""
+    """(one rank) Finishes its own share and, with replication, its clique peers' replicas."""
 
     def __init__(self, store: LocalStore, rank: int, group: dist.ProcessGroup | None, topology: tuple) -> None:
         self.store, self.rank, self.group, self.topology = store, rank, group, topology
         self.newest_done = -1  # the newest step whose shares this rank holds in full
         self.error: str | None = None
         self.last_write_s: float | None = None
+        self.repaired = 0  # replicas of a replicated state sent by their owner (not bitwise replicated)
         self._thread: threading.Thread | None = None
 
     @property
@@ -31,34 +50,59 @@ class ShareWriter:
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self, timeout_s: float) -> bool:
-        """Waits for the share being written; False if it is still running after ``timeout_s``."""
+        """Waits for the save being finished; False if it is still running after ``timeout_s``."""
         if self._thread is not None:
             self._thread.join(timeout_s)
         return not self.busy
 
-    def submit(self, step: int, packed: Packed) -> None:
+    def submit(self, step: int, mode: str, copied: list[Copied]) -> None:
         assert not self.busy, "a share is still being written"
-        self._thread = threading.Thread(target=self._job, args=(step, packed), name=f"asyncckpt-local-{step}",
+        self._thread = threading.Thread(target=self._job, args=(step, mode, copied), name=f"asyncckpt-local-{step}",
                                         daemon=True)
         self._thread.start()
 
-    def _job(self, step: int, packed: Packed) -> None:
+    def _job(self, step: int, mode: str, copied: list[Copied]) -> None:
         start = time.perf_counter()
         try:
-            from lightning_asyncckpt.tiers.replication import (  # nvidia-resiliency-ext
-                ShareStateDict,
-                replicate,
-            )
-
-            parts = [packed.prefix(), packed.flat]
-            own = ShareStateDict(step, self.rank, crc32(parts), parts)
-            received = replicate(own, self.group) if self.group is not None else [own]
-            # a replica keeps its owner's CRC32, checked before any use (recovery): not computed again here
-            for sd in received:
-                self.store.write(step, sd.owner, list(sd.tensors), sd.crc32, self.topology, packed.mode)
-            del own, received, parts
+            if mode == shares.REPLICATED or self.group is None:  # every clique owner's share copied here
+                own = next(c for c in copied if c.owner == self.rank)
+                settled, repaired = local_replicas.settle(self.rank, own.head, {c.owner: c.file.tensor for c in copied},
+                                                          self.group)
+                self.repaired += repaired
+                for c in copied:
+                    s = settled[c.owner]
+                    self._commit(step, mode, c.owner, c.file, s.head, s.head_crc32, s.crc32)
+            else:
+                self._replicate(step, mode, copied[0])
             self.newest_done = step
         except BaseException as e:  # noqa: BLE001 - kept, and raised on every rank at the next boundary
             self.error = f"local save of step {step}: {type(e).__name__}: {e}"
         finally:
             self.last_write_s = time.perf_counter() - start
+
+    def _replicate(self, step: int, mode: str, own: Copied) -> None:
+        """A sharded share: NVRx's clique replication sends the own share; the peers' arrive in memory and
+        are copied into mapped files."""
+        from lightning_asyncckpt.tiers.replication import (  # nvidia-resiliency-ext
+            ShareStateDict,
+            head_tensor,
+            replicate,
+        )
+
+        head_crc, flat_crc = crc32(own.head), crc32(own.file.tensor)
+        sd = ShareStateDict(step, self.rank, (head_crc, flat_crc), [head_tensor(own.head), own.file.tensor])
+        for got in replicate(sd, self.group):
+            head_t, flat = got.tensors
+            if got.owner == self.rank:
+                self._commit(step, mode, self.rank, own.file, own.head, head_crc, flat_crc)
+                continue
+            mapped = self.store.reserve(step, got.owner, flat.numel())
+            if flat.numel():
+                mapped.tensor.copy_(flat)
+            # a replica keeps its owner's CRC32s, checked before any use (recovery): not computed again here
+            self._commit(step, mode, got.owner, mapped, bytes(head_t.numpy()), *got.crc32)
+
+    def _commit(self, step: int, mode: str, owner: int, file: MappedFile, head: bytes, head_crc: int,
+                flat_crc: int) -> None:
+        held = Held(step, owner, file.nbytes, flat_crc, tuple(self.topology), mode, len(head), head_crc)
+        self.store.commit(held, file, head)

@@ -1,0 +1,55 @@
+"""Replicas of a replicated (DDP) state, made without sending the state.
+
+Under DDP every rank holds the same tensors, so a clique member can copy its peers' shares from its own
+memory at the save call, as it copies its own, and nothing large crosses the network. What proves that a
+replica made this way holds the owner's bytes is a checksum: each member CRCs every share it copied, the
+clique gathers those (and each owner's small header), and a replica whose CRC differs from its owner's
+(a tensor that is not replicated bit for bit, e.g. BatchNorm statistics without SyncBatchNorm) is sent by
+its owner, point to point, into the holder's file. Either way every replica ends as its owner's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from lightning_asyncckpt.tiers.packing import crc32
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a holder writes for one owner's share: the owner's header and the CRC32s."""
+
+    head: bytes
+    head_crc32: int
+    crc32: int
+
+
+def settle(me: int, own_head: bytes, flats: dict, group: dist.ProcessGroup | None) -> tuple[dict[int, Settled], int]:
+    """(every member of the clique ``group``, together, in the writer thread) ``flats`` maps each clique
+    owner to the ``uint8`` tensor this rank copied that owner's share into. Returns, by owner, what to
+    write, and how many replicas were repaired (sent by their owner) in the whole clique."""
+    mine = {owner: crc32(t) for owner, t in flats.items()}
+    row = (me, own_head, crc32(own_head), mine)
+    if group is None:
+        rows = [row]
+    else:
+        rows = [None] * dist.get_world_size(group)
+        dist.all_gather_object(rows, row, group=group)
+    by_rank = {r[0]: r for r in rows}
+    # every member computes the same list from the same rows: the replicas whose bytes differ from the owner's
+    repairs = sorted((owner, holder) for holder, r in by_rank.items() for owner, c in r[3].items()
+                     if owner != holder and c != by_rank[owner][3][owner])
+    for owner, holder in repairs:
+        if me == owner:
+            dist.send(flats[owner], dst=holder, group=group)
+        elif me == holder:
+            dist.recv(flats[owner], src=owner, group=group)
+            if crc32(flats[owner]) != by_rank[owner][3][owner]:
+                raise RuntimeError(f"rank {owner}'s share arrived with another CRC32 than it sent")
+    out = {}
+    for owner in flats:
+        _, head, head_crc, crcs = by_rank[owner]
+        out[owner] = Settled(head, head_crc, crcs[owner])
+    return out, len(repairs)

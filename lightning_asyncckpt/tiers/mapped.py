@@ -1,0 +1,131 @@
+"""Share files mapped into memory and reused from save to save.
+
+A local save's copy goes straight into the file: the file is mapped (``MAP_SHARED``), so copying the
+share into the mapping *is* writing it to node-local storage (``/dev/shm``: the page cache is the storage;
+a local NVMe: the kernel writes the pages back). There is no separate write, and no buffer in between.
+
+Why reuse: the first copy into a new mapping faults in every page (0.39 GB/s measured here), a copy into
+one already touched runs at memory speed (7.8 GB/s). So a file whose step is no longer needed is not
+removed but renamed into the pool's free list, still mapped, and the next save of that size takes it.
+
+Space is reserved with ``posix_fallocate`` before the mapping is used: a full filesystem then fails with a
+clean ``OSError`` (ENOSPC) at that call, never with a ``SIGBUS`` in the middle of a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FREE_PREFIX = ".free-"  # the pool's spare files: not a share (no .pt suffix), removed at start
+
+
+@dataclass
+class MappedFile:
+    """A file of ``nbytes`` at ``path`` and a writable ``uint8`` tensor over its mapping."""
+
+    path: Path
+    nbytes: int
+    tensor: torch.Tensor
+
+
+class FilePool:
+    """(one rank, any thread) The mapped files of one holder directory, and its spare ones.
+
+    ``keep_free`` spare files are kept for reuse; more are removed. Thread-safe: the training thread takes
+    files at a save, the writer thread for received replicas, and the training thread returns old ones.
+    """
+
+    def __init__(self, directory: Path, keep_free: int) -> None:
+        self.dir = Path(directory)
+        self.keep_free = max(keep_free, 0)
+        self._lock = threading.Lock()
+        self._mapped: dict[Path, MappedFile] = {}  # in use, by path
+        self._free: list[MappedFile] = []
+        self._names = itertools.count()
+        if self.dir.is_dir():  # a previous process's spares: their sizes may not fit; start clean
+            for p in self.dir.glob(FREE_PREFIX + "*"):
+                p.unlink(missing_ok=True)
+
+    def take(self, path: Path, nbytes: int) -> MappedFile:
+        """A mapped file of ``nbytes`` at ``path`` (a spare renamed there, or a new one with its space
+        reserved). Raises ``OSError`` (e.g. ENOSPC) before anything is written."""
+        path = Path(path)
+        with self._lock:
+            spare = next((f for f in self._free if f.nbytes == nbytes), None)
+            if spare is not None:
+                self._free.remove(spare)
+        mapped = None
+        if spare is not None:
+            with contextlib.suppress(FileNotFoundError):  # removed by another run of this rank: make a new one
+                os.replace(spare.path, path)
+                spare.path = path
+                mapped = spare
+        if mapped is None:
+            mapped = _create(path, nbytes)
+        with self._lock:
+            self._mapped[path] = mapped
+        return mapped
+
+    def rename(self, old: Path, new: Path) -> None:
+        """Renames a file in use (its mapping stays)."""
+        os.replace(old, new)
+        with self._lock:
+            mapped = self._mapped.pop(Path(old), None)
+            if mapped is not None:
+                mapped.path = Path(new)
+                self._mapped[Path(new)] = mapped
+
+    def give_back(self, path: Path) -> None:
+        """The file at ``path`` is no longer needed: kept as a spare (mapped) while there is room, else
+        removed. A file this process never mapped (a previous run's) is removed."""
+        path = Path(path)
+        with self._lock:
+            mapped = self._mapped.pop(path, None)
+            keep = mapped is not None and mapped.nbytes > 0 and len(self._free) < self.keep_free
+            if keep:
+                spare = self.dir / f"{FREE_PREFIX}{os.getpid()}-{next(self._names)}"
+        if not keep:
+            path.unlink(missing_ok=True)
+            return
+        try:
+            os.replace(path, spare)
+        except FileNotFoundError:
+            return
+        mapped.path = spare
+        with self._lock:
+            self._free.append(mapped)
+
+    def close(self) -> None:
+        """Removes the spare files; mappings are released with their last tensor."""
+        with self._lock:
+            free, self._free = self._free, []
+            self._mapped.clear()
+        for f in free:
+            f.path.unlink(missing_ok=True)
+
+
+def _create(path: Path, nbytes: int) -> MappedFile:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+            tensor = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+        else:
+            tensor = torch.empty(0, dtype=torch.uint8)
+    finally:
+        os.close(fd)
+    return MappedFile(path, nbytes, tensor)
