@@ -30,24 +30,27 @@ repetition (``--reps``):
 
 **Overhead per save** = the period - the same repetition's baseline period (median over repetitions; also
 the median period minus the median baseline period). **Stall**: the save call (local: the slowest rank's
-``last_stall_s``; persistent: rank 0's call). **Background**: the local writer thread's time (serialize,
-CRC32, replicate, write; the slowest rank), and the persistent save's from the call to its commit
+``last_stall_s``; persistent: rank 0's call). **Background**: the local writer thread's time (CRC32s, the
+clique's exchange, commits; the slowest rank), and the persistent save's from the call to its commit
 (``SaveRecord.write_s``). **Drain**: the wait at the period's end (near 0: the save finished within
 ``--every`` steps). **CPU**: user + system seconds of every rank's process (its threads: the local
 writer) and its children (the persistent worker) over the period, summed over the ranks; the extra CPU
-per save is the period's minus the same repetition's baseline's. Parts of the save call, its thread and the recovery are timed by wrapping the tier's
-functions (``shares.make`` and ``packing.pack`` where it exists, ``ShareWriter.wait``, ``writer.replicate``, ``LocalStore.write``,
-``TierRun._fetch``, ``shares.assemble``) in this process; nothing else changes. One untimed save of each
-tier, drained, comes first (the worker start, the staging buffers, the space check).
+per save is the period's minus the same repetition's baseline's. Parts of the save call, its thread and
+the recovery are timed by wrapping the tier's functions (``packing.copy_into``, ``ShareWriter.wait``,
+``local_replicas.settle``, ``replication.replicate``, ``LocalStore.commit``, ``exchange.transfer``,
+``LocalStore.read``, ``shares.assemble``) in this process; nothing else changes. One untimed save of each
+tier, drained, comes first (the worker start, the staging buffers, the files, the space check).
 
 **Recovery.** After one more save of each tier, of the same step, is complete (and committed), node 1
 *comes back empty*: rank 2 deletes everything in node 1's local directory, then every rank times
-``TierRun.latest(None)`` + ``take`` (its own share from its copy or its peer's replica, CRC checks, the
-full checkpoint assembled on every rank) against every rank's ``AsyncCheckpointIO.load_checkpoint`` of the
-persistent file, once with the page cache dropped first (``sync; echo 3 > /proc/sys/vm/drop_caches``, or,
-where that is refused, ``posix_fadvise(DONTNEED)`` on the file; the bytes still cached, read by
-``fincore``, are reported) and once warm (read through first). A recovery's time is the slowest rank's,
-from a common barrier. Every restored checkpoint is compared, tensor by tensor, with the live state.
+``TierRun.latest(None)`` + ``take`` (node 1 refilled from node 0, CRC checks, the full checkpoint
+assembled on every rank) against every rank's ``AsyncCheckpointIO.load_checkpoint`` of the persistent
+file, once with the page cache dropped first (``sync; echo 3 > /proc/sys/vm/drop_caches``, or, where that
+is refused, ``posix_fadvise(DONTNEED)`` on the file; the bytes still cached, read by ``fincore``, are
+reported), once warm (read through first), and (unless ``--no-s3``) once from the same file on an
+S3-protocol server (moto's server mode in its own process on 127.0.0.1, as the tests start it; every rank
+reads ``s3://`` through s3fs). A recovery's time is the slowest rank's, from a common barrier. Every
+restored checkpoint is compared, tensor by tensor, with the live state.
 Repeated ``--recoveries`` times, in a rotated order; figures are medians. Results:
 ``benchmarks/results/tiers-<time>.{md,json}``.
 """
@@ -73,8 +76,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loopback S3 server
+from s3server import S3Server  # noqa: E402
+
 VARIANTS = ["baseline", "local", "persistent"]
-RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm"]
+RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm", "persistent_s3"]
+S3_PATH = "s3://bench-tiers/last.ckpt"
 SAVE_PARTS = ["wait_previous", "copy_share"]  # of the local save call
 THREAD_PARTS = ["replicate", "write"]  # of the local save's thread: replicas settled, shares committed
 RECOVERY_PARTS = ["transfer", "read", "assemble"]  # of TierRun.latest (the rest: listing, CRC32, agreeing, unpickling)
@@ -336,6 +343,11 @@ class Trainer:
         assert self.tier.complete == self.step
         if self.rank == 0:
             assert self.persistent_path is not None and self.persistent_path.is_file()
+            if self.args.s3:  # the same file on the S3-protocol server: a persistent tier on an object store
+                import fsspec
+
+                fsspec.filesystem("s3").put(str(self.persistent_path), S3_PATH.removeprefix("s3://"))
+        self.dist.barrier()
         return self.step
 
     def recover(self, how: str, node1_dir: Path) -> dict[str, Any]:
@@ -347,6 +359,9 @@ class Trainer:
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
             self.dist.barrier()
             info["node1_entries_before"] = sum(1 for _ in node1_dir.rglob("*"))
+        elif how == "persistent_s3":
+            path = S3_PATH
+            info["cache"] = "n/a (moto keeps it in memory)"
         elif self.rank == 0:
             info.update(drop_cache(Path(path)) if how == "persistent_cold" else warm_cache(Path(path)))
         self.dist.barrier()
@@ -408,6 +423,11 @@ def cached_bytes(path: Path) -> int | None:
     return None
 
 
+def recoveries_of(args: Any) -> list[str]:
+    s3 = args.get("s3", False) if isinstance(args, dict) else args.s3
+    return [k for k in RECOVERIES if s3 or k != "persistent_s3"]
+
+
 def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_dir: Path, out: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -433,8 +453,9 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_d
         result["periods"] = periods
         result["recovery_step"] = trainer.prepare_recovery()
         recoveries = []
+        kinds = recoveries_of(args)
         for rep in range(args.recoveries):
-            order = RECOVERIES[rep % len(RECOVERIES):] + RECOVERIES[: rep % len(RECOVERIES)]
+            order = kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]
             for how in order:
                 r = trainer.recover(how, base / "node1")
                 r["rep"] = rep
@@ -496,7 +517,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         rows.append(row)
     by = {r["variant"]: r for r in rows}
     rec_rows = []
-    for how in RECOVERIES:
+    for how in [h for h in RECOVERIES if any(r["how"] == h for r in result["recoveries"])]:
         mine = [r for r in result["recoveries"] if r["how"] == how]
         row = {
             "how": how,
@@ -521,6 +542,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "extra_cpu_local_vs_persistent": _ratio(by["local"]["extra_cpu_s"], by["persistent"]["extra_cpu_s"]),
         "recovery_replicas_vs_persistent_cold": _ratio(rec["local_replicas"]["seconds"], rec["persistent_cold"]["seconds"]),
         "recovery_replicas_vs_persistent_warm": _ratio(rec["local_replicas"]["seconds"], rec["persistent_warm"]["seconds"]),
+        "recovery_replicas_vs_persistent_s3": _ratio(rec["local_replicas"]["seconds"],
+                                                     rec.get("persistent_s3", {}).get("seconds")),
     }
     return {"baseline_period_s": base_median, "overhead": rows, "recovery": rec_rows, "ratios": ratios}
 
@@ -585,6 +608,7 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
         f"| extra CPU per save (all processes), local / persistent | {f(ra['extra_cpu_local_vs_persistent'], '.2f')}× | |",
         f"| recovery, replicas / persistent (page cache dropped) | {f(ra['recovery_replicas_vs_persistent_cold'], '.2f')}× | ≤ 0.5× |",
         f"| recovery, replicas / persistent (warm) | {f(ra['recovery_replicas_vs_persistent_warm'], '.2f')}× | |",
+        f"| recovery, replicas / persistent on the S3-protocol server | {f(ra.get('recovery_replicas_vs_persistent_s3'), '.2f')}× | |",
     ]
     return "\n".join(lines)
 
@@ -601,11 +625,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = Path(f"/dev/shm/bench-tiers-{os.getpid()}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-tiers-", dir=args.dir))
     procs: list = []
+    stack = contextlib.ExitStack()  # the S3-protocol server, stopped at the end whatever happens
     try:
         for node in range(WORLD // PER_NODE):
             (base / f"node{node}").mkdir(parents=True)
         (tmp / "ckpt").mkdir()
         out = tmp / "result.json"
+        if args.s3:  # moto in its own process on loopback; the ranks (spawned) inherit the endpoint
+            server = stack.enter_context(S3Server(tmp))
+            os.environ.update(server.env, AWS_ENDPOINT_URL=server.direct_endpoint)
+            import fsspec
+
+            fsspec.filesystem("s3").mkdir(S3_PATH.removeprefix("s3://").split("/")[0])
         ctx = mp.get_context("spawn")
         port = _free_port()
         os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch.cuda's pynvml notice, per rank
@@ -632,6 +663,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             if p.is_alive():
                 p.kill()
+        stack.close()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -648,6 +680,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=420.0, help="hard deadline of the whole run, in seconds")
     p.add_argument("--dir", default=None, help="where the persistent tier writes (default: the system's temp dir)")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--no-s3", dest="s3", action="store_false",
+                   help="skip the recovery from the same file on an S3-protocol server (moto, loopback)")
     p.add_argument("--render", default=None, help="print the tables of a saved tiers-*.json instead of running")
     args = p.parse_args()
 

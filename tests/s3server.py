@@ -119,6 +119,7 @@ class S3Server:
         self._proxy = _ProxyServer(free_port(), port)
         threading.Thread(target=self._proxy.serve_forever, daemon=True).start()
         self.endpoint = f"http://127.0.0.1:{self._proxy.server_address[1]}"
+        self.direct_endpoint = f"http://127.0.0.1:{port}"  # moto itself, without the proxy (benchmarks)
         self.env = {
             "AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "2", "AWS_RETRY_MODE": "standard",

@@ -138,6 +138,18 @@ def test_a_removed_steps_file_is_reused_by_the_next_share_of_its_size(tmp_path):
     assert not list(store.dir.glob(".free-*"))
 
 
+def test_after_the_first_save_the_next_saves_files_are_made_ahead_then_reused(tmp_path):
+    store = LocalStore(tmp_path, 0, keep_free=1)
+    _write(store, 2, 0, torch.full((4096,), 2, dtype=torch.uint8))
+    assert store.pool.prepare([4096]) == 1  # the file of step 2 in use, and one spare for step 4
+    assert store.pool.prepare([4096]) == 0  # already there
+    (spare,) = store.dir.glob(".free-*")
+    inode = spare.stat().st_ino
+    _write(store, 4, 0, torch.full((4096,), 4, dtype=torch.uint8))
+    assert (store.dir / "step-0000000004.owner-0.pt").stat().st_ino == inode
+    assert not list(store.dir.glob(".free-*"))
+
+
 def test_a_share_cut_short_is_not_listed(tmp_path):
     store = LocalStore(tmp_path, 0)
     _write(store, 4, 0, torch.arange(10, dtype=torch.uint8))
@@ -209,6 +221,24 @@ def test_a_directory_too_small_is_refused_with_the_sizes_before_anything_is_writ
     checks.space(small_tmpfs, 0, [0], share_bytes=200_000, held_bytes=0, factor=2, gather=lambda x: [x])
 
 
+def _two_ranks(target, tmp_path):
+    """Runs ``target(rank, port, tmp_path, queue)`` in two forked processes (a hard timeout, killed after);
+    returns what each put on the queue, by rank."""
+    ctx = mp.get_context("fork")  # no resource tracker left behind (spawn starts one)
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
 def _shared_dir_rank(rank, port, path, q):
     import torch.distributed as dist
 
@@ -228,18 +258,7 @@ def _shared_dir_rank(rank, port, path, q):
 
 def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
     """Two real processes that say they are on nodes 0 and 1 but share one directory: both refuse it."""
-    ctx = mp.get_context("fork")  # no resource tracker left behind (spawn starts one)
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_shared_dir_rank, args=(r, port, str(tmp_path), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    got = _two_ranks(_shared_dir_rank, tmp_path)
     for rank in (0, 1):
         assert got[rank] and "TierConfigError" in got[rank] and "is shared between nodes" in got[rank], got[rank]
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the probes are gone
@@ -304,20 +323,9 @@ def _replicas_rank(rank, port, root, q):
 
 
 def test_replicas_of_a_replicated_state_are_copied_locally_and_hold_their_owners_bytes(tmp_path):
-    ctx = mp.get_context("fork")
-    q, port = ctx.Queue(), free_port()
     for r in range(2):
         (tmp_path / f"node{r}").mkdir()
-    procs = [ctx.Process(target=_replicas_rank, args=(r, port, str(tmp_path), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    got = _two_ranks(_replicas_rank, tmp_path)
     for rank in (0, 1):
         assert isinstance(got[rank], tuple), got[rank]
     # every replica file holds exactly its owner's bytes

@@ -103,6 +103,28 @@ class FilePool:
         with self._lock:
             self._free.append(mapped)
 
+    def prepare(self, sizes: list[int]) -> int:
+        """(the writer thread, after a save) Makes spare files, faulted in, until each size in ``sizes`` has
+        two files per use (the save just made and the next one), at most ``keep_free`` spares: the second
+        save then reuses files as every later one does, instead of creating and faulting in its own inside
+        the save call. Returns how many it made; a full filesystem makes fewer (the next save reports it)."""
+        made = 0
+        for size in sorted(set(sizes)):
+            with self._lock:
+                have = sum(f.nbytes == size for f in (*self._mapped.values(), *self._free))
+                room = self.keep_free - len(self._free)
+                path = self.dir / f"{FREE_PREFIX}{os.getpid()}-{next(self._names)}"
+            for _ in range(min(2 * sizes.count(size) - have, room)):
+                try:
+                    spare = _create(path, size)
+                except OSError:
+                    return made
+                with self._lock:
+                    self._free.append(spare)
+                    path = self.dir / f"{FREE_PREFIX}{os.getpid()}-{next(self._names)}"
+                made += 1
+        return made
+
     def close(self) -> None:
         """Removes the spare files; mappings are released with their last tensor."""
         with self._lock:
@@ -123,7 +145,9 @@ def _create(path: Path, nbytes: int) -> MappedFile:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
                 raise
-            tensor = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+            # every page is written next: fault them all in at once (MAP_POPULATE) rather than one by one
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            tensor = torch.frombuffer(mmap.mmap(fd, nbytes, flags=flags), dtype=torch.uint8)
         else:
             tensor = torch.empty(0, dtype=torch.uint8)
     finally:

@@ -60,8 +60,8 @@ class LocalStore:
 
     def commit(self, held: Held, mapped: MappedFile, head: bytes) -> None:
         """(any thread) Gives a reserved file its name and writes the header, then the manifest."""
+        _write_atomic(self._file(held.step, held.owner, ".head"), head)  # may fail (ENOSPC): .pt not named yet
         self.pool.rename(mapped.path, self._file(held.step, held.owner, ".pt"))
-        _write_atomic(self._file(held.step, held.owner, ".head"), head)
         _write_atomic(self._file(held.step, held.owner, ".json"), json.dumps(asdict(held)).encode())
 
     def write(self, held: Held, flat: torch.Tensor, head: bytes) -> None:

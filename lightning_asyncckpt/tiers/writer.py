@@ -75,6 +75,7 @@ class ShareWriter:
             else:
                 self._replicate(step, mode, copied[0])
             self.newest_done = step
+            self.store.pool.prepare([c.file.nbytes for c in copied])  # the next save's files, off its stall
         except BaseException as e:  # noqa: BLE001 - kept, and raised on every rank at the next boundary
             self.error = f"local save of step {step}: {type(e).__name__}: {e}"
         finally:
