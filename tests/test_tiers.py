@@ -4,6 +4,7 @@ processes that claim to be on two nodes)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import traceback
 
@@ -340,3 +341,49 @@ def test_replicas_of_a_replicated_state_are_copied_locally_and_hold_their_owners
     for name in live0:
         assert torch.equal(restored0[name], restored1[name])
         assert torch.equal(restored0[name], live0[name]) or torch.equal(restored0[name], live1[name])
+
+
+def _full_peer_rank(rank, port, root, q):
+    """Rank 1's directory is a small tmpfs that fills up before the second save: its files cannot be
+    reserved, yet it joins the clique's exchange, so rank 0's thread finishes; both ranks raise rank 1's
+    ENOSPC at the boundary, and rank 0 reports no failure of its own."""
+    import torch.distributed as dist
+
+    from lightning_asyncckpt.errors import CheckpointWriteError
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        try:
+            tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+            run = TierRun(tier, node_rank=rank, local_world_size=1)
+            run.save(2, {"w": torch.ones(1000), "global_step": 2})
+            assert run.finish() == 2
+            if rank == 1:
+                with open(f"{root}/node1/filler", "wb") as f, contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+            dist.barrier()
+            run.save(4, {"w": torch.ones(20_000), "global_step": 4})  # another size: new files needed
+            try:
+                run.finish()
+                q.put((rank, "no error"))
+            except CheckpointWriteError as e:
+                q.put((rank, ("error", str(e))))
+            run.close(wait=False)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def test_a_rank_whose_directory_is_full_still_joins_the_exchange_and_every_rank_raises_its_error(small_tmpfs, tmp_path):
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").symlink_to(small_tmpfs)
+    got = _two_ranks(_full_peer_rank, tmp_path)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+        text = got[rank][1]
+        assert "rank 1: LocalTierError: local save of step 4: OSError" in text and "No space left" in text, text
+        assert "rank 0:" not in text, text  # rank 0's thread did not wait for a peer that never came

@@ -31,7 +31,7 @@ FREE_PREFIX = ".free-"  # the pool's spare files: not a share (no .pt suffix), r
 class MappedFile:
     """A file of ``nbytes`` at ``path`` and a writable ``uint8`` tensor over its mapping."""
 
-    path: Path
+    path: Path | None  # None: memory only (a file that could not be reserved)
     nbytes: int
     tensor: torch.Tensor
 

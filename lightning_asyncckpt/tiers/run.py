@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.tiers import checks, cliques, packing, recovery, restore, shares
 from lightning_asyncckpt.tiers.config import LocalTier
+from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.persistent import global_step
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
 from lightning_asyncckpt.tiers.store import LocalStore
@@ -97,21 +98,22 @@ class TierRun:
         self._raise_failed()
         mode = shares.SHARDED if shares.has_dtensors(checkpoint) else shares.REPLICATED
         owners = self.clique if mode == shares.REPLICATED and self.clique_group is not None else [self.rank]
-        laid = {o: packing.layout(shares.make(checkpoint, o, self.world, mode)) for o in owners}
+        laid = {o: packing.layout(share) for o, share in shares.make_many(checkpoint, owners, self.world, mode).items()}
         if not self._space_checked:
             checks.space(Path(self.config.dir), self.rank, self.node_of, laid[self.rank][0].nbytes,
                          self.store.used_bytes(), self.config.replication_factor, self.gather)
             self._space_checked = True
-        copied = []
-        try:
-            for owner, (lay, tensors) in laid.items():
+        copied, failure = [], None
+        for owner, (lay, tensors) in laid.items():
+            try:
                 file = self.store.reserve(step, owner, lay.nbytes)
-                packing.copy_into(lay, tensors, file.tensor)  # the one copy, straight into node-local storage
-                copied.append(Copied(owner, lay.header() if owner == self.rank else b"", file))
-        except OSError as e:
-            self.writer.error = f"local save of step {step}: {type(e).__name__}: {e}"
-            return
-        self.writer.submit(step, mode, copied)
+            except OSError as e:  # a full directory: this rank still takes part in the clique's exchange (its
+                # peers would wait for it), from memory, and its thread reports the failure after
+                failure = failure or f"local save of step {step}: {type(e).__name__}: {e}"
+                file = MappedFile(None, lay.nbytes, torch.empty(lay.nbytes, dtype=torch.uint8))
+            packing.copy_into(lay, tensors, file.tensor)  # the one copy, straight into node-local storage
+            copied.append(Copied(owner, lay.header() if owner == self.rank else b"", file))
+        self.writer.submit(step, mode, copied, failure)
         self.saved_step = step
         self.last_stall_s = time.perf_counter() - start
 

@@ -44,12 +44,18 @@ def has_dtensors(checkpoint: Any) -> bool:
 
 def make(checkpoint: dict[str, Any], rank: int, world_size: int, mode: str) -> dict[str, Any]:
     """(every rank, at a local save, on the training thread) This rank's share (its live tensors)."""
+    return make_many(checkpoint, [rank], world_size, mode)[rank]
+
+
+def make_many(checkpoint: dict[str, Any], ranks: list[int], world_size: int, mode: str) -> dict[int, dict[str, Any]]:
+    """(every rank, at a local save, on the training thread) The shares of ``ranks`` (a replicated state:
+    this rank holds its clique peers' parts too), the checkpoint split and partitioned once for all."""
     if mode == SHARDED:
-        return {"mode": SHARDED, "state": tree.walk(checkpoint, (), lambda p, t: _local(t))}
+        return {r: {"mode": SHARDED, "state": tree.walk(checkpoint, (), lambda p, t: _local(t))} for r in ranks}
     skeleton, tensors = tree.split(checkpoint)
     owners = {name: r for r, part in enumerate(tree.partition(tensors, world_size)) for name in part}
-    mine = {name: t for name, t in tensors.items() if owners[name] == rank}
-    return {"mode": REPLICATED, "skeleton": skeleton, "owners": owners, "tensors": mine}
+    return {r: {"mode": REPLICATED, "skeleton": skeleton, "owners": owners,
+                "tensors": {name: t for name, t in tensors.items() if owners[name] == r}} for r in ranks}
 
 
 def _local(t: torch.Tensor) -> Any:

@@ -55,13 +55,15 @@ class ShareWriter:
             self._thread.join(timeout_s)
         return not self.busy
 
-    def submit(self, step: int, mode: str, copied: list[Copied]) -> None:
+    def submit(self, step: int, mode: str, copied: list[Copied], failure: str | None = None) -> None:
+        """Starts the thread. ``failure``: a file could not be reserved (``copied`` then holds memory for it);
+        the thread still takes part in the clique's exchange, commits nothing and reports ``failure``."""
         assert not self.busy, "a share is still being written"
-        self._thread = threading.Thread(target=self._job, args=(step, mode, copied), name=f"asyncckpt-local-{step}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._job, args=(step, mode, copied, failure),
+                                        name=f"asyncckpt-local-{step}", daemon=True)
         self._thread.start()
 
-    def _job(self, step: int, mode: str, copied: list[Copied]) -> None:
+    def _job(self, step: int, mode: str, copied: list[Copied], failure: str | None) -> None:
         start = time.perf_counter()
         try:
             if mode == shares.REPLICATED or self.group is None:  # every clique owner's share copied here
@@ -69,11 +71,15 @@ class ShareWriter:
                 settled, repaired = local_replicas.settle(self.rank, own.head, {c.owner: c.file.tensor for c in copied},
                                                           self.group)
                 self.repaired += repaired
-                for c in copied:
-                    s = settled[c.owner]
-                    self._commit(step, mode, c.owner, c.file, s.head, s.head_crc32, s.crc32)
+                commits = [(c.owner, c.file, settled[c.owner].head, settled[c.owner].head_crc32,
+                            settled[c.owner].crc32) for c in copied]
             else:
-                self._replicate(step, mode, copied[0])
+                commits = self._replicate(step, copied[0])
+            if failure is not None:
+                self.error = failure
+                return
+            for owner, file, head, head_crc, flat_crc in commits:
+                self._commit(step, mode, owner, file, head, head_crc, flat_crc)
             self.newest_done = step
             self.store.pool.prepare([c.file.nbytes for c in copied])  # the next save's files, off its stall
         except BaseException as e:  # noqa: BLE001 - kept, and raised on every rank at the next boundary
@@ -81,9 +87,9 @@ class ShareWriter:
         finally:
             self.last_write_s = time.perf_counter() - start
 
-    def _replicate(self, step: int, mode: str, own: Copied) -> None:
+    def _replicate(self, step: int, own: Copied) -> list[tuple]:
         """A sharded share: NVRx's clique replication sends the own share; the peers' arrive in memory and
-        are copied into mapped files."""
+        are copied into mapped files. Returns what to commit."""
         from lightning_asyncckpt.tiers.replication import (  # nvidia-resiliency-ext
             ShareStateDict,
             head_tensor,
@@ -92,16 +98,18 @@ class ShareWriter:
 
         head_crc, flat_crc = crc32(own.head), crc32(own.file.tensor)
         sd = ShareStateDict(step, self.rank, (head_crc, flat_crc), [head_tensor(own.head), own.file.tensor])
+        commits = []
         for got in replicate(sd, self.group):
             head_t, flat = got.tensors
             if got.owner == self.rank:
-                self._commit(step, mode, self.rank, own.file, own.head, head_crc, flat_crc)
+                commits.append((self.rank, own.file, own.head, head_crc, flat_crc))
                 continue
             mapped = self.store.reserve(step, got.owner, flat.numel())
             if flat.numel():
                 mapped.tensor.copy_(flat)
             # a replica keeps its owner's CRC32s, checked before any use (recovery): not computed again here
-            self._commit(step, mode, got.owner, mapped, bytes(head_t.numpy()), *got.crc32)
+            commits.append((got.owner, mapped, bytes(head_t.numpy()), *got.crc32))
+        return commits
 
     def _commit(self, step: int, mode: str, owner: int, file: MappedFile, head: bytes, head_crc: int,
                 flat_crc: int) -> None:
