@@ -318,8 +318,9 @@ class Trainer:
 
     def warmup(self) -> dict[str, Any]:
         """(all ranks) A few steps, then one untimed save of each tier, drained: first-time costs."""
-        for _ in range(2):
-            self.train_step()
+        self.train_step()
+        self.tier.prepare(self.state)  # as the Trainer and Fabric integrations do, at a boundary before the first save
+        self.train_step()
         out = {}
         for variant in ("local", "persistent"):
             self.dist.barrier()

@@ -151,6 +151,29 @@ def test_after_the_first_save_the_next_saves_files_are_made_ahead_then_reused(tm
     assert not list(store.dir.glob(".free-*"))
 
 
+def test_before_the_first_save_its_files_are_made_in_the_background_and_the_save_reuses_them(tmp_path):
+    """TierRun.prepare (called at a step boundary before the first local save) makes the first save's files
+    in the writer thread; the save then renames them (the same inodes) instead of creating its own."""
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    run = TierRun(LocalTier(tmp_path, replication_factor=1, emergency_signals=()), node_rank=0, local_world_size=1)
+    try:
+        state = {"w": torch.ones(10_000), "global_step": 2}
+        assert run.wants_files
+        run.prepare(state)
+        assert not run.wants_files
+        assert run.writer.wait(60)
+        holder = run.store.dir
+        spares = {p.stat().st_ino for p in holder.glob(".free-*")}
+        assert len(spares) == 1
+        run.save(2, state)
+        assert run.finish() == 2
+        assert (holder / "step-0000000002.owner-0.pt").stat().st_ino in spares
+        assert run.take(run.latest(None))["w"].equal(state["w"])
+    finally:
+        run.close()
+
+
 def test_a_share_cut_short_is_not_listed(tmp_path):
     store = LocalStore(tmp_path, 0)
     _write(store, 4, 0, torch.arange(10, dtype=torch.uint8))
@@ -387,3 +410,58 @@ def test_a_rank_whose_directory_is_full_still_joins_the_exchange_and_every_rank_
         text = got[rank][1]
         assert "rank 1: LocalTierError: local save of step 4: OSError" in text and "No space left" in text, text
         assert "rank 0:" not in text, text  # rank 0's thread did not wait for a peer that never came
+
+
+def _refill_full_rank(rank, port, root, q):
+    """Node 1 comes back with an empty directory that has too little space for the shares it must hold
+    again: its refill files cannot be reserved. Both ranks fall back to the persistent tier at once, with
+    rank 1's reason, and neither waits for the other in a transfer (``timeout_s`` is far above the test's
+    limit)."""
+    import logging
+    import shutil
+
+    import torch.distributed as dist
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        try:
+            tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=600, emergency_signals=())
+            run = TierRun(tier, node_rank=rank, local_world_size=1)
+            run.save(2, {"w": torch.ones(100_000), "global_step": 2})  # two shares of 200 kB
+            assert run.finish() == 2
+            run.close()
+            if rank == 1:  # node 1 is back empty, its directory nearly full
+                shutil.rmtree(f"{root}/node1/asyncckpt-local")
+                with open(f"{root}/node1/filler", "wb") as f:
+                    with contextlib.suppress(OSError):
+                        while True:
+                            f.write(b"\0" * 65536)
+                            f.flush()
+                    f.truncate(max(0, f.tell() - 128 * 1024))  # room for the probes, not for a share
+            dist.barrier()
+            lines = []
+            handler = logging.Handler()
+            handler.emit = lambda record: lines.append(record.getMessage())
+            logging.getLogger("lightning_asyncckpt").addHandler(handler)
+            again = TierRun(tier, node_rank=rank, local_world_size=1)
+            key = again.latest(None)
+            again.close()
+            q.put((rank, (key, lines)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def test_a_node_back_without_room_for_its_shares_makes_every_rank_fall_back_at_once(small_tmpfs, tmp_path):
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").symlink_to(small_tmpfs)
+    got = _two_ranks(_refill_full_rank, tmp_path)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+        key, lines = got[rank]
+        assert key is None  # the persistent tier's answer (none here), not a local restore
+    why = [line for line in got[0][1] if "resuming from the persistent tier" in line]
+    assert why and "rank 1 could not get ready for the refill transfers" in why[0] and "No space left" in why[0], why

@@ -59,6 +59,8 @@ class FabricTiers:
         due = step > 0 and step % self.io.local.every_n_train_steps == 0
         if (due or boundary.preempted) and step != self.tier.saved_step:
             self.tier.save(step, self._convert(state))
+        elif step > 0 and self.tier.wants_files:  # the first save's files, made while the next steps run
+            self.tier.prepare(self._convert(state))
         if not boundary.preempted:
             return False
         complete = self.tier.finish()

@@ -103,18 +103,19 @@ class FilePool:
         with self._lock:
             self._free.append(mapped)
 
-    def prepare(self, sizes: list[int]) -> int:
-        """(the writer thread, after a save) Makes spare files, faulted in, until each size in ``sizes`` has
-        two files per use (the save just made and the next one), at most ``keep_free`` spares: the second
-        save then reuses files as every later one does, instead of creating and faulting in its own inside
-        the save call. Returns how many it made; a full filesystem makes fewer (the next save reports it)."""
+    def prepare(self, sizes: list[int], uses: int = 2) -> int:
+        """(the writer thread) Makes spare files, faulted in, until each size in ``sizes`` has ``uses`` files
+        per use, at most ``keep_free`` spares. After a save, two (the save just made and the next one): the
+        second save then reuses files as every later one does; before the first save, one. Either way no
+        save call creates and faults in its own files. Returns how many it made; a full filesystem makes
+        fewer (the save reports it)."""
         made = 0
         for size in sorted(set(sizes)):
             with self._lock:
                 have = sum(f.nbytes == size for f in (*self._mapped.values(), *self._free))
                 room = self.keep_free - len(self._free)
                 path = self.dir / f"{FREE_PREFIX}{os.getpid()}-{next(self._names)}"
-            for _ in range(min(2 * sizes.count(size) - have, room)):
+            for _ in range(min(uses * sizes.count(size) - have, room)):
                 try:
                     spare = _create(path, size)
                 except OSError:

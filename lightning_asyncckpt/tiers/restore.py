@@ -11,6 +11,11 @@ Three moves, each rank in the same order:
    holder directories of its own node, checked in 2; a share its node does not hold is sent from
    another node and checked on arrival.
 
+Before each transfer the ranks prepare (map what they send, reserve what they receive into) and agree, and
+they agree once more before unpacking: a rank that fails anywhere makes every rank fall back to the
+persistent tier at that point, with the reason, instead of leaving its peers in a send until the group's
+timeout.
+
 Every checkpoint returned is in memory of its own (read, not mapped): a later save reuses the files.
 """
 
@@ -55,31 +60,43 @@ class Restored:
 
 
 def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Restored:
-    """(every rank, together) Restores ``plan.step``; see the module docstring."""
+    """(every rank, together) Restores ``plan.step``; see the module docstring. Whatever can fail on one
+    rank (a full directory, a missing file, a CRC32) is found before the next step that needs its peers,
+    and the ranks agree on it (:meth:`Ranks.gather`), so that all restore or all fall back at once: no rank
+    is left waiting in a transfer for one that gave up."""
     me, step = ranks.rank, plan.step
     mode = plan.sources[0][1].mode
     needs = {r: ([r] if mode == shares.SHARDED else list(range(ranks.world))) for r in range(ranks.world)}
     refill = recovery.refill(plan, holdings, ranks.cliques, ranks.factor, ranks.node_of)
     fetch = recovery.fetch(plan, recovery.after(holdings, refill), ranks.node_of, needs)
     mine = set(needs[me])
+    sent, read = len(refill) + len(fetch.moves), sum(len(v) for v in fetch.reads.values())
     got: dict[int, tuple[bytes, torch.Tensor]] = {}
     bad: list[str] = []
 
-    # 1. refill: received into reserved files, checked, then committed under their names
+    def agreed() -> list[str]:
+        return sorted({p for ps in ranks.gather(bad) for p in ps})
+
+    # 1. refill: received into files reserved before any byte moves, checked, then committed under their names
     reserved = {}
 
     def into(m: Held) -> torch.Tensor:
         reserved[m.owner] = ranks.store.reserve(step, m.owner, m.nbytes)
         return reserved[m.owner].tensor
 
+    ready = _prepare(refill, ranks.store.map, into, me, bad, "refill")
+    if problems := agreed():
+        return Restored(None, problems, sent, read)
     senders = {(o, r): s for o, s, r, _ in refill}
     refilled = set()
-    for m, head, flat in exchange.transfer(refill, ranks.store.map, into, me, ranks.group):
-        problem = _check(m, head, flat, f"sent by rank {senders[(m.owner, me)]}")
-        if problem:
-            bad.append(problem)
+    for m, head, flat in exchange.transfer(refill, ready, me, ranks.group):
+        if not _checked(m, head, flat, f"sent by rank {senders[(m.owner, me)]}", bad):
             continue
-        ranks.store.commit(m, reserved[m.owner], head)
+        try:
+            ranks.store.commit(m, reserved[m.owner], head)
+        except OSError as e:
+            bad.append(f"rank {me} could not keep rank {m.owner}'s share it was sent: {e}")
+            continue
         refilled.add(m.owner)
         if m.owner in mine:
             got[m.owner] = (head, flat.clone())  # the file is reused by a later save
@@ -88,38 +105,58 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     for h in ranks.store.holdings(ranks.topology):
         if h.step != step or h.owner in refilled:
             continue
-        head, flat = ranks.store.read(h) if h.owner in mine else ranks.store.map(h)
-        problem = _check(h, head, flat, f"held by rank {me}")
-        if problem:
-            bad.append(problem)
-        elif h.owner in mine:
+        try:
+            head, flat = ranks.store.read(h) if h.owner in mine else ranks.store.map(h)
+        except OSError as e:
+            bad.append(f"rank {me} could not read rank {h.owner}'s share it holds: {e}")
+            continue
+        if _checked(h, head, flat, f"held by rank {me}", bad) and h.owner in mine:
             got[h.owner] = (head, flat)
 
     # 3a. what this rank's node does not hold: sent from another node, checked on arrival
     def fresh(m: Held) -> torch.Tensor:
         return torch.empty(m.nbytes, dtype=torch.uint8)
 
-    movers = {(o, r): s for o, s, r, _ in fetch.moves}
-    for m, head, flat in exchange.transfer(fetch.moves, ranks.store.map, fresh, me, ranks.group):
-        problem = _check(m, head, flat, f"sent by rank {movers[(m.owner, me)]}")
-        if problem:
-            bad.append(problem)
-        else:
-            got[m.owner] = (head, flat)
-    problems = sorted({p for ps in ranks.gather(bad) for p in ps})
-    sent, read = len(refill) + len(fetch.moves), sum(len(v) for v in fetch.reads.values())
-    if problems:
+    ready = _prepare(fetch.moves, ranks.store.map, fresh, me, bad, "fetch")
+    if problems := agreed():
         return Restored(None, problems, sent, read)
+    movers = {(o, r): s for o, s, r, _ in fetch.moves}
+    for m, head, flat in exchange.transfer(fetch.moves, ready, me, ranks.group):
+        if _checked(m, head, flat, f"sent by rank {movers[(m.owner, me)]}", bad):
+            got[m.owner] = (head, flat)
 
     # 3b. the rest from the other holder directories of this node, checked by their holders in 2
     for owner, holder, manifest in fetch.reads.get(me, []):
         if owner not in got:
-            got[owner] = LocalStore(ranks.root, holder).read(manifest)
+            try:
+                got[owner] = LocalStore(ranks.root, holder).read(manifest)
+            except OSError as e:
+                bad.append(f"rank {me} could not read rank {owner}'s share in holder-{holder}: {e}")
+    if problems := agreed():
+        return Restored(None, problems, sent, read)
     own = packing.unpack(*got[me])
     if mode == shares.SHARDED:
         return Restored(own["state"], [], sent, read)
     every = [own, *(packing.unpack(*got[o]) for o in sorted(got) if o != me)]
     return Restored(shares.assemble(own, every), [], sent, read)
+
+
+def _prepare(moves: list[exchange.Move], read: Callable[[Held], tuple[bytes, torch.Tensor]],
+             into: Callable[[Held], torch.Tensor], me: int, bad: list[str], what: str) -> exchange.Prepared:
+    """This rank's side of ``moves``, or an empty one with the reason added to ``bad`` (then the ranks
+    agree to fall back before any transfer starts)."""
+    try:
+        return exchange.prepare(moves, read, into, me)
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch could not allocate the memory
+        bad.append(f"rank {me} could not get ready for the {what} transfers: {e}")
+        return exchange.Prepared()
+
+
+def _checked(m: Held, head: bytes, flat: torch.Tensor, where: str, bad: list[str]) -> bool:
+    problem = _check(m, head, flat, where)
+    if problem:
+        bad.append(problem)
+    return problem is None
 
 
 def _check(m: Held, head: bytes, flat: torch.Tensor, where: str) -> str | None:

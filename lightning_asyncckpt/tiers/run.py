@@ -74,6 +74,7 @@ class TierRun:
         self.saved_step = -1
         self.last_stall_s: float | None = None
         self._space_checked = False
+        self._prepared = False
         self._restored: dict[str, Any] = {}
 
     def gather(self, obj: Any) -> list[Any]:
@@ -96,13 +97,8 @@ class TierRun:
             raise TimeoutError(f"lightning-asyncckpt: the local save of step {self.saved_step} is still running"
                                f" after timeout_s={self.config.timeout_s}")
         self._raise_failed()
-        mode = shares.SHARDED if shares.has_dtensors(checkpoint) else shares.REPLICATED
-        owners = self.clique if mode == shares.REPLICATED and self.clique_group is not None else [self.rank]
-        laid = {o: packing.layout(share) for o, share in shares.make_many(checkpoint, owners, self.world, mode).items()}
-        if not self._space_checked:
-            checks.space(Path(self.config.dir), self.rank, self.node_of, laid[self.rank][0].nbytes,
-                         self.store.used_bytes(), self.config.replication_factor, self.gather)
-            self._space_checked = True
+        mode, laid = self._layouts(checkpoint)
+        self._check_space(laid)
         copied, failure = [], None
         for owner, (lay, tensors) in laid.items():
             try:
@@ -116,6 +112,38 @@ class TierRun:
         self.writer.submit(step, mode, copied, failure)
         self.saved_step = step
         self.last_stall_s = time.perf_counter() - start
+
+    @property
+    def wants_files(self) -> bool:
+        """True until the first local save or :meth:`prepare`: the first save's files are not made yet."""
+        return self.saved_step < 0 and not self._prepared
+
+    def prepare(self, checkpoint: dict[str, Any]) -> None:
+        """(every rank, together, at a step boundary before the first local save, once the optimizer has
+        its state) Checks the directory's space for ``checkpoint``'s shares (refused with the sizes, as
+        :meth:`save` would) and makes the first save's files in the background thread, so that the first
+        save copies into ready files as every later one does, instead of creating them inside its call."""
+        if not self.wants_files:
+            return
+        _mode, laid = self._layouts(checkpoint)
+        self._check_space(laid)
+        self.writer.make_ahead([lay.nbytes for lay, _ in laid.values()])
+        self._prepared = True
+
+    def _layouts(self, checkpoint: dict[str, Any]) -> tuple[str, dict[int, Any]]:
+        """The mode, and each share's layout and tensors by owner: this rank's, and with a replicated
+        state and replication its clique peers' too (it holds their replicas)."""
+        mode = shares.SHARDED if shares.has_dtensors(checkpoint) else shares.REPLICATED
+        owners = self.clique if mode == shares.REPLICATED and self.clique_group is not None else [self.rank]
+        made = shares.make_many(checkpoint, owners, self.world, mode)
+        return mode, {o: packing.layout(share) for o, share in made.items()}
+
+    def _check_space(self, laid: dict[int, Any]) -> None:
+        """(every rank, together, once) Refuses a directory too small for the shares (collective)."""
+        if not self._space_checked:
+            checks.space(Path(self.config.dir), self.rank, self.node_of, laid[self.rank][0].nbytes,
+                         self.store.used_bytes(), self.config.replication_factor, self.gather)
+            self._space_checked = True
 
     def boundary(self) -> Boundary:
         """(every rank, after every optimizer step) One all-reduce: a preemption request on any rank, a failed

@@ -63,6 +63,14 @@ class ShareWriter:
                                         name=f"asyncckpt-local-{step}", daemon=True)
         self._thread.start()
 
+    def make_ahead(self, sizes: list[int]) -> None:
+        """Starts the thread making spare files of ``sizes`` (faulted in) for the first save; the save waits
+        for it as for a save in flight. A full directory makes fewer: the save then reports it."""
+        assert not self.busy, "a share is still being written"
+        self._thread = threading.Thread(target=self.store.pool.prepare, args=(sizes, 1), name="asyncckpt-local-files",
+                                        daemon=True)
+        self._thread.start()
+
     def _job(self, step: int, mode: str, copied: list[Copied], failure: str | None) -> None:
         start = time.perf_counter()
         try:
