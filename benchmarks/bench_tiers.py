@@ -38,7 +38,7 @@ writer) and its children (the persistent worker) over the period, summed over th
 per save is the period's minus the same repetition's baseline's. Parts of the save call, its thread and
 the recovery are timed by wrapping the tier's functions (``packing.copy_into``, ``ShareWriter.wait``,
 ``local_replicas.settle``, ``replication.replicate``, ``LocalStore.commit``, ``exchange.transfer``,
-``LocalStore.read``, ``shares.assemble``) in this process; nothing else changes. One untimed save of each
+``store.map_share``, ``shares.assemble``, and the load below) in this process; nothing else changes. One untimed save of each
 tier, drained, comes first (the worker start, the staging buffers, the files, the space check).
 
 **Recovery.** After one more save of each tier, of the same step, is complete (and committed), node 1
@@ -49,8 +49,11 @@ file, once with the page cache dropped first (``sync; echo 3 > /proc/sys/vm/drop
 is refused, ``posix_fadvise(DONTNEED)`` on the file; the bytes still cached, read by ``fincore``, are
 reported), once warm (read through first), and (unless ``--no-s3``) once from the same file on an
 S3-protocol server (moto's server mode in its own process on 127.0.0.1, as the tests start it; every rank
-reads ``s3://`` through s3fs). A recovery's time is the slowest rank's, from a common barrier. Every
-restored checkpoint is compared, tensor by tensor, with the live state.
+reads ``s3://`` through s3fs). Either way the timed recovery ends once the restored checkpoint is loaded
+into the rank's model: every tensor copied into a tensor of its own, allocated and touched before the
+timing (what ``load_state_dict`` does), since the local tier hands out views of its files and the
+persistent load tensors in memory of their own. A recovery's time is the slowest rank's, from a common
+barrier. Every restored checkpoint is compared, tensor by tensor, with the live state.
 Repeated ``--recoveries`` times, in a rotated order; figures are medians. Results:
 ``benchmarks/results/tiers-<time>.{md,json}``.
 """
@@ -84,7 +87,7 @@ RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm", "persisten
 S3_PATH = "s3://bench-tiers/last.ckpt"
 SAVE_PARTS = ["wait_previous", "copy_share"]  # of the local save call
 THREAD_PARTS = ["replicate", "write"]  # of the local save's thread: replicas settled, shares committed
-RECOVERY_PARTS = ["transfer", "read", "assemble"]  # of TierRun.latest (the rest: listing, CRC32, agreeing, unpickling)
+RECOVERY_PARTS = ["transfer", "read", "assemble", "load"]  # the rest: listing, CRC32, agreeing, unpickling
 GiB = 1 << 30
 WORLD, PER_NODE = 4, 2
 
@@ -173,6 +176,7 @@ class Trainer:
         from lightning_asyncckpt import AsyncCheckpointIO
         from lightning_asyncckpt.tiers import restore as tier_restore
         from lightning_asyncckpt.tiers import run as tier_run
+        from lightning_asyncckpt.tiers import store as tier_store
         from lightning_asyncckpt.tiers import writer as tier_writer
         from lightning_asyncckpt.tiers.store import LocalStore
 
@@ -205,7 +209,8 @@ class Trainer:
         t.wrap(tier_replication, "replicate", "replicate")  # sharded state: NVRx's clique exchange
         t.wrap(self.tier.store, "commit", "write")  # header, manifest, renames
         t.wrap(tier_restore.exchange, "transfer", "transfer")  # recovery: shares sent between ranks
-        t.wrap(LocalStore, "read", "read")  # recovery: shares read from node-local files
+        t.wrap(LocalStore, "read", "read")  # recovery: shares read from node-local files (before mapping)
+        t.wrap(tier_store, "map_share", "read")  # recovery: another holder's shares on this node, mapped
         t.wrap(tier_restore.shares, "assemble", "assemble")
 
     def _calibrate(self) -> int:
@@ -335,7 +340,11 @@ class Trainer:
 
     # recovery ---------------------------------------------------------------------------------------
     def prepare_recovery(self) -> int:
-        """(all ranks) One more step and a save of it to both tiers, complete and committed."""
+        """(all ranks) One more step and a save of it to both tiers, complete and committed; the model's
+        tensors that a recovery loads into, allocated and touched."""
+        import torch
+
+        self.model = [torch.zeros_like(t) for t in state_tensors(self.state)]
         self.train_step()
         self.local_save()
         self.persistent_save()
@@ -375,9 +384,14 @@ class Trainer:
         else:
             restored = self.io.load_checkpoint(path)
             info["from"] = path
+        t1 = time.perf_counter()
+        for dst, src in zip(self.model, state_tensors(restored) if restored is not None else []):
+            dst.copy_(src)  # into the model, as load_state_dict does
         elapsed = time.perf_counter() - t0
         parts = self.timers.since(mark, RECOVERY_PARTS)
-        ok = restored is not None and same_state(restored, self.state)
+        parts["load"] = elapsed - (t1 - t0)
+        ok = (restored is not None and same_state(restored, self.state)
+              and all(self.torch.equal(a, b) for a, b in zip(self.model, state_tensors(self.state))))
         del restored
         rows = self.gather((elapsed, ok, parts))
         slow = max(rows, key=lambda r: r[0])
@@ -597,9 +611,10 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
     ra = summary["ratios"]
     lines += [
         "",
-        f"Local recovery (slowest rank): shares sent between ranks {f(rp['transfer'], '.2f')} s, read from node-local"
-        f" files {f(rp['read'], '.2f')} s, the full checkpoint assembled {f(rp['assemble'], '.2f')} s, the rest"
-        f" (listing, CRC32 checks, agreeing, unpickling) {f(rest, '.2f')} s.",
+        f"Local recovery (slowest rank): shares sent between ranks {f(rp['transfer'], '.2f')} s, read (or mapped) from"
+        f" node-local files {f(rp['read'], '.2f')} s, the full checkpoint assembled {f(rp['assemble'], '.2f')} s,"
+        f" loaded into the model {f(rp.get('load'), '.2f')} s, the rest (listing, CRC32 checks, agreeing, unpickling)"
+        f" {f(rest, '.2f')} s.",
         "",
         "| ratio | measured | target |",
         "|---|---|---|",

@@ -114,7 +114,7 @@ def test_store_lists_complete_shares_only_and_removes_only_older_steps_of_its_ow
     (tmp_path / "user-file.ckpt").write_bytes(b"not ours")
     assert [(h.step, h.owner) for h in store.holdings(TOPO)] == [(8, 0), (10, 0)]
     assert store.holdings((8, 2, 2)) == []  # saved under another topology: not usable
-    head, flat = store.read(store.holdings(TOPO)[1])
+    head, flat = store.map(store.holdings(TOPO)[1])
     assert head == b"header" and torch.equal(flat, torch.full((100,), 10, dtype=torch.uint8))
     store.remove_older(10)
     assert [h.step for h in store.holdings(TOPO)] == [10]
@@ -170,6 +170,32 @@ def test_before_the_first_save_its_files_are_made_in_the_background_and_the_save
         assert run.finish() == 2
         assert (holder / "step-0000000002.owner-0.pt").stat().st_ino in spares
         assert run.take(run.latest(None))["w"].equal(state["w"])
+    finally:
+        run.close()
+
+
+def test_a_restored_checkpoint_maps_its_files_privately_and_later_saves_never_write_into_them(tmp_path):
+    """The restored tensors view private mappings of the step's files (no copy): writing them leaves the
+    files as saved, and the saves after the restore take new files instead of reusing these (a reused file
+    would show the new bytes through every page the checkpoint has not written)."""
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    tier = LocalTier(tmp_path, replication_factor=1, emergency_signals=())
+    run = TierRun(tier, node_rank=0, local_world_size=1)
+    try:
+        state = {"w": torch.full((50_000,), 2.0), "global_step": 2}
+        run.save(2, state)
+        assert run.finish() == 2
+        restored = run.take(run.latest(None))
+        for step in (4, 6, 8):  # step 2's files are removed after 4 and, without the retirement, reused by 6
+            state["w"].fill_(float(step))
+            state["global_step"] = step
+            run.save(step, state)
+            assert run.finish() == step
+        assert restored["global_step"] == 2 and torch.equal(restored["w"], torch.full((50_000,), 2.0))
+        restored["w"].fill_(-1.0)  # copy-on-write: the newest step's files keep their bytes
+        again = run.take(run.latest(None))
+        assert again["global_step"] == 8 and torch.equal(again["w"], torch.full((50_000,), 8.0))
     finally:
         run.close()
 
@@ -245,12 +271,18 @@ def test_a_directory_too_small_is_refused_with_the_sizes_before_anything_is_writ
     checks.space(small_tmpfs, 0, [0], share_bytes=200_000, held_bytes=0, factor=2, gather=lambda x: [x])
 
 
+def _forked(target, rank, port, path, q):
+    # one intra-op thread: OpenMP's pool, used by an earlier test in the parent, can hang a forked child
+    torch.set_num_threads(1)
+    target(rank, port, path, q)
+
+
 def _two_ranks(target, tmp_path):
     """Runs ``target(rank, port, tmp_path, queue)`` in two forked processes (a hard timeout, killed after);
     returns what each put on the queue, by rank."""
     ctx = mp.get_context("fork")  # no resource tracker left behind (spawn starts one)
     q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=target, args=(r, port, str(tmp_path), q)) for r in range(2)]
+    procs = [ctx.Process(target=_forked, args=(target, r, port, str(tmp_path), q)) for r in range(2)]
     for p in procs:
         p.start()
     try:

@@ -103,6 +103,12 @@ class FilePool:
         with self._lock:
             self._free.append(mapped)
 
+    def forget(self, path: Path) -> None:
+        """The file at ``path`` is never to be reused (a restored checkpoint's tensors map it): once given
+        back it is removed, like a file this process never mapped."""
+        with self._lock:
+            self._mapped.pop(Path(path), None)
+
     def prepare(self, sizes: list[int], uses: int = 2) -> int:
         """(the writer thread) Makes spare files, faulted in, until each size in ``sizes`` has ``uses`` files
         per use, at most ``keep_free`` spares. After a save, two (the save just made and the next one): the

@@ -16,7 +16,10 @@ they agree once more before unpacking: a rank that fails anywhere makes every ra
 persistent tier at that point, with the reason, instead of leaving its peers in a send until the group's
 timeout.
 
-Every checkpoint returned is in memory of its own (read, not mapped): a later save reuses the files.
+Nothing is read into memory: the checkpoint returned views private (copy-on-write) mappings of the
+step's node-local files, and every rank retires those files from reuse (:meth:`LocalStore.retire`), so
+that no later save writes into a page the checkpoint still maps; they are removed when a newer step is
+complete. Loading the checkpoint into the model is then its one copy, as from any file.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_asyncckpt.tiers import exchange, packing, recovery, shares
+from lightning_asyncckpt.tiers import exchange, packing, recovery, shares, store
 from lightning_asyncckpt.tiers.store import Held, LocalStore
 
 
@@ -88,7 +91,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     if problems := agreed():
         return Restored(None, problems, sent, read)
     senders = {(o, r): s for o, s, r, _ in refill}
-    refilled = set()
+    refilled: dict[int, Held] = {}
     for m, head, flat in exchange.transfer(refill, ready, me, ranks.group):
         if not _checked(m, head, flat, f"sent by rank {senders[(m.owner, me)]}", bad):
             continue
@@ -97,16 +100,20 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         except OSError as e:
             bad.append(f"rank {me} could not keep rank {m.owner}'s share it was sent: {e}")
             continue
-        refilled.add(m.owner)
-        if m.owner in mine:
-            got[m.owner] = (head, flat.clone())  # the file is reused by a later save
+        refilled[m.owner] = m
+    ranks.store.retire(step)  # before any mapping of its files leaves this function (also on a fallback)
+    for owner in mine & refilled.keys():
+        try:
+            got[owner] = ranks.store.map(refilled[owner])  # the bytes just received: in the page cache
+        except OSError as e:
+            bad.append(f"rank {me} could not map rank {owner}'s share it was sent: {e}")
 
     # 2. check this rank's own holder directory (what it did not just receive and check)
     for h in ranks.store.holdings(ranks.topology):
         if h.step != step or h.owner in refilled:
             continue
         try:
-            head, flat = ranks.store.read(h) if h.owner in mine else ranks.store.map(h)
+            head, flat = ranks.store.map(h)
         except OSError as e:
             bad.append(f"rank {me} could not read rank {h.owner}'s share it holds: {e}")
             continue
@@ -129,7 +136,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     for owner, holder, manifest in fetch.reads.get(me, []):
         if owner not in got:
             try:
-                got[owner] = LocalStore(ranks.root, holder).read(manifest)
+                got[owner] = store.map_share(store.holder_dir(ranks.root, holder), manifest)
             except OSError as e:
                 bad.append(f"rank {me} could not read rank {owner}'s share in holder-{holder}: {e}")
     if problems := agreed():
@@ -165,3 +172,4 @@ def _check(m: Held, head: bytes, flat: torch.Tensor, where: str) -> str | None:
         return None
     return (f"rank {m.owner}'s share in the copy {where} has CRC32 {actual:08x}/{head_actual:08x},"
             f" its manifest {m.crc32:08x}/{m.head_crc32:08x}")
+

@@ -46,7 +46,7 @@ class LocalStore:
     """(one rank) Reserves, commits, lists, reads and removes the shares this rank holds."""
 
     def __init__(self, root: Path, rank: int, keep_free: int = 0) -> None:
-        self.dir = Path(root) / f"holder-{rank}"
+        self.dir = holder_dir(root, rank)
         self.pool = FilePool(self.dir, keep_free)
 
     def _file(self, step: int, owner: int, suffix: str) -> Path:
@@ -90,31 +90,18 @@ class LocalStore:
                     found.append(held)
         return found
 
-    def read(self, held: Held) -> tuple[bytes, torch.Tensor]:
-        """The share's header and its tensors' bytes (read into a buffer of its own: nothing of the result
-        stays tied to a file that a later save reuses)."""
-        pt = self._file(held.step, held.owner, ".pt")
-        head = self._file(held.step, held.owner, ".head").read_bytes()
-        flat = torch.empty(held.nbytes, dtype=torch.uint8)
-        if held.nbytes:
-            with open(pt, "rb", buffering=0) as f:
-                view, done = memoryview(flat.numpy()), 0
-                while done < held.nbytes:
-                    n = f.readinto(view[done:])
-                    if not n:
-                        raise OSError(f"{pt} is shorter than its manifest says")
-                    done += n
-        return head, flat
-
     def map(self, held: Held) -> tuple[bytes, torch.Tensor]:
-        """The share's header and a private (copy-on-write) mapping of its tensors' bytes: for checksums and
-        sends, which only read (no copy). Not for a restored checkpoint: a later save reuses the file."""
-        head = self._file(held.step, held.owner, ".head").read_bytes()
-        if not held.nbytes:
-            return head, torch.empty(0, dtype=torch.uint8)
-        with open(self._file(held.step, held.owner, ".pt"), "rb") as f:
-            mapping = mmap.mmap(f.fileno(), held.nbytes, access=mmap.ACCESS_COPY)
-        return head, torch.frombuffer(mapping, dtype=torch.uint8)
+        """The share's header and a private (copy-on-write) mapping of its tensors' bytes: no copy. For
+        checksums and sends, and for a restored checkpoint once its step is :meth:`retire`-d."""
+        return map_share(self.dir, held)
+
+    def retire(self, step: int) -> None:
+        """(recovery, every rank) The files of ``step`` in this holder directory back a restored checkpoint's
+        tensors (private mappings, on this rank and its node's other ranks): never reused by a later save,
+        only removed, so that nothing a save writes can show through a page that was not copied yet."""
+        if self.dir.is_dir():
+            for path in self.dir.glob(f"step-{step:010d}.owner-*.pt"):
+                self.pool.forget(path)
 
     def remove_older(self, step: int) -> int:
         """Removes this holder's shares (and unfinished files) of steps before ``step``, the manifest first;
@@ -152,3 +139,20 @@ def _write_atomic(path: Path, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def holder_dir(root: Path, rank: int) -> Path:
+    """The holder directory of ``rank`` under the tier's ``root``."""
+    return Path(root) / f"holder-{rank}"
+
+
+def map_share(directory: Path, held: Held) -> tuple[bytes, torch.Tensor]:
+    """A share's header and a private (copy-on-write) mapping of its tensors' bytes in ``directory`` (any
+    holder's; nothing of it is changed or removed)."""
+    name = f"step-{held.step:010d}.owner-{held.owner}"
+    head = (Path(directory) / f"{name}.head").read_bytes()
+    if not held.nbytes:
+        return head, torch.empty(0, dtype=torch.uint8)
+    with open(Path(directory) / f"{name}.pt", "rb") as f:
+        mapping = mmap.mmap(f.fileno(), held.nbytes, access=mmap.ACCESS_COPY)
+    return head, torch.frombuffer(mapping, dtype=torch.uint8)
