@@ -69,3 +69,19 @@ def s3(tmp_path_factory, monkeypatch):
         server.fs = fs
         yield server
         fs.clear_instance_cache()
+
+
+@pytest.fixture
+def tmpfs_1m(tmp_path):
+    """A real 1 MiB tmpfs (skipped where mounting is refused): the local tier's tests size their shares to it."""
+    import subprocess
+
+    d = tmp_path / "small"
+    d.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)

@@ -4,14 +4,9 @@ processes that claim to be on two nodes)."""
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
-import traceback
-
 import pytest
 import torch
 
-from helpers import free_port
 from lightning_asyncckpt import LocalTier
 from lightning_asyncckpt.tiers import checks, cliques, packing, recovery, shares
 from lightning_asyncckpt.tiers.cliques import TierConfigError
@@ -207,13 +202,13 @@ def test_a_share_cut_short_is_not_listed(tmp_path):
     assert store.holdings(TOPO) == []
 
 
-def test_a_full_directory_fails_the_reservation_cleanly_not_with_sigbus(small_tmpfs):
+def test_a_full_directory_fails_the_reservation_cleanly_not_with_sigbus(tmpfs_1m):
     """posix_fallocate reserves a share's file before the copy: on a full filesystem the reservation
     raises ENOSPC and leaves no file; a mapping is never written past the space there is."""
-    store = LocalStore(small_tmpfs, 0)
+    store = LocalStore(tmpfs_1m, 0)
     with pytest.raises(OSError, match="No space left"):
         store.reserve(2, 0, 4 << 20)
-    assert not [p for p in small_tmpfs.rglob("*") if p.is_file()]
+    assert not [p for p in tmpfs_1m.rglob("*") if p.is_file()]
 
 
 def test_replicated_share_packed_and_unpacked_on_one_rank():
@@ -246,78 +241,13 @@ def test_a_missing_directory_is_refused_with_the_fix(tmp_path):
     assert "does not exist on node 1 (global rank 3)" in problem and "mkdir -p" in problem
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 1 MiB tmpfs (skipped where mounting is refused)."""
-    import subprocess
-
-    d = tmp_path / "small"
-    d.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
-
-
-def test_a_directory_too_small_is_refused_with_the_sizes_before_anything_is_written(small_tmpfs):
+def test_a_directory_too_small_is_refused_with_the_sizes_before_anything_is_written(tmpfs_1m):
     # 2 x 2 copies of a 300 kB share (the newest step and the next, own and replica) do not fit in 1 MiB
     with pytest.raises(TierConfigError, match=r"has 1\.0 MB free, but its 1 rank\(s\) need 1\.2 MB.*2 x 2 x share"
                        r".*rank 0: 300\.0 kB.*Fix: a larger directory.*Nothing was written"):
-        checks.space(small_tmpfs, 0, [0], share_bytes=300_000, held_bytes=0, factor=2, gather=lambda x: [x])
-    assert list(small_tmpfs.iterdir()) == []
-    checks.space(small_tmpfs, 0, [0], share_bytes=200_000, held_bytes=0, factor=2, gather=lambda x: [x])
-
-
-def _forked(target, rank, port, path, q):
-    # one intra-op thread: OpenMP's pool, used by an earlier test in the parent, can hang a forked child
-    torch.set_num_threads(1)
-    target(rank, port, path, q)
-
-
-def _two_ranks(target, tmp_path):
-    """Runs ``target(rank, port, tmp_path, queue)`` in two forked processes (a hard timeout, killed after);
-    returns what each put on the queue, by rank."""
-    ctx = mp.get_context("fork")  # no resource tracker left behind (spawn starts one)
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_forked, args=(target, r, port, str(tmp_path), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return got
-
-
-def _shared_dir_rank(rank, port, path, q):
-    import torch.distributed as dist
-
-    from lightning_asyncckpt.tiers.run import TierRun
-
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        try:
-            TierRun(LocalTier(path, replication_factor=2, timeout_s=30, emergency_signals=()), node_rank=rank,
-                    local_world_size=1)
-            q.put((rank, None))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-
-
-def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
-    """Two real processes that say they are on nodes 0 and 1 but share one directory: both refuse it."""
-    got = _two_ranks(_shared_dir_rank, tmp_path)
-    for rank in (0, 1):
-        assert got[rank] and "TierConfigError" in got[rank] and "is shared between nodes" in got[rank], got[rank]
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the probes are gone
+        checks.space(tmpfs_1m, 0, [0], share_bytes=300_000, held_bytes=0, factor=2, gather=lambda x: [x])
+    assert list(tmpfs_1m.iterdir()) == []
+    checks.space(tmpfs_1m, 0, [0], share_bytes=200_000, held_bytes=0, factor=2, gather=lambda x: [x])
 
 
 def test_the_plugin_imports_without_nvidia_resiliency_ext_and_local_tier_says_what_to_install():
@@ -343,157 +273,3 @@ def test_the_plugin_imports_without_nvidia_resiliency_ext_and_local_tier_says_wh
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "mcore" in p.stdout and "refused: LocalTier uses nvidia-resiliency-ext" in p.stdout, p.stdout
-
-
-def _replicas_rank(rank, port, root, q):
-    """Two ranks on two "nodes" (each its own directory), a DDP-like state of which one tensor differs
-    between the ranks: each rank copies both shares from its own memory; the replica of the differing one
-    is repaired (sent by its owner). Then both ranks restore from their own directories."""
-    import torch.distributed as dist
-
-    from lightning_asyncckpt.tiers.run import TierRun
-
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        try:
-            gen = torch.Generator().manual_seed(0)
-            state = {"state_dict": {f"w{i}": torch.rand(1000 + i, generator=gen) for i in range(6)}, "global_step": 2}
-            state["state_dict"]["running_mean"] = torch.full((500,), float(rank))  # not replicated bit for bit
-            tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-            run = TierRun(tier, node_rank=rank, local_world_size=1)
-            run.save(2, state)
-            assert run.finish() == 2
-            repaired = run.writer.repaired
-            run.close()
-            again = TierRun(tier, node_rank=rank, local_world_size=1)
-            key = again.latest(None)
-            restored = again.take(key)
-            assert restored is not None, "the local tier did not restore (see the log line: a check failed)"
-            again.close()
-            q.put((rank, (repaired, {k: v.clone() for k, v in restored["state_dict"].items()},
-                          {k: v.clone() for k, v in state["state_dict"].items()})))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-
-
-def test_replicas_of_a_replicated_state_are_copied_locally_and_hold_their_owners_bytes(tmp_path):
-    for r in range(2):
-        (tmp_path / f"node{r}").mkdir()
-    got = _two_ranks(_replicas_rank, tmp_path)
-    for rank in (0, 1):
-        assert isinstance(got[rank], tuple), got[rank]
-    # every replica file holds exactly its owner's bytes
-    for owner, holder in ((0, 1), (1, 0)):
-        name = f"step-0000000002.owner-{owner}.pt"
-        mine = tmp_path / f"node{owner}/asyncckpt-local/default/holder-{owner}" / name
-        replica = tmp_path / f"node{holder}/asyncckpt-local/default/holder-{holder}" / name
-        assert mine.read_bytes() == replica.read_bytes()
-    (repaired0, restored0, live0), (repaired1, restored1, live1) = got[0], got[1]
-    assert repaired0 == repaired1 == 1  # only the share with running_mean was sent
-    # both ranks restored the same state, each tensor its owner's, from their own directories
-    for name in live0:
-        assert torch.equal(restored0[name], restored1[name])
-        assert torch.equal(restored0[name], live0[name]) or torch.equal(restored0[name], live1[name])
-
-
-def _full_peer_rank(rank, port, root, q):
-    """Rank 1's directory is a small tmpfs that fills up before the second save: its files cannot be
-    reserved, yet it joins the clique's exchange, so rank 0's thread finishes; both ranks raise rank 1's
-    ENOSPC at the boundary, and rank 0 reports no failure of its own."""
-    import torch.distributed as dist
-
-    from lightning_asyncckpt.errors import CheckpointWriteError
-    from lightning_asyncckpt.tiers.run import TierRun
-
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        try:
-            tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-            run = TierRun(tier, node_rank=rank, local_world_size=1)
-            run.save(2, {"w": torch.ones(1000), "global_step": 2})
-            assert run.finish() == 2
-            if rank == 1:
-                with open(f"{root}/node1/filler", "wb") as f, contextlib.suppress(OSError):
-                    while True:
-                        f.write(b"\0" * 65536)
-                        f.flush()
-            dist.barrier()
-            run.save(4, {"w": torch.ones(20_000), "global_step": 4})  # another size: new files needed
-            try:
-                run.finish()
-                q.put((rank, "no error"))
-            except CheckpointWriteError as e:
-                q.put((rank, ("error", str(e))))
-            run.close(wait=False)
-        finally:
-            dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-
-
-def test_a_rank_whose_directory_is_full_still_joins_the_exchange_and_every_rank_raises_its_error(small_tmpfs, tmp_path):
-    (tmp_path / "node0").mkdir()
-    (tmp_path / "node1").symlink_to(small_tmpfs)
-    got = _two_ranks(_full_peer_rank, tmp_path)
-    for rank in (0, 1):
-        assert isinstance(got[rank], tuple), got[rank]
-        text = got[rank][1]
-        assert "rank 1: LocalTierError: local save of step 4: OSError" in text and "No space left" in text, text
-        assert "rank 0:" not in text, text  # rank 0's thread did not wait for a peer that never came
-
-
-def _refill_full_rank(rank, port, root, q):
-    """Node 1 comes back with an empty directory that has too little space for the shares it must hold
-    again: its refill files cannot be reserved. Both ranks fall back to the persistent tier at once, with
-    rank 1's reason, and neither waits for the other in a transfer (``timeout_s`` is far above the test's
-    limit)."""
-    import logging
-    import shutil
-
-    import torch.distributed as dist
-
-    from lightning_asyncckpt.tiers.run import TierRun
-
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        try:
-            tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=600, emergency_signals=())
-            run = TierRun(tier, node_rank=rank, local_world_size=1)
-            run.save(2, {"w": torch.ones(100_000), "global_step": 2})  # two shares of 200 kB
-            assert run.finish() == 2
-            run.close()
-            if rank == 1:  # node 1 is back empty, its directory nearly full
-                shutil.rmtree(f"{root}/node1/asyncckpt-local")
-                with open(f"{root}/node1/filler", "wb") as f:
-                    with contextlib.suppress(OSError):
-                        while True:
-                            f.write(b"\0" * 65536)
-                            f.flush()
-                    f.truncate(max(0, f.tell() - 128 * 1024))  # room for the probes, not for a share
-            dist.barrier()
-            lines = []
-            handler = logging.Handler()
-            handler.emit = lambda record: lines.append(record.getMessage())
-            logging.getLogger("lightning_asyncckpt").addHandler(handler)
-            again = TierRun(tier, node_rank=rank, local_world_size=1)
-            key = again.latest(None)
-            again.close()
-            q.put((rank, (key, lines)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-
-
-def test_a_node_back_without_room_for_its_shares_makes_every_rank_fall_back_at_once(small_tmpfs, tmp_path):
-    (tmp_path / "node0").mkdir()
-    (tmp_path / "node1").symlink_to(small_tmpfs)
-    got = _two_ranks(_refill_full_rank, tmp_path)
-    for rank in (0, 1):
-        assert isinstance(got[rank], tuple), got[rank]
-        key, lines = got[rank]
-        assert key is None  # the persistent tier's answer (none here), not a local restore
-    why = [line for line in got[0][1] if "resuming from the persistent tier" in line]
-    assert why and "rank 1 could not get ready for the refill transfers" in why[0] and "No space left" in why[0], why

@@ -125,6 +125,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         return torch.empty(m.nbytes, dtype=torch.uint8)
 
     ready = _prepare(fetch.moves, ranks.store.map, fresh, me, bad, "fetch")
+    # also the barrier after the refill: 3b reads files that this node's other ranks have just received
     if problems := agreed():
         return Restored(None, problems, sent, read)
     movers = {(o, r): s for o, s, r, _ in fetch.moves}

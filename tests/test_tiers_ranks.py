@@ -1,0 +1,201 @@
+"""The local tier across two real processes (one gloo group, each rank its own "node" directory): setup
+checks agreed on by both ranks, replicas of a replicated state, and failures on one rank that every rank
+must learn of at once (a full directory while saving, or while refilling a node at recovery)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from helpers import free_port
+from lightning_asyncckpt import LocalTier
+
+
+@pytest.fixture
+def small_node1(tmpfs_1m, tmp_path):
+    """Two nodes' directories, ``node0`` and ``node1``, under ``tmp_path``: node 1's is the small tmpfs."""
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").symlink_to(tmpfs_1m)
+    return tmp_path
+
+
+def _forked(target, rank, port, path, q):
+    """One of :func:`_two_ranks`' processes: a gloo group of two, ``target(rank, path)``'s result (or the
+    error) put on the queue."""
+    import torch.distributed as dist
+
+    # one intra-op thread: OpenMP's pool, used by an earlier test in the parent, can hang a forked child
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        try:
+            q.put((rank, target(rank, path)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def _two_ranks(target, tmp_path):
+    """Runs ``target(rank, str(tmp_path))`` in two forked processes of one gloo group (a hard timeout,
+    killed after); returns what each returned (or its error, as text), by rank."""
+    ctx = mp.get_context("fork")  # no resource tracker left behind (spawn starts one)
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_forked, args=(target, r, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+def _shared_dir_rank(rank, path):
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    TierRun(LocalTier(path, replication_factor=2, timeout_s=30, emergency_signals=()), node_rank=rank,
+            local_world_size=1)
+
+
+def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
+    """Two real processes that say they are on nodes 0 and 1 but share one directory: both refuse it."""
+    got = _two_ranks(_shared_dir_rank, tmp_path)
+    for rank in (0, 1):
+        assert got[rank] and "TierConfigError" in got[rank] and "is shared between nodes" in got[rank], got[rank]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the probes are gone
+
+
+def _replicas_rank(rank, root):
+    """Two ranks on two "nodes" (each its own directory), a DDP-like state of which one tensor differs
+    between the ranks: each rank copies both shares from its own memory; the replica of the differing one
+    is repaired (sent by its owner). Then both ranks restore from their own directories."""
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"state_dict": {f"w{i}": torch.rand(1000 + i, generator=gen) for i in range(6)}, "global_step": 2}
+    state["state_dict"]["running_mean"] = torch.full((500,), float(rank))  # not replicated bit for bit
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run.save(2, state)
+    assert run.finish() == 2
+    repaired = run.writer.repaired
+    run.close()
+    again = TierRun(tier, node_rank=rank, local_world_size=1)
+    key = again.latest(None)
+    restored = again.take(key)
+    assert restored is not None, "the local tier did not restore (see the log line: a check failed)"
+    again.close()
+    return (repaired, {k: v.clone() for k, v in restored["state_dict"].items()},
+            {k: v.clone() for k, v in state["state_dict"].items()})
+
+
+def test_replicas_of_a_replicated_state_are_copied_locally_and_hold_their_owners_bytes(tmp_path):
+    for r in range(2):
+        (tmp_path / f"node{r}").mkdir()
+    got = _two_ranks(_replicas_rank, tmp_path)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+    # every replica file holds exactly its owner's bytes
+    for owner, holder in ((0, 1), (1, 0)):
+        name = f"step-0000000002.owner-{owner}.pt"
+        mine = tmp_path / f"node{owner}/asyncckpt-local/default/holder-{owner}" / name
+        replica = tmp_path / f"node{holder}/asyncckpt-local/default/holder-{holder}" / name
+        assert mine.read_bytes() == replica.read_bytes()
+    (repaired0, restored0, live0), (repaired1, restored1, live1) = got[0], got[1]
+    assert repaired0 == repaired1 == 1  # only the share with running_mean was sent
+    # both ranks restored the same state, each tensor its owner's, from their own directories
+    for name in live0:
+        assert torch.equal(restored0[name], restored1[name])
+        assert torch.equal(restored0[name], live0[name]) or torch.equal(restored0[name], live1[name])
+
+
+def _full_peer_rank(rank, root):
+    """Rank 1's directory is a small tmpfs that fills up before the second save: its files cannot be
+    reserved, yet it joins the clique's exchange, so rank 0's thread finishes; both ranks raise rank 1's
+    ENOSPC at the boundary, and rank 0 reports no failure of its own."""
+    import torch.distributed as dist
+
+    from lightning_asyncckpt.errors import CheckpointWriteError
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run.save(2, {"w": torch.ones(1000), "global_step": 2})
+    assert run.finish() == 2
+    if rank == 1:
+        with open(f"{root}/node1/filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    dist.barrier()
+    run.save(4, {"w": torch.ones(20_000), "global_step": 4})  # another size: new files needed
+    try:
+        run.finish()
+        outcome = "no error"
+    except CheckpointWriteError as e:
+        outcome = ("error", str(e))
+    run.close(wait=False)
+    return outcome
+
+
+def test_a_rank_whose_directory_is_full_still_joins_the_exchange_and_every_rank_raises_its_error(small_node1):
+    got = _two_ranks(_full_peer_rank, small_node1)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+        text = got[rank][1]
+        assert "rank 1: LocalTierError: local save of step 4: OSError" in text and "No space left" in text, text
+        assert "rank 0:" not in text, text  # rank 0's thread did not wait for a peer that never came
+
+
+def _refill_full_rank(rank, root):
+    """Node 1 comes back with an empty directory that has too little space for the shares it must hold
+    again: its refill files cannot be reserved. Both ranks fall back to the persistent tier at once, with
+    rank 1's reason, and neither waits for the other in a transfer (``timeout_s`` is far above the test's
+    limit)."""
+    import logging
+    import shutil
+
+    import torch.distributed as dist
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=600, emergency_signals=())
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run.save(2, {"w": torch.ones(100_000), "global_step": 2})  # two shares of 200 kB
+    assert run.finish() == 2
+    run.close()
+    if rank == 1:  # node 1 is back empty, its directory nearly full
+        shutil.rmtree(f"{root}/node1/asyncckpt-local")
+        with open(f"{root}/node1/filler", "wb") as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            f.truncate(max(0, f.tell() - 128 * 1024))  # room for the probes, not for a share
+    dist.barrier()
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("lightning_asyncckpt").addHandler(handler)
+    again = TierRun(tier, node_rank=rank, local_world_size=1)
+    key = again.latest(None)
+    again.close()
+    return key, lines
+
+
+def test_a_node_back_without_room_for_its_shares_makes_every_rank_fall_back_at_once(small_node1):
+    got = _two_ranks(_refill_full_rank, small_node1)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+        key, lines = got[rank]
+        assert key is None  # the persistent tier's answer (none here), not a local restore
+    why = [line for line in got[0][1] if "resuming from the persistent tier" in line]
+    assert why and "rank 1 could not get ready for the refill transfers" in why[0] and "No space left" in why[0], why
