@@ -1,0 +1,399 @@
+"""One rank of ``bench_tiers.py`` (a spawned process): the training loop's stand-in, the three variants'
+periods, and the recoveries, timed in the rank (see ``bench_tiers.py`` for what each figure means)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from page_cache import drop_cache, warm_cache
+
+VARIANTS = ["baseline", "local", "persistent"]
+RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm", "persistent_s3"]
+S3_PATH = "s3://bench-tiers/last.ckpt"
+SAVE_PARTS = ["wait_previous", "copy_share"]  # of the local save call
+THREAD_PARTS = ["replicate", "write"]  # of the local save's thread: replicas settled, shares committed
+RECOVERY_PARTS = ["transfer", "read", "assemble", "load"]  # the rest: listing, CRC32, agreeing, unpickling
+GiB = 1 << 30
+WORLD, PER_NODE = 4, 2
+
+
+# -------------------------------------------------------------------------------------------------
+# One rank
+def make_state(nbytes: int, layers: int) -> dict[str, Any]:
+    import torch
+
+    numel = max(1, nbytes // (3 * layers * 4))
+    gen = torch.Generator().manual_seed(0)  # the same values on every rank: a replicated (DDP) state
+
+    def rand() -> Any:
+        return torch.rand(numel, generator=gen)
+
+    return {
+        "state_dict": {f"layers.{i}.weight": rand() for i in range(layers)},
+        "optimizer_states": [{
+            "state": {i: {"exp_avg": rand(), "exp_avg_sq": rand()} for i in range(layers)},
+            "param_groups": [{"params": list(range(layers)), "lr": 1e-3, "betas": (0.9, 0.999)}],
+        }],
+        "epoch": 0,
+        "global_step": 0,
+    }
+
+
+def state_tensors(obj: Any) -> list:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in state_tensors(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in state_tensors(v)]
+    return []
+
+
+def same_state(restored: Any, live: dict[str, Any]) -> bool:
+    import torch
+
+    a, b = state_tensors(restored), state_tensors(live)
+    return (isinstance(restored, dict) and restored.get("global_step") == live["global_step"]
+            and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)))
+
+
+class Timers:
+    """Seconds spent in wrapped functions, summed per name (any thread)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        inner = getattr(owner, attr, None)
+        if inner is None:  # not in this version of the library: that part reads 0
+            return
+
+        @functools.wraps(inner)
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                with self._lock:
+                    self.total[name] += time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def mark(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.total)
+
+    def since(self, mark: dict[str, float], names: list[str]) -> dict[str, float]:
+        now = self.mark()
+        return {n: now.get(n, 0.0) - mark.get(n, 0.0) for n in names}
+
+
+class Trainer:
+    """The simulated training loop of one rank, and its two tiers."""
+
+    def __init__(self, rank: int, args: argparse.Namespace, node_dir: Path, ckpt_dir: Path) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from lightning_asyncckpt import AsyncCheckpointIO
+        from lightning_asyncckpt.tiers import restore as tier_restore
+        from lightning_asyncckpt.tiers import run as tier_run
+        from lightning_asyncckpt.tiers import store as tier_store
+        from lightning_asyncckpt.tiers import writer as tier_writer
+        from lightning_asyncckpt.tiers.store import LocalStore
+
+        try:  # where replication has its own module, the writer imports it at each save
+            from lightning_asyncckpt.tiers import replication as tier_replication
+        except ImportError:
+            tier_replication = None
+        from lightning_asyncckpt.tiers.config import LocalTier
+        from lightning_asyncckpt.tiers.run import TierRun
+
+        self.torch, self.dist, self.rank, self.args, self.ckpt_dir = torch, dist, rank, args, ckpt_dir
+        self.state = make_state(int(args.size * GiB), args.layers)
+        self.tensors = state_tensors(self.state)
+        self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.grad = torch.ones(max(1, int(args.grad_mib * (1 << 20)) // 4))
+        self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
+        self.matmuls = self._calibrate()
+        self.step = 0
+        config = LocalTier(node_dir, every_n_train_steps=args.every, replication_factor=2, emergency_signals=(),
+                           timeout_s=args.timeout)
+        self.tier = TierRun(config, node_rank=rank // PER_NODE, local_world_size=PER_NODE)
+        self.io = AsyncCheckpointIO("nvrx")
+        if rank == 0:
+            self.io.warmup(like=self.state)  # starts the worker and allocates its staging buffers
+        self.persistent_path: Path | None = None
+        self.timers = t = Timers()
+        t.wrap(tier_run.packing, "copy_into", "copy_share")  # the save call's one copy, into mapped files
+        t.wrap(self.tier.writer, "wait", "wait_previous")
+        t.wrap(tier_writer.local_replicas, "settle", "replicate")  # replicated state: CRC32s gathered, repairs
+        t.wrap(tier_replication, "replicate", "replicate")  # sharded state: NVRx's clique exchange
+        t.wrap(self.tier.store, "commit", "write")  # header, manifest, renames
+        t.wrap(tier_restore.exchange, "transfer", "transfer")  # recovery: shares sent between ranks
+        t.wrap(LocalStore, "read", "read")  # recovery: shares read from node-local files (before mapping)
+        t.wrap(tier_store, "map_share", "read")  # recovery: another holder's shares on this node, mapped
+        t.wrap(tier_restore.shares, "assemble", "assemble")
+
+    def _calibrate(self) -> int:
+        """Matmuls per step for about --compute-ms, timed with every rank computing at once (contended)."""
+        torch, dist = self.torch, self.dist
+        times = []
+        for _ in range(4):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(100):
+                torch.mm(self.a, self.b)
+            times.append((time.perf_counter() - t0) / 100)
+        per = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+        dist.all_reduce(per, op=dist.ReduceOp.MAX)
+        return max(1, round(self.args.compute_ms / 1000 / float(per)))
+
+    @staticmethod
+    def cpu_s() -> float:
+        """CPU seconds (user + system) of this rank's process (its threads) and its children (the worker)."""
+        import psutil
+
+        me, total = psutil.Process(), 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        return total
+
+    def gather(self, obj: Any) -> list:
+        out: list = [None] * WORLD
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def train_step(self) -> None:
+        for _ in range(self.matmuls):
+            self.torch.mm(self.a, self.b)
+        self.dist.all_reduce(self.grad)
+        self.grad.fill_(1.0)
+        for t in self.tensors:
+            t.add_(1.0)
+        self.step += 1
+        self.state["global_step"] = self.step
+
+    # the tiers' saves -----------------------------------------------------------------------------
+    def local_save(self) -> float:
+        self.tier.save(self.step, self.state)
+        return self.tier.last_stall_s
+
+    def persistent_save(self) -> float | None:
+        if self.rank != 0:
+            return None
+        path = self.ckpt_dir / f"step-{self.step}.ckpt"
+        t0 = time.perf_counter()
+        self.io.save_checkpoint(self.state, path)
+        stall = time.perf_counter() - t0
+        if self.persistent_path is not None:
+            self.io.remove_checkpoint(self.persistent_path)  # once the new one commits (save_top_k=1)
+        self.persistent_path = path
+        return stall
+
+    def drain(self, variant: str) -> None:
+        if variant == "local":
+            complete = self.tier.finish()
+            assert complete == self.tier.saved_step, (complete, self.tier.saved_step)
+        elif variant == "persistent":
+            self.io.finalize(blocking=True)
+
+    # overhead ---------------------------------------------------------------------------------------
+    def period(self, variant: str) -> dict[str, Any]:
+        """(all ranks) One timed period: a save (none for the baseline), ``--every`` steps, the drain."""
+        history = len(self.io.history)
+        self.dist.barrier()
+        mark, cpu0 = self.timers.mark(), self.cpu_s()
+        t0 = time.perf_counter()
+        stall = None
+        if variant == "local":
+            stall = self.local_save()
+        elif variant == "persistent":
+            stall = self.persistent_save()
+        save_parts = self.timers.since(mark, SAVE_PARTS)
+        for _ in range(self.args.every):
+            self.train_step()
+            if variant == "local":
+                self.tier.boundary()
+            elif variant == "persistent":
+                self.io.finalize()
+        t1 = time.perf_counter()
+        self.drain(variant)
+        self.dist.barrier()
+        elapsed, drain = time.perf_counter() - t0, time.perf_counter() - t1
+        cpu = self.cpu_s() - cpu0
+        thread_parts = self.timers.since(mark, THREAD_PARTS)
+        background = None
+        if variant == "local":
+            background = self.tier.writer.last_write_s
+        elif variant == "persistent" and self.rank == 0:
+            background = self.io.history[-1].write_s if len(self.io.history) > history else None
+        rows = self.gather({"stall": stall, "save_parts": save_parts, "background": background,
+                            "thread_parts": thread_parts, "cpu": cpu})
+        out: dict[str, Any] = {"variant": variant, "period_s": elapsed, "drain_s": drain, "steps": self.args.every,
+                               "cpu_s": sum(r["cpu"] for r in rows), "cpu_per_rank_s": [r["cpu"] for r in rows]}
+        if variant == "local":  # the slowest rank's, with its parts (the ranks wait for each other every step)
+            slow = max(rows, key=lambda r: r["stall"])
+            out.update(stall_s=slow["stall"], save_parts=slow["save_parts"])
+            slow = max(rows, key=lambda r: r["background"])
+            out.update(background_s=slow["background"], thread_parts=slow["thread_parts"])
+        elif variant == "persistent":
+            out.update(stall_s=rows[0]["stall"], background_s=rows[0]["background"])
+        return out
+
+    def warmup(self) -> dict[str, Any]:
+        """(all ranks) A few steps, then one untimed save of each tier, drained: first-time costs."""
+        self.train_step()
+        self.tier.prepare(self.state)  # as the Trainer and Fabric integrations do, at a boundary before the first save
+        self.train_step()
+        out = {}
+        for variant in ("local", "persistent"):
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            stall = self.local_save() if variant == "local" else self.persistent_save()
+            self.drain(variant)
+            self.dist.barrier()
+            rows = self.gather(stall)
+            out[f"{variant}_first_stall_s"] = max(rows) if variant == "local" else rows[0]
+            out[f"{variant}_first_to_done_s"] = time.perf_counter() - t0
+        return out
+
+    # recovery ---------------------------------------------------------------------------------------
+    def prepare_recovery(self) -> int:
+        """(all ranks) One more step and a save of it to both tiers, complete and committed; the model's
+        tensors that a recovery loads into, allocated and touched."""
+        import torch
+
+        self.model = [torch.zeros_like(t) for t in state_tensors(self.state)]
+        self.train_step()
+        self.local_save()
+        self.persistent_save()
+        self.drain("local")
+        self.drain("persistent")
+        assert self.tier.complete == self.step
+        if self.rank == 0:
+            assert self.persistent_path is not None and self.persistent_path.is_file()
+            if self.args.s3:  # the same file on the S3-protocol server: a persistent tier on an object store
+                import fsspec
+
+                fsspec.filesystem("s3").put(str(self.persistent_path), S3_PATH.removeprefix("s3://"))
+        self.dist.barrier()
+        return self.step
+
+    def recover(self, how: str, node1_dir: Path) -> dict[str, Any]:
+        info: dict[str, Any] = {"how": how}
+        path = self.gather(str(self.persistent_path) if self.persistent_path else None)[0]
+        if how == "local_replicas":
+            if self.rank == PER_NODE:  # node 1's lowest rank: the node is back with an empty local directory
+                for child in node1_dir.iterdir():
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+            self.dist.barrier()
+            info["node1_entries_before"] = sum(1 for _ in node1_dir.rglob("*"))
+        elif how == "persistent_s3":
+            path = S3_PATH
+            info["cache"] = "n/a (moto keeps it in memory)"
+        elif self.rank == 0:
+            info.update(drop_cache(Path(path)) if how == "persistent_cold" else warm_cache(Path(path)))
+        self.dist.barrier()
+        mark = self.timers.mark()
+        t0 = time.perf_counter()
+        if how == "local_replicas":
+            key = self.tier.latest(None)
+            restored = self.tier.take(key)
+            info["from"] = str(key)
+        else:
+            restored = self.io.load_checkpoint(path)
+            info["from"] = path
+        t1 = time.perf_counter()
+        for dst, src in zip(self.model, state_tensors(restored) if restored is not None else []):
+            dst.copy_(src)  # into the model, as load_state_dict does
+        elapsed = time.perf_counter() - t0
+        parts = self.timers.since(mark, RECOVERY_PARTS)
+        parts["load"] = elapsed - (t1 - t0)
+        ok = (restored is not None and same_state(restored, self.state)
+              and all(self.torch.equal(a, b) for a, b in zip(self.model, state_tensors(self.state))))
+        del restored
+        rows = self.gather((elapsed, ok, parts))
+        slow = max(rows, key=lambda r: r[0])
+        info.update(seconds=slow[0], per_rank_s=[r[0] for r in rows], exact=all(r[1] for r in rows))
+        if how == "local_replicas":
+            info["parts"] = slow[2]
+        return info
+
+    def close(self) -> None:
+        self.tier.close()
+        self.io.teardown()
+
+
+def recoveries_of(args: Any) -> list[str]:
+    s3 = args.get("s3", False) if isinstance(args, dict) else args.s3
+    return [k for k in RECOVERIES if s3 or k != "persistent_s3"]
+
+
+def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_dir: Path, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 4 ranks on the machine's cores; the tiers' background work competes for them
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        trainer = Trainer(rank, args, base / f"node{rank // PER_NODE}", ckpt_dir)
+        result: dict[str, Any] = {"matmuls_per_step": trainer.matmuls, "state_bytes": trainer.state_bytes,
+                                  "tensors": len(trainer.tensors), "loadavg_start": os.getloadavg()}
+        result["first"] = trainer.warmup()
+        periods = []
+        for rep in range(args.reps):
+            order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
+            for variant in order:
+                p = trainer.period(variant)
+                p["rep"] = rep
+                periods.append(p)
+                if rank == 0:
+                    print(f"rep {rep} {variant:>10}: {p['period_s']:.2f} s, drain {p['drain_s']:.2f} s",
+                          file=sys.stderr, flush=True)
+        result["periods"] = periods
+        result["recovery_step"] = trainer.prepare_recovery()
+        recoveries = []
+        kinds = recoveries_of(args)
+        for rep in range(args.recoveries):
+            order = kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]
+            for how in order:
+                r = trainer.recover(how, base / "node1")
+                r["rep"] = rep
+                recoveries.append(r)
+                if rank == 0:
+                    print(f"recovery {rep} {how:>16}: {r['seconds']:.2f} s, exact {r['exact']}",
+                          file=sys.stderr, flush=True)
+        result["recoveries"] = recoveries
+        result["loadavg_end"] = os.getloadavg()
+        trainer.close()
+        dist.barrier()
+        if rank == 0:
+            out.write_text(json.dumps(result))
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # the other ranks fail their next collective (the group's timeout) or are killed
+
+

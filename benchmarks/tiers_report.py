@@ -1,0 +1,146 @@
+"""``bench_tiers.py``'s figures from the ranks' raw result (medians, ratios) and its Markdown tables."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from tiers_rank import RECOVERIES, RECOVERY_PARTS, SAVE_PARTS, THREAD_PARTS, VARIANTS, GiB
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    periods = result["periods"]
+    base = {p["rep"]: p["period_s"] for p in periods if p["variant"] == "baseline"}
+    base_cpu = {p["rep"]: p["cpu_s"] for p in periods if p["variant"] == "baseline"}
+    base_median = _median(list(base.values()))
+    rows = []
+    for name in VARIANTS:
+        mine = [p for p in periods if p["variant"] == name]
+        paired = [p["period_s"] - base[p["rep"]] for p in mine if p["rep"] in base]
+        median = _median([p["period_s"] for p in mine])
+        row = {
+            "variant": name,
+            "periods": len(mine),
+            "period_s": median,
+            "overhead_s": _median(paired) if name != "baseline" else None,
+            "overhead_all_s": paired,
+            "overhead_of_medians_s": (median - base_median) if name != "baseline" and median is not None else None,
+            "cpu_s": _median([p["cpu_s"] for p in mine]),
+            "extra_cpu_s": _median([p["cpu_s"] - base_cpu[p["rep"]] for p in mine if p["rep"] in base_cpu])
+            if name != "baseline" else None,
+            "stall_s": _median([p.get("stall_s") for p in mine]),
+            "background_s": _median([p.get("background_s") for p in mine]),
+            "drain_s": _median([p["drain_s"] for p in mine]),
+        }
+        if name == "local":
+            row["save_parts"] = {k: _median([p["save_parts"].get(k, 0.0) for p in mine]) for k in SAVE_PARTS}
+            row["thread_parts"] = {k: _median([p["thread_parts"].get(k, 0.0) for p in mine]) for k in THREAD_PARTS}
+        rows.append(row)
+    by = {r["variant"]: r for r in rows}
+    rec_rows = []
+    for how in [h for h in RECOVERIES if any(r["how"] == h for r in result["recoveries"])]:
+        mine = [r for r in result["recoveries"] if r["how"] == how]
+        row = {
+            "how": how,
+            "reps": len(mine),
+            "seconds": _median([r["seconds"] for r in mine]),
+            "min_s": min(r["seconds"] for r in mine) if mine else None,
+            "max_s": max(r["seconds"] for r in mine) if mine else None,
+            "exact": f"{sum(r['exact'] for r in mine)}/{len(mine)}",
+            "cache": mine[0].get("cache") if mine else None,
+            "cached_bytes": _median([r.get("cached_bytes") for r in mine]),
+            "file_bytes": mine[0].get("file_bytes") if mine else None,
+        }
+        if how == "local_replicas":
+            row["parts"] = {k: _median([r["parts"].get(k, 0.0) for r in mine]) for k in RECOVERY_PARTS}
+        rec_rows.append(row)
+    rec = {r["how"]: r for r in rec_rows}
+    ratios = {
+        "overhead_local_vs_persistent": _ratio(by["local"]["overhead_s"], by["persistent"]["overhead_s"]),
+        "overhead_of_medians_local_vs_persistent": _ratio(by["local"]["overhead_of_medians_s"],
+                                                          by["persistent"]["overhead_of_medians_s"]),
+        "stall_local_vs_persistent": _ratio(by["local"]["stall_s"], by["persistent"]["stall_s"]),
+        "extra_cpu_local_vs_persistent": _ratio(by["local"]["extra_cpu_s"], by["persistent"]["extra_cpu_s"]),
+        "recovery_replicas_vs_persistent_cold": _ratio(rec["local_replicas"]["seconds"], rec["persistent_cold"]["seconds"]),
+        "recovery_replicas_vs_persistent_warm": _ratio(rec["local_replicas"]["seconds"], rec["persistent_warm"]["seconds"]),
+        "recovery_replicas_vs_persistent_s3": _ratio(rec["local_replicas"]["seconds"],
+                                                     rec.get("persistent_s3", {}).get("seconds")),
+    }
+    return {"baseline_period_s": base_median, "overhead": rows, "recovery": rec_rows, "ratios": ratios}
+
+
+def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, Any]) -> str:
+    def f(v: Any, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    first, every = result["first"], args["every"]
+    base_step = summary["baseline_period_s"] / every if summary["baseline_period_s"] else None
+    lines = [
+        f"State {result['state_bytes'] / GiB:.3g} GiB in {result['tensors']} tensors on every rank; 4 ranks on 2 simulated"
+        f" nodes; a save every {every} steps; baseline step {f(base_step, '.3f')} s ({result['matmuls_per_step']}"
+        f" matmuls, a {args['grad_mib']:g} MiB all-reduce, add_ on the state); load average"
+        f" {result['loadavg_start'][0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end. Medians.",
+        "",
+        f"| variant | periods | period: save + {every} steps + drain (s) | overhead per save (s) | of the medians (s) "
+        "| stall (s) | background (s) | drain (s) | CPU, all processes (s) | extra CPU per save (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["overhead"]:
+        lines.append(
+            f"| {r['variant']} | {r['periods']} | {f(r['period_s'], '.2f')} | {f(r['overhead_s'], '.3f')} "
+            f"| {f(r['overhead_of_medians_s'], '.3f')} | {f(r['stall_s'], '.3f')} | {f(r['background_s'], '.2f')} "
+            f"| {f(r['drain_s'], '.2f')} | {f(r['cpu_s'], '.2f')} | {f(r['extra_cpu_s'], '.2f')} |")
+    local = next(r for r in summary["overhead"] if r["variant"] == "local")
+    sp, tp = local["save_parts"], local["thread_parts"]
+    lines += [
+        "",
+        f"Local save call (slowest rank): waiting for the previous save's thread {f(sp['wait_previous'], '.3f')} s,"
+        f" copying the shares into their mapped files {f(sp['copy_share'], '.3f')} s. Its thread: replicas settled"
+        f" (CRC32s gathered, repairs) {f(tp['replicate'], '.2f')} s, commits {f(tp['write'], '.2f')} s, the rest"
+        f" {f(local['background_s'] - tp['replicate'] - tp['write'] if local['background_s'] is not None else None, '.2f')} s.",
+        f"First (untimed) saves: local stall {f(first['local_first_stall_s'], '.3f')} s, done after"
+        f" {f(first['local_first_to_done_s'], '.2f')} s; persistent stall {f(first['persistent_first_stall_s'], '.3f')} s,"
+        f" committed after {f(first['persistent_first_to_done_s'], '.2f')} s.",
+        "",
+        "| recovery | reps | slowest rank (s) | min (s) | max (s) | exact | page cache | file cached before |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["recovery"]:
+        cached = (f"{r['cached_bytes'] / 1e6:.0f} of {r['file_bytes'] / 1e6:.0f} MB"
+                  if r["cached_bytes"] is not None and r["file_bytes"] else "n/a")
+        lines.append(
+            f"| {r['how']} | {r['reps']} | {f(r['seconds'], '.3f')} | {f(r['min_s'], '.3f')} | {f(r['max_s'], '.3f')} "
+            f"| {r['exact']} | {r['cache'] or 'n/a (/dev/shm is RAM)'} | {cached} |")
+    rp = next(r for r in summary["recovery"] if r["how"] == "local_replicas")["parts"]
+    rest = next(r for r in summary["recovery"] if r["how"] == "local_replicas")["seconds"]
+    rest = rest - sum(v for v in rp.values() if v is not None) if rest is not None else None
+    ra = summary["ratios"]
+    lines += [
+        "",
+        f"Local recovery (slowest rank): shares sent between ranks {f(rp['transfer'], '.2f')} s, read (or mapped) from"
+        f" node-local files {f(rp['read'], '.2f')} s, the full checkpoint assembled {f(rp['assemble'], '.2f')} s,"
+        f" loaded into the model {f(rp.get('load'), '.2f')} s, the rest (listing, CRC32 checks, agreeing, unpickling)"
+        f" {f(rest, '.2f')} s.",
+        "",
+        "| ratio | measured | target |",
+        "|---|---|---|",
+        f"| overhead per save, local / persistent | {f(ra['overhead_local_vs_persistent'], '.2f')}× | ≤ 0.5× |",
+        f"| the same, of the medians | {f(ra['overhead_of_medians_local_vs_persistent'], '.2f')}× | |",
+        f"| stall per save, local / persistent | {f(ra['stall_local_vs_persistent'], '.2f')}× | |",
+        f"| extra CPU per save (all processes), local / persistent | {f(ra['extra_cpu_local_vs_persistent'], '.2f')}× | |",
+        f"| recovery, replicas / persistent (page cache dropped) | {f(ra['recovery_replicas_vs_persistent_cold'], '.2f')}× | ≤ 0.5× |",
+        f"| recovery, replicas / persistent (warm) | {f(ra['recovery_replicas_vs_persistent_warm'], '.2f')}× | |",
+        f"| recovery, replicas / persistent on the S3-protocol server | {f(ra.get('recovery_replicas_vs_persistent_s3'), '.2f')}× | |",
+    ]
+    return "\n".join(lines)
+
+
