@@ -26,7 +26,7 @@ RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm", "persisten
 S3_PATH = "s3://bench-tiers/last.ckpt"
 SAVE_PARTS = ["wait_previous", "copy_share"]  # of the local save call
 THREAD_PARTS = ["replicate", "write"]  # of the local save's thread: replicas settled, shares committed
-RECOVERY_PARTS = ["transfer", "read", "assemble", "load"]  # the rest: listing, CRC32, agreeing, unpickling
+RECOVERY_PARTS = ["transfer", "read", "assemble", "load", "crc32", "agree", "unpack", "list"]
 GiB = 1 << 30
 WORLD, PER_NODE = 4, 2
 
@@ -151,6 +151,10 @@ class Trainer:
         t.wrap(LocalStore, "read", "read")  # recovery: shares read from node-local files (before mapping)
         t.wrap(tier_store, "map_share", "read")  # recovery: another holder's shares on this node, mapped
         t.wrap(tier_restore.shares, "assemble", "assemble")
+        t.wrap(tier_restore.packing, "crc32", "crc32")  # recovery: every check (the writer's are not in its window)
+        t.wrap(self.tier, "gather", "agree")  # the holdings gathered, and every agreement of the restore
+        t.wrap(tier_restore.packing, "unpack", "unpack")  # headers unpickled, tensors viewed
+        t.wrap(LocalStore, "holdings", "list")  # manifests listed and read
 
     def _calibrate(self) -> int:
         """Matmuls per step for about --compute-ms, timed with every rank computing at once (contended)."""

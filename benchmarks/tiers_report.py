@@ -128,8 +128,9 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
         "",
         f"Local recovery (slowest rank): shares sent between ranks {f(rp['transfer'], '.2f')} s, read (or mapped) from"
         f" node-local files {f(rp['read'], '.2f')} s, the full checkpoint assembled {f(rp['assemble'], '.2f')} s,"
-        f" loaded into the model {f(rp.get('load'), '.2f')} s, the rest (listing, CRC32 checks, agreeing, unpickling)"
-        f" {f(rest, '.2f')} s.",
+        f" loaded into the model {f(rp.get('load'), '.2f')} s, CRC32 checks {f(rp.get('crc32'), '.2f')} s, gathers and"
+        f" agreements {f(rp.get('agree'), '.2f')} s, headers unpacked {f(rp.get('unpack'), '.2f')} s, manifests listed"
+        f" {f(rp.get('list'), '.2f')} s, the rest {f(rest, '.2f')} s.",
         "",
         "| ratio | measured | target |",
         "|---|---|---|",
