@@ -104,3 +104,31 @@ def test_bench_train_loop_quick(tmp_path):
         (phase,) = run["phases"]
         assert [s is not None and s["commit_s"] is not None for s in phase["saves"]] == [True, True], run["variant"]
     assert not list((tmp_path / "ckpts").glob("*/*")), "checkpoints left behind"
+
+
+def test_bench_tiers_renders_a_saved_run(tmp_path):
+    """``bench_tiers.py --render`` reprints a saved run's tables (the orchestrator, the report and the rank
+    module import together)."""
+    saved = os.path.join(ROOT, "benchmarks", "results", "tiers-20261204-154254.json")
+    code, out = _run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_tiers.py"), "--render", saved],
+                     cwd=tmp_path, timeout=120)
+    assert code == 0, out[-3000:]
+    assert "| overhead per save, local / persistent | 0.67× | ≤ 0.5× |" in out, out[-3000:]
+    assert "CRC32 checks 0.09 s" in out, out[-3000:]
+
+
+@pytest.mark.slow  # make test-all: four spawned ranks, about a minute
+@pytest.mark.timeout(600)
+def test_bench_tiers_tiny_run(tmp_path):
+    """The tier benchmark end to end on a tiny state: every variant and recovery runs, every restored
+    checkpoint is exact, and nothing is left in /dev/shm."""
+    results = tmp_path / "results"
+    code, out = _run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_tiers.py"), "--size", "0.02",
+                      "--reps", "1", "--recoveries", "1", "--no-s3", "--timeout", "400", "--dir", str(tmp_path),
+                      "--out", str(results)], cwd=tmp_path, timeout=500)
+    assert code == 0, out[-3000:]
+    (js,) = results.glob("tiers-*.json")
+    summary = json.loads(js.read_text())["summary"]
+    assert {r["how"]: r["exact"] for r in summary["recovery"]} == {
+        "local_replicas": "1/1", "persistent_cold": "1/1", "persistent_warm": "1/1"}, summary["recovery"]
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("bench-tiers-")]
