@@ -353,6 +353,20 @@ def recoveries_of(args: Any) -> list[str]:
     return [k for k in RECOVERIES if s3 or k != "persistent_s3"]
 
 
+def rotations(kinds: list[str], reps: int, run_one: Any, talk: bool, line: Any) -> list[dict[str, Any]]:
+    """``reps`` rounds of ``run_one(kind)`` for every kind, each round's order rotated by one (so that no kind
+    always follows the same one); each row gets its round as ``rep``, and with ``talk`` a progress line."""
+    rows = []
+    for rep in range(reps):
+        for kind in kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]:
+            row = run_one(kind)
+            row["rep"] = rep
+            rows.append(row)
+            if talk:
+                print(line(rep, kind, row), file=sys.stderr, flush=True)
+    return rows
+
+
 def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_dir: Path, out: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -365,30 +379,13 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_d
         result: dict[str, Any] = {"matmuls_per_step": trainer.matmuls, "state_bytes": trainer.state_bytes,
                                   "tensors": len(trainer.tensors), "loadavg_start": os.getloadavg()}
         result["first"] = trainer.warmup()
-        periods = []
-        for rep in range(args.reps):
-            order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
-            for variant in order:
-                p = trainer.period(variant)
-                p["rep"] = rep
-                periods.append(p)
-                if rank == 0:
-                    print(f"rep {rep} {variant:>10}: {p['period_s']:.2f} s, drain {p['drain_s']:.2f} s",
-                          file=sys.stderr, flush=True)
-        result["periods"] = periods
+        result["periods"] = rotations(
+            VARIANTS, args.reps, trainer.period, rank == 0,
+            lambda rep, v, p: f"rep {rep} {v:>10}: {p['period_s']:.2f} s, drain {p['drain_s']:.2f} s")
         result["recovery_step"] = trainer.prepare_recovery()
-        recoveries = []
-        kinds = recoveries_of(args)
-        for rep in range(args.recoveries):
-            order = kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]
-            for how in order:
-                r = trainer.recover(how, base / "node1")
-                r["rep"] = rep
-                recoveries.append(r)
-                if rank == 0:
-                    print(f"recovery {rep} {how:>16}: {r['seconds']:.2f} s, exact {r['exact']}",
-                          file=sys.stderr, flush=True)
-        result["recoveries"] = recoveries
+        result["recoveries"] = rotations(
+            recoveries_of(args), args.recoveries, lambda how: trainer.recover(how, base / "node1"), rank == 0,
+            lambda rep, how, r: f"recovery {rep} {how:>16}: {r['seconds']:.2f} s, exact {r['exact']}")
         result["loadavg_end"] = os.getloadavg()
         trainer.close()
         dist.barrier()

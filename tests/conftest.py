@@ -1,12 +1,11 @@
 import os
-import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import combo_params, hold_write, live_children, wait_no_children  # noqa: E402
+from helpers import combo_params, hold_write, live_children, mounted_tmpfs, wait_no_children  # noqa: E402
 
 
 @pytest.fixture(params=combo_params(single=True))
@@ -40,15 +39,8 @@ def no_child_processes_left():
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 4 MiB tmpfs, for real ENOSPC. Skips where mounting is refused."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 @pytest.fixture
@@ -74,14 +66,5 @@ def s3(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def tmpfs_1m(tmp_path):
     """A real 1 MiB tmpfs (skipped where mounting is refused): the local tier's tests size their shares to it."""
-    import subprocess
-
-    d = tmp_path / "small"
-    d.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
+    with mounted_tmpfs(tmp_path / "small", "1m") as mnt:
+        yield mnt

@@ -321,6 +321,23 @@ def hang_report(pgid: int, script: str, out: Any, log: Any) -> str:
     return "\n".join(parts)
 
 
+@contextlib.contextmanager
+def mounted_tmpfs(path: Any, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``"4m"``) mounted at ``path`` (made here), for real ENOSPC; skips the test
+    where mounting is refused. Unmounted after."""
+    import pytest
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the kernel picks it): each job gets its own ``MASTER_PORT``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

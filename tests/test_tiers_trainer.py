@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import TinyModel, assert_tree_equal, clone_tree, loader, trainer
+from helpers import TinyModel, assert_tree_equal, clone_tree, loader, mounted_tmpfs, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, LocalTier
 
 
@@ -113,17 +113,8 @@ class FillAt(L.Callback):
 
 
 def test_a_local_save_that_hits_enospc_raises_on_the_next_step_and_keeps_the_previous_step(tmp_path):
-    import subprocess
-
-    local = tmp_path / "local"
-    local.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(local)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "local", "2m") as local:
         with pytest.raises(CheckpointWriteError, match=r"rank 0: LocalTierError: local save of step 4: OSError.*No space left"):
             _fit(tmp_path, 100, callbacks=[FillAt(3, local / "other-process.bin")])
         holder = local / "asyncckpt-local" / "default" / "holder-0"
         assert sorted(p.name for p in holder.glob("*.pt")) == ["step-0000000002.owner-0.pt"]
-    finally:
-        subprocess.run(["umount", "-l", str(local)], check=False)
