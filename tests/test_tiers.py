@@ -134,6 +134,19 @@ def test_a_removed_steps_file_is_reused_by_the_next_share_of_its_size(tmp_path):
     assert not list(store.dir.glob(".free-*"))
 
 
+def test_a_spare_of_another_size_is_resized_for_the_next_share_not_replaced(tmp_path):
+    """No spare of the share's size: the closest one is renamed and resized (the same inode, the new size,
+    the new bytes), so a first save whose files were sized a few bytes off still takes no new file."""
+    store = LocalStore(tmp_path, 0, keep_free=1)
+    assert store.pool.prepare([4096], uses=1) == 1
+    (spare,) = store.dir.glob(".free-*")
+    inode = spare.stat().st_ino
+    _write(store, 2, 0, torch.full((4000,), 7, dtype=torch.uint8))
+    pt = store.dir / "step-0000000002.owner-0.pt"
+    assert pt.stat().st_ino == inode and pt.read_bytes() == bytes([7]) * 4000
+    assert [(h.step, h.nbytes) for h in store.holdings(TOPO)] == [(2, 4000)]
+
+
 def test_after_the_first_save_the_next_saves_files_are_made_ahead_then_reused(tmp_path):
     store = LocalStore(tmp_path, 0, keep_free=1)
     _write(store, 2, 0, torch.full((4096,), 2, dtype=torch.uint8))

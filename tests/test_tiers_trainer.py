@@ -55,6 +55,15 @@ def test_last_resumes_from_the_local_step_when_it_is_newer(tmp_path, local_dir):
     assert (tmp_path / "c" / "epoch=0-step=8.ckpt").is_file()  # the local tier deletes nothing persistent
 
 
+def test_the_first_local_saves_files_are_made_without_running_the_users_checkpoint_hooks(tmp_path, local_dir):
+    """Before the first local save its files are made ahead, sized from the model and optimizer states:
+    ``on_save_checkpoint`` runs for the local saves (steps 2 and 4) and for no other step."""
+    _, states = _fit(tmp_path, 4, every=100)
+    assert sorted(states.saved) == [2, 4]
+    holder = local_dir / "asyncckpt-local" / "default" / "holder-0"
+    assert sorted(p.name for p in holder.glob("*.pt")) == ["step-0000000004.owner-0.pt"]
+
+
 def test_last_resumes_from_the_persistent_step_when_it_is_newer(tmp_path, local_dir):
     _, first = _fit(tmp_path, 8, local_every=3)  # local at 3 and 6, persistent at 8
     t, again = _fit(tmp_path, 9, ckpt_path="last", local_every=3)

@@ -34,8 +34,7 @@ def arm(io: Any) -> None:
 
 def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     """(all ranks, after every training batch) Agrees on the step boundary, saves to the local tier when
-    one is due (``dump`` builds the checkpoint as ``ModelCheckpoint`` would; before the first save, once to
-    make its files ahead), and on a preemption request
+    one is due (``dump`` builds the checkpoint as ``ModelCheckpoint`` would), and on a preemption request
     saves now, waits for the copies and their replicas, and stops training. Returns True then."""
     tier = io.tier
     boundary = tier.boundary()
@@ -43,8 +42,10 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     due = step > 0 and step % io.local.every_n_train_steps == 0
     if (due or boundary.preempted) and step != tier.saved_step:
         tier.save(step, dump())
-    elif step > 0 and tier.wants_files:  # the first save's files, made while the next steps run
-        tier.prepare(dump())
+    elif step > 0 and tier.wants_files:  # the first save's files, made while the next steps run; sized from
+        # the states that make up nearly all its bytes, not dump(), which would run the user's on_save_checkpoint
+        tier.prepare({"state_dict": trainer.lightning_module.state_dict(),
+                      "optimizer_states": [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]})
     if not boundary.preempted:
         return False
     complete = tier.finish()

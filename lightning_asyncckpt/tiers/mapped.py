@@ -55,19 +55,21 @@ class FilePool:
                 p.unlink(missing_ok=True)
 
     def take(self, path: Path, nbytes: int) -> MappedFile:
-        """A mapped file of ``nbytes`` at ``path`` (a spare renamed there, or a new one with its space
-        reserved). Raises ``OSError`` (e.g. ENOSPC) before anything is written."""
+        """A mapped file of ``nbytes`` at ``path``: a spare of that size renamed there, else the spare closest
+        in size renamed and resized (its pages, already allocated, are mapped again: no new file to fault in),
+        else a new one. The space is reserved first: raises ``OSError`` (e.g. ENOSPC) before anything is
+        written."""
         path = Path(path)
         with self._lock:
-            spare = next((f for f in self._free if f.nbytes == nbytes), None)
+            spare = min(self._free, key=lambda f: abs(f.nbytes - nbytes), default=None)
             if spare is not None:
                 self._free.remove(spare)
         mapped = None
         if spare is not None:
             with contextlib.suppress(FileNotFoundError):  # removed by another run of this rank: make a new one
                 os.replace(spare.path, path)
-                spare.path = path
-                mapped = spare
+                mapped = spare if spare.nbytes == nbytes else _create(path, nbytes, keep=True)
+                mapped.path = path
         if mapped is None:
             mapped = _create(path, nbytes)
         with self._lock:
@@ -141,10 +143,14 @@ class FilePool:
             f.path.unlink(missing_ok=True)
 
 
-def _create(path: Path, nbytes: int) -> MappedFile:
+def _create(path: Path, nbytes: int, keep: bool = False) -> MappedFile:
+    """A file of ``nbytes`` at ``path``, its space reserved, mapped and faulted in. ``keep``: an existing file
+    (a spare of another size), cut or grown to ``nbytes``, its pages kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if keep else os.O_TRUNC), 0o600)
     try:
+        if keep:
+            os.ftruncate(fd, nbytes)
         if nbytes:
             try:
                 os.posix_fallocate(fd, 0, nbytes)

@@ -118,15 +118,14 @@ class TierRun:
         """True until the first local save or :meth:`prepare`: the first save's files are not made yet."""
         return self.saved_step < 0 and not self._prepared
 
-    def prepare(self, checkpoint: dict[str, Any]) -> None:
-        """(every rank, together, at a step boundary before the first local save, once the optimizer has
-        its state) Checks the directory's space for ``checkpoint``'s shares (refused with the sizes, as
-        :meth:`save` would) and makes the first save's files in the background thread, so that the first
-        save copies into ready files as every later one does, instead of creating them inside its call."""
+    def prepare(self, like: dict[str, Any]) -> None:
+        """(every rank, at a step boundary before the first local save, once the optimizer has its state)
+        Makes the first save's files in the background thread, sized for ``like`` (the checkpoint, or its
+        model and optimizer states: a file a few bytes off is resized at the save, keeping its pages), so
+        that the first save copies into ready files as every later one does. The save checks the space."""
         if not self.wants_files:
             return
-        _mode, laid = self._layouts(checkpoint)
-        self._check_space(laid)
+        _mode, laid = self._layouts(like)
         self.writer.make_ahead([lay.nbytes for lay, _ in laid.values()])
         self._prepared = True
 
@@ -139,7 +138,7 @@ class TierRun:
         return mode, {o: packing.layout(share) for o, share in made.items()}
 
     def _check_space(self, laid: dict[int, Any]) -> None:
-        """(every rank, together, once) Refuses a directory too small for the shares (collective)."""
+        """(every rank, together, at the first save) Refuses a directory too small for the shares (collective)."""
         if not self._space_checked:
             checks.space(Path(self.config.dir), self.rank, self.node_of, laid[self.rank][0].nbytes,
                          self.store.used_bytes(), self.config.replication_factor, self.gather)
