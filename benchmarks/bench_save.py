@@ -20,7 +20,9 @@ variants see the same machine state; figures are medians. One process:
 
 Variants: Lightning's ``TorchCheckpointIO`` (synchronous ``torch.save``), a synchronous DCP save,
 Lightning's ``AsyncCheckpointIO`` (a thread), torch DCP ``async_save`` with a process executor and a
-reused shared-memory stager, and this library (nvrx and mcore, persistent worker and fork per save).
+reused shared-memory stager, this library (nvrx and mcore, persistent worker and fork per save), and its
+local tier alone (``local_tier``: one rank, no replicas, the state copied into mapped ``/dev/shm`` files;
+only its newest step is kept, so only the last save is read back).
 The first save is reported separately; the steady state is the median of the saves after it.
 """
 
@@ -49,6 +51,7 @@ VARIANTS = [
     "mcore_fork",
     "nvrx_persistent_dcp",  # format="dcp": 0.1's single-writer DCP directory, beside the default file
     "mcore_persistent_dcp",
+    "local_tier",  # the local tier alone (one rank, no replicas): the shares copied into mapped /dev/shm files
 ]
 GiB = 1 << 30
 
@@ -160,6 +163,8 @@ class Variant:
         self.name = name
         self.io: Any = None
         self._done: Any = None
+        self.step = 0
+        self.local_dir: Path | None = None
 
     def warmup(self, state: dict) -> None:
         if self.name.split("_")[0] in ("nvrx", "mcore"):
@@ -168,6 +173,16 @@ class Variant:
             engine, worker, *fmt = self.name.split("_")
             self.io = AsyncCheckpointIO(engine, worker=worker, max_pending=1, format=fmt[0] if fmt else "auto")
             self.io.warmup(like=state)  # starts the worker and allocates the staging buffers
+        elif self.name == "local_tier":
+            from lightning_asyncckpt import LocalTier
+            from lightning_asyncckpt.tiers.run import TierRun
+
+            shm = Path("/dev/shm")
+            self.local_dir = Path(tempfile.mkdtemp(prefix="bench-local-", dir=shm if shm.is_dir() else None))
+            self.io = TierRun(LocalTier(self.local_dir, every_n_train_steps=1, replication_factor=1,
+                                        emergency_signals=()), node_rank=0, local_world_size=1)
+            self.io.prepare(state)  # the first save's files, made ahead as the integrations do
+            self.io.writer.wait(600)  # as the other variants' warmup, done before the first save
         elif self.name == "lightning_async":
             from lightning.fabric.plugins import TorchCheckpointIO
             from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -204,6 +219,9 @@ class Variant:
         elif self.name == "lightning_async":
             self.io.save_checkpoint(state, path)
             self._done = self.io._executor.submit(lambda: None)  # runs after the save on its one thread
+        elif self.name == "local_tier":
+            self.step += 1
+            self.io.save(self.step, state)
         elif self.name == "dcp_async_process":
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -216,6 +234,10 @@ class Variant:
     def done(self, path: Path) -> bool:
         if self.name in ("torch_save", "dcp_sync"):
             return True
+        if self.name == "local_tier":
+            if self.io.writer.busy:
+                return False
+            return self.io.boundary().complete == self.step  # raises a failed local save
         if self.name in ("lightning_async", "dcp_async_process"):
             if self._done.done():
                 self._done.result()
@@ -224,8 +246,23 @@ class Variant:
         self.io.finalize()
         return self.io.num_pending == 0
 
+    def load(self, path: Path) -> Any:
+        """The checkpoint saved at ``path`` (the local tier: its newest step, restored as on a resume)."""
+        import torch
+
+        if self.name == "local_tier":
+            return self.io.take(self.io.latest(None))
+        if path.is_file():  # stock's format (torch_save, lightning_async, and ours by default)
+            return torch.load(path, mmap=True, weights_only=True)
+        from lightning_asyncckpt.format import dcp as dcp_format
+
+        return dcp_format.load(path, weights_only=False)
+
     def close(self) -> None:
-        if self.name == "lightning_async" or self.name.split("_")[0] in ("nvrx", "mcore"):
+        if self.name == "local_tier":
+            self.io.close()
+            shutil.rmtree(self.local_dir, ignore_errors=True)
+        elif self.name == "lightning_async" or self.name.split("_")[0] in ("nvrx", "mcore"):
             self.io.teardown()
         elif self.name == "dcp_async_process":
             import torch.distributed as dist
@@ -234,15 +271,7 @@ class Variant:
             dist.destroy_process_group()
 
 
-def torn_tensors(name: str, path: Path, expected: float) -> int:
-    import torch
-
-    if path.is_file():  # stock's format (torch_save, lightning_async, and ours by default)
-        loaded = torch.load(path, mmap=True, weights_only=True)
-    else:
-        from lightning_asyncckpt.format import dcp as dcp_format
-
-        loaded = dcp_format.load(path, weights_only=False)
+def torn_tensors(loaded: Any, expected: float) -> int:
     return sum(1 for t in big_tensors(loaded) if not bool((t == expected).all()))
 
 
@@ -298,7 +327,7 @@ def run_variant(name: str, size_gib: float, saves: int, workdir: Path, verify: s
             if len(during) % 4 == 1:
                 pss_peak = max(pss_peak, tree_pss())
         e2e = time.perf_counter() - t0
-        if verify == "all" or (verify == "last" and i == saves - 1):
+        if (verify == "all" and name != "local_tier") or (verify != "none" and i == saves - 1):  # it keeps one step
             to_check.append((i, path, value))  # read back after all saves: reading allocates memory
         else:
             _remove(path)
@@ -312,10 +341,10 @@ def run_variant(name: str, size_gib: float, saves: int, workdir: Path, verify: s
             "extra_mem_incl_worker_bytes": pss_peak - pss0 - state_bytes,
             "torn": None,
         })
-    variant.close()
-    for i, path, value in to_check:
-        records[i]["torn"] = torn_tensors(name, path, value)
+    for i, path, value in to_check:  # before close: the local tier restores its newest step through its run
+        records[i]["torn"] = torn_tensors(variant.load(path), value)
         _remove(path)
+    variant.close()
     return {
         "variant": name, "size_gib": size_gib, "device": device, "state_bytes": state_bytes, "memcpy_floor_s": floor,
         "probe_gbps": probe / 1e9, "base_step_s": base_step, "saves": records,

@@ -10,9 +10,10 @@
 #
 # 1. the GPU tests: CUDA tensors staged through pinned shared memory (both engines, both workers), a
 #    writer without a CUDA context, NCCL and gloo agreement at world size 1, TransformerEngine FP8
-#    weights saved dequantized (skipped where TE is not installed);
+#    weights saved dequantized (skipped where TE is not installed), a CUDA model resumed from the local
+#    tier bit for bit;
 # 2. the CUDA benchmark at 2 and 8 GiB on the GPU, and the stall against the pinned device-to-host
-#    copy floor measured in the same run (target: 1.3x or less);
+#    copy floor measured in the same run (target: 1.3x or less), the local tier alone beside it;
 # 3. the lazy snapshot on the GPU (benchmarks/bench_lazy.py --device cuda, 2 GiB): what training blocks on
 #    (save call + wait before the optimizer step) against the pinned D2H floor (target: 0.1x or less),
 #    eager beside it;
@@ -21,7 +22,9 @@
 #    how busy the writer stays;
 # 5. the lazy snapshot with a forward and backward longer than the copy (--batch 4096, 2 GiB: about 70 ms
 #    of fp32 matmuls against a 40 ms copy on an H200), where the copy can hide entirely;
-# 6. where the lazy save call's own time goes on the GPU (benchmarks/profile_save_call.py, cProfile).
+# 6. where the lazy save call's own time goes on the GPU (benchmarks/profile_save_call.py, cProfile);
+# 7. the device-to-host copy into the local tier's mapped /dev/shm files, pageable and registered with
+#    CUDA, against pinned memory (benchmarks/probe_d2h_mapped.py, 2 GiB).
 #
 # Python: $PYTHON (default python3) must have a CUDA torch. Missing packages can be installed from
 # wheels in .whl/ (no network needed): they go to /tmp/site. The package itself is used from the
@@ -57,13 +60,14 @@ EOF
 status=0
 say "== GPU tests"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --timeout=200 \
-    tests/test_gpu.py tests/test_control_plane.py -k "not bench_cuda_smoke" -rs 2>&1 | tee -a "$LOG"
+    tests/test_gpu.py tests/test_control_plane.py tests/test_tiers_trainer.py -k "not bench_cuda_smoke" -rs 2>&1 \
+    | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 say "== CUDA benchmark (2 and 8 GiB on the GPU)"
 BENCH_DIR=$(mktemp -d -p /dev/shm gpu-bench-XXXX 2>/dev/null || mktemp -d)
 timeout 270 "$PY" benchmarks/bench_save.py --device cuda --sizes "${GPU_BENCH_SIZES:-2,8}" --saves 4 \
-    --variants dcp_sync,dcp_async_process,nvrx_persistent,mcore_persistent --dir "$BENCH_DIR" --out "$OUT" \
+    --variants dcp_sync,dcp_async_process,nvrx_persistent,mcore_persistent,local_tier --dir "$BENCH_DIR" --out "$OUT" \
     2>&1 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 rm -rf "$BENCH_DIR"
@@ -107,6 +111,10 @@ timeout 120 "$PY" benchmarks/bench_lazy.py --device cuda --sizes 2 --saves 5 --r
 
 say "== where the lazy save call's time goes on the GPU (cProfile, 2 GiB)"
 timeout 90 "$PY" benchmarks/profile_save_call.py --device cuda --gib 2 --saves 4 --top 30 2>&1 | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+say "== the device-to-host copy into the local tier's mapped files (2 GiB): pageable, registered, pinned"
+timeout 90 "$PY" benchmarks/probe_d2h_mapped.py --gib 2 --reps 6 2>&1 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 say "gpu_check: exit $status"

@@ -208,10 +208,13 @@ def hold_write(folder: Any) -> Any:
 
 
 def live_children() -> list[psutil.Process]:
+    """This process's live descendants, but for Open MPI's ``orted``: where mpi4py is installed, Lightning's
+    MPI detection starts it (a singleton ``MPI_Init``) and it lives as long as this process (seen on a GPU
+    machine); it is not ours."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE:
+            if p.status() != psutil.STATUS_ZOMBIE and p.name() != "orted":
                 out.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -1,11 +1,14 @@
 """The CUDA path: CUDA tensors staged through pinned shared memory, a worker without a CUDA context, and a
-real TransformerEngine FP8 model. Skipped without CUDA (and without TE); ``scripts/gpu_check.sh`` runs them.
+real TransformerEngine FP8 model, and the local tier's share files pinned for a GPU state. Skipped without CUDA (and without TE); ``scripts/gpu_check.sh`` runs them.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +102,35 @@ def test_bench_cuda_smoke(tmp_path):
         code = job.wait()
     assert code == 0, job.log_text()[-3000:]
     assert "nvrx_persistent" in job.log_text()
+
+
+def test_a_gpu_states_share_files_are_registered_with_cuda_and_unregistered_when_let_go(tmp_path):
+    """The local tier's pool pins the files it makes for a CUDA state (the copy from the GPU then runs at
+    pinned speed), keeps a spare pinned for reuse, and unregisters every file before it lets go of it."""
+    from lightning_asyncckpt.tiers.mapped import FilePool
+
+    shm = Path("/dev/shm")
+    directory = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else tmp_path))
+    pool = FilePool(directory, keep_free=1)
+    try:
+        pool.pin_for(torch.device("cuda", 0))
+        assert pool.prepare([1 << 20], uses=1) == 1  # made ahead (the writer thread's job), pinned there
+        first = pool.take(directory / "a.pt.tmp", 1 << 20)
+        assert first.pinned and first.tensor.is_pinned()
+        first.tensor.copy_(torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda"))
+        assert bool((first.tensor == 7).all())
+        pool.give_back(first.path)  # kept as the spare: still pinned
+        again = pool.take(directory / "b.pt.tmp", 1 << 20)
+        assert again is first and again.pinned
+        other = pool.take(directory / "c.pt.tmp", 2 << 20)  # no spare of its size: made in the save call,
+        assert not other.pinned  # where it is never registered (that costs as much as the copy it speeds up)
+        pool.give_back(other.path)  # kept as the spare
+        pool.prepare([])  # the writer thread's job after a save: registers it
+        assert other.pinned and other.tensor.is_pinned()
+        gone = pool.take(directory / "d.pt.tmp", 1 << 20)  # the 2 MiB spare resized: a new mapping
+        assert not other.pinned and not gone.pinned
+        pool.close()
+        assert not first.pinned and not first.tensor.is_pinned() and not gone.pinned
+    finally:
+        pool.close()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -89,3 +89,13 @@ def test_there_are_no_import_circles():
 
     for m in sorted(graph):
         visit(m, [])
+
+
+def test_the_entry_point_that_autoattach_loads_is_the_one_pyproject_declares():
+    import tomllib
+
+    from lightning_asyncckpt.integration import autoattach
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]["entry-points"]
+    for group in ("lightning.pytorch.callbacks_factory", "pytorch_lightning.callbacks_factory"):
+        assert project[group]["lightning_asyncckpt"] == autoattach.ENTRY_POINT

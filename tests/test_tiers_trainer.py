@@ -8,6 +8,7 @@ import signal
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import TinyModel, assert_tree_equal, clone_tree, loader, mounted_tmpfs, trainer
@@ -28,12 +29,12 @@ class States(L.Callback):
         self.start_step, self.start = trainer.global_step, self._state(trainer, pl_module)
 
 
-def _fit(tmp_path, max_steps, ckpt_path=None, every=8, callbacks=(), local_every=2):
+def _fit(tmp_path, max_steps, ckpt_path=None, every=8, callbacks=(), local_every=2, **kw):
     io = AsyncCheckpointIO("nvrx", local=LocalTier(tmp_path / "local", every_n_train_steps=local_every,
                                                    replication_factor=1))
     states = States()
     ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=every, save_top_k=-1, save_last=True)
-    t = trainer(tmp_path, [io], [states, *callbacks, ck], max_steps=max_steps)
+    t = trainer(tmp_path, [io], [states, *callbacks, ck], max_steps=max_steps, **kw)
     L.seed_everything(0)
     t.fit(TinyModel(width=16), loader(width=16, n=512, batch_size=4), ckpt_path=ckpt_path)
     return t, states
@@ -53,6 +54,31 @@ def test_last_resumes_from_the_local_step_when_it_is_newer(tmp_path, local_dir):
     assert again.start_step == 10 and t.ckpt_path.endswith("restore-step-10")
     assert_tree_equal(again.start, first.saved[10], "resume from the local tier")
     assert (tmp_path / "c" / "epoch=0-step=8.ckpt").is_file()  # the local tier deletes nothing persistent
+
+
+def test_run_from_a_source_checkout_without_the_entry_point_the_local_tier_still_saves(tmp_path, local_dir, monkeypatch):
+    """No entry point installed (the package on ``PYTHONPATH``): the local tier saves, as installed. Before,
+    no callback drove it, and it saved nothing, silently."""
+    from lightning_asyncckpt.integration.lightning_api import trainer_module
+
+    monkeypatch.setattr(trainer_module("trainer.connectors.callback_connector"), "_load_external_callbacks",
+                        lambda group: [])
+    _, states = _fit(tmp_path, 4, every=100)
+    assert sorted(states.saved) == [2, 4]
+    holder = local_dir / "asyncckpt-local" / "default" / "holder-0"
+    assert sorted(p.name for p in holder.glob("*.pt")) == ["step-0000000004.owner-0.pt"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_model_resumes_from_the_local_step_bit_exactly(tmp_path, local_dir):
+    """On a GPU: the shares copied from CUDA memory into the mapped files, and the restored step loaded
+    back onto the GPU, bit for bit (``scripts/gpu_check.sh`` runs it)."""
+    _, first = _fit(tmp_path, 10, accelerator="gpu")
+    t, again = _fit(tmp_path, 11, ckpt_path="last", accelerator="gpu")
+    assert again.start_step == 10 and t.ckpt_path.endswith("restore-step-10")
+    assert all(v.is_cuda for v in again.start["model"].values())
+    assert_tree_equal(again.start, first.saved[10], "resume on the GPU from the local tier")
 
 
 def test_the_first_local_saves_files_are_made_without_running_the_users_checkpoint_hooks(tmp_path, local_dir):

@@ -204,6 +204,21 @@ def test_killed_worker_stops_training(engine_worker, tmp_path, hold):
     assert not (tmp_path / "c").exists() or dir_entries(tmp_path / "c") == []
 
 
+@pytest.mark.parametrize("entry_point", [True, False], ids=["installed", "source-checkout"])
+def test_plugin_alone_gets_exactly_one_finalizer_with_or_without_the_entry_point(tmp_path, monkeypatch, entry_point):
+    """Run from a source checkout (no entry point installed), a Trainer made after the plugin gets the finalizer
+    all the same; installed, the entry point gives it and nothing adds a second."""
+    if not entry_point:
+        from lightning_asyncckpt.integration.lightning_api import trainer_module
+
+        monkeypatch.setattr(trainer_module("trainer.connectors.callback_connector"), "_load_external_callbacks",
+                            lambda group: [])
+    io = AsyncCheckpointIO("nvrx")
+    t = trainer(tmp_path, [io], [], max_steps=1)
+    auto = [cb for cb in t.callbacks if isinstance(cb, AsyncFinalizerCallback)]
+    assert len(auto) == 1
+
+
 def test_plugin_alone_registers_the_finalizer(tmp_path):
     io = AsyncCheckpointIO("nvrx")
     ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=4, save_top_k=-1)

@@ -243,12 +243,16 @@ class AsyncFinalizerCallback(Callback):
         self._relay.detach()
 
 
-def _external_callbacks() -> list[Callback]:
-    """Lightning ``callbacks_factory`` entry point: an inert-by-default finalizer for every Trainer. Also
-    lets ``ckpt_path="last"`` find checkpoints on object stores for trainers that use the plugin
+def external_callbacks() -> list[Callback]:
+    """Lightning ``callbacks_factory`` entry point (and :mod:`~lightning_asyncckpt.integration.autoattach`
+    where none is installed): an inert-by-default finalizer for every Trainer. Also lets ``ckpt_path="last"``
+    find checkpoints on object stores for trainers that use the plugin
     (:mod:`lightning_asyncckpt.integration.resume`)."""
     resume.install()
     tier_resume.install()
     cb = AsyncFinalizerCallback()
     cb._auto = True
     return [cb]
+
+
+_external_callbacks = external_callbacks  # the name the entry point had: an editable install not yet reinstalled

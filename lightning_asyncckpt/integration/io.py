@@ -24,7 +24,7 @@ from lightning_asyncckpt.faults.policy import FaultPolicy
 from lightning_asyncckpt.format import paths
 from lightning_asyncckpt.format.dcp import META_FILE
 from lightning_asyncckpt.format.layout import Layout
-from lightning_asyncckpt.integration import lightning_api, loading, logsetup, versions
+from lightning_asyncckpt.integration import autoattach, lightning_api, loading, logsetup, versions
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO
 from lightning_asyncckpt.pipeline import poller, write_jobs
 from lightning_asyncckpt.pipeline.committer import request_removal
@@ -119,6 +119,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         self._returned = 0  # history[:_returned] was returned by finalize()
         self.local = local
         self.tier: TierRun | None = None  # the local tier's run, made at setup on every rank (tier_trainer, tier_fabric)
+        autoattach.install()  # the finalizer in the next Trainer, even without the package's entry point
 
     @property
     def engine(self) -> str:

@@ -1,13 +1,17 @@
 """Every change this package makes to Lightning's own objects, made and undone in one place.
 
-Lightning gives a plugin no hook for these, so the package wraps four methods:
+Lightning gives a plugin no hook for these, so the package wraps these methods:
 
 - a strategy's ``save_checkpoint`` (instance, the callback): counts weights-only saves, finishes a SLURM
   requeue save before it returns;
 - each ``ModelCheckpoint``'s ``file_exists`` (instance, the callback): a save still being written counts as
   existing, so that a later save does not take its name;
 - each logger's ``after_save_checkpoint`` (instance, the logger relay): deferred until the save commits;
-- ``ModelCheckpoint._find_last_checkpoints`` (the class, ``resume``): ``ckpt_path="last"`` on object stores.
+- ``ModelCheckpoint._find_last_checkpoints`` (the class, ``resume``): ``ckpt_path="last"`` on object stores;
+- ``_CheckpointConnector._parse_ckpt_path`` and ``resume_start`` (the class, ``tier_resume``): ``"last"`` with
+  a local tier;
+- ``_CallbackConnector.on_trainer_init`` (the class, ``autoattach``): the finalizer where the package's
+  entry point is not installed.
 
 Instance wrappers are given back by :meth:`InstancePatches.undo` (the callback's ``teardown``); the class
 wrapper by :func:`undo_class_patches`. Each wrapper carries a mark, so nothing is wrapped twice. A method

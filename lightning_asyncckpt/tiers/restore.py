@@ -80,6 +80,14 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     def agreed() -> list[str]:
         return sorted({p for ps in ranks.gather(bad) for p in ps})
 
+    maps: dict[tuple[int, int], tuple[bytes, torch.Tensor]] = {}
+
+    def mapped(h: Held) -> tuple[bytes, torch.Tensor]:
+        # one mapping per held file: what is sent in 1 is checked in 2 and returned, its pages faulted in once
+        if (h.step, h.owner) not in maps:
+            maps[h.step, h.owner] = ranks.store.map(h)
+        return maps[h.step, h.owner]
+
     # 1. refill: received into files reserved before any byte moves, checked, then committed under their names
     reserved = {}
 
@@ -87,7 +95,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         reserved[m.owner] = ranks.store.reserve(step, m.owner, m.nbytes)
         return reserved[m.owner].tensor
 
-    ready = _prepare(refill, ranks.store.map, into, me, bad, "refill")
+    ready = _prepare(refill, mapped, into, me, bad, "refill")
     if problems := agreed():
         return Restored(None, problems, sent, read)
     senders = {(o, r): s for o, s, r, _ in refill}
@@ -113,7 +121,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         if h.step != step or h.owner in refilled:
             continue
         try:
-            head, flat = ranks.store.map(h)
+            head, flat = mapped(h)
         except OSError as e:
             bad.append(f"rank {me} could not read rank {h.owner}'s share it holds: {e}")
             continue
@@ -124,7 +132,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     def fresh(m: Held) -> torch.Tensor:
         return torch.empty(m.nbytes, dtype=torch.uint8)
 
-    ready = _prepare(fetch.moves, ranks.store.map, fresh, me, bad, "fetch")
+    ready = _prepare(fetch.moves, mapped, fresh, me, bad, "fetch")
     # also the barrier after the refill: 3b reads files that this node's other ranks have just received
     if problems := agreed():
         return Restored(None, problems, sent, read)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.tiers import checks, cliques, packing, recovery, restore, shares
+from lightning_asyncckpt.tiers import checks, cliques, packing, pinning, recovery, restore, shares
 from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.persistent import global_step
@@ -99,6 +99,7 @@ class TierRun:
         self._raise_failed()
         mode, laid = self._layouts(checkpoint)
         self._check_space(laid)
+        self._pin_for(laid)
         copied, failure = [], None
         for owner, (lay, tensors) in laid.items():
             try:
@@ -126,6 +127,7 @@ class TierRun:
         if not self.wants_files:
             return
         _mode, laid = self._layouts(like)
+        self._pin_for(laid)
         self.writer.make_ahead([lay.nbytes for lay, _ in laid.values()])
         self._prepared = True
 
@@ -136,6 +138,12 @@ class TierRun:
         owners = self.clique if mode == shares.REPLICATED and self.clique_group is not None else [self.rank]
         made = shares.make_many(checkpoint, owners, self.world, mode)
         return mode, {o: packing.layout(share) for o, share in made.items()}
+
+    def _pin_for(self, laid: dict[int, Any]) -> None:
+        """A GPU state: the pool's files are registered with CUDA, so that the save's copy runs at pinned speed."""
+        device = pinning.cuda_device(laid[self.rank][1])
+        if device is not None and self.store.pool.pin_device is None:
+            self.store.pool.pin_for(device)
 
     def _check_space(self, laid: dict[int, Any]) -> None:
         """(every rank, together, at the first save) Refuses a directory too small for the shares (collective)."""
