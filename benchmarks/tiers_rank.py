@@ -21,7 +21,7 @@ from typing import Any
 
 from page_cache import drop_cache, warm_cache
 
-VARIANTS = ["baseline", "local", "persistent"]
+VARIANTS = ["baseline", "local", "local_lazy", "persistent"]  # local_lazy: snapshot="lazy"
 RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm", "persistent_s3"]
 S3_PATH = "s3://bench-tiers/last.ckpt"
 SAVE_PARTS = ["wait_previous", "copy_share"]  # of the local save call
@@ -129,6 +129,7 @@ class Trainer:
         self.torch, self.dist, self.rank, self.args, self.ckpt_dir = torch, dist, rank, args, ckpt_dir
         self.state = make_state(int(args.size * GiB), args.layers)
         self.tensors = state_tensors(self.state)
+        self._state_ptrs = {t.data_ptr() for t in self.tensors}
         self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
         self.grad = torch.ones(max(1, int(args.grad_mib * (1 << 20)) // 4))
         self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
@@ -192,15 +193,20 @@ class Trainer:
             self.torch.mm(self.a, self.b)
         self.dist.all_reduce(self.grad)
         self.grad.fill_(1.0)
+        self.tier.wait_copy()  # the optimizer step's wait for a lazy local save's copy (none: returns at once)
         for t in self.tensors:
             t.add_(1.0)
         self.step += 1
         self.state["global_step"] = self.step
 
     # the tiers' saves -----------------------------------------------------------------------------
-    def local_save(self) -> float:
-        self.tier.save(self.step, self.state)
+    def local_save(self, lazy: bool = False) -> float:
+        # lazy: every state tensor (the optimizer's, here) copied in the background until before the add_
+        self.tier.save(self.step, self.state, lazy=self._watch if lazy else None)
         return self.tier.last_stall_s
+
+    def _watch(self, t: Any) -> list | None:
+        return [t] if t.data_ptr() in self._state_ptrs else None
 
     def persistent_save(self) -> float | None:
         if self.rank != 0:
@@ -215,7 +221,7 @@ class Trainer:
         return stall
 
     def drain(self, variant: str) -> None:
-        if variant == "local":
+        if variant.startswith("local"):
             complete = self.tier.finish()
             assert complete == self.tier.saved_step, (complete, self.tier.saved_step)
         elif variant == "persistent":
@@ -229,14 +235,14 @@ class Trainer:
         mark, cpu0 = self.timers.mark(), self.cpu_s()
         t0 = time.perf_counter()
         stall = None
-        if variant == "local":
-            stall = self.local_save()
+        if variant.startswith("local"):
+            stall = self.local_save(lazy=variant == "local_lazy")
         elif variant == "persistent":
             stall = self.persistent_save()
         save_parts = self.timers.since(mark, SAVE_PARTS)
         for _ in range(self.args.every):
             self.train_step()
-            if variant == "local":
+            if variant.startswith("local"):
                 self.tier.boundary()
             elif variant == "persistent":
                 self.io.finalize()
@@ -247,7 +253,7 @@ class Trainer:
         cpu = self.cpu_s() - cpu0
         thread_parts = self.timers.since(mark, THREAD_PARTS)
         background = None
-        if variant == "local":
+        if variant.startswith("local"):
             background = self.tier.writer.last_write_s
         elif variant == "persistent" and self.rank == 0:
             background = self.io.history[-1].write_s if len(self.io.history) > history else None
@@ -255,7 +261,7 @@ class Trainer:
                             "thread_parts": thread_parts, "cpu": cpu})
         out: dict[str, Any] = {"variant": variant, "period_s": elapsed, "drain_s": drain, "steps": self.args.every,
                                "cpu_s": sum(r["cpu"] for r in rows), "cpu_per_rank_s": [r["cpu"] for r in rows]}
-        if variant == "local":  # the slowest rank's, with its parts (the ranks wait for each other every step)
+        if variant.startswith("local"):  # the slowest rank's, with its parts (the ranks wait for each other every step)
             slow = max(rows, key=lambda r: r["stall"])
             out.update(stall_s=slow["stall"], save_parts=slow["save_parts"])
             slow = max(rows, key=lambda r: r["background"])

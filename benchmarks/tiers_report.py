@@ -41,7 +41,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "background_s": _median([p.get("background_s") for p in mine]),
             "drain_s": _median([p["drain_s"] for p in mine]),
         }
-        if name == "local":
+        if name.startswith("local"):
             row["save_parts"] = {k: _median([p["save_parts"].get(k, 0.0) for p in mine]) for k in SAVE_PARTS}
             row["thread_parts"] = {k: _median([p["thread_parts"].get(k, 0.0) for p in mine]) for k in THREAD_PARTS}
         rows.append(row)
@@ -69,6 +69,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "overhead_of_medians_local_vs_persistent": _ratio(by["local"]["overhead_of_medians_s"],
                                                           by["persistent"]["overhead_of_medians_s"]),
         "stall_local_vs_persistent": _ratio(by["local"]["stall_s"], by["persistent"]["stall_s"]),
+        "overhead_local_lazy_vs_persistent": _ratio(by.get("local_lazy", {}).get("overhead_s"),
+                                                    by["persistent"]["overhead_s"]),
+        "stall_local_lazy_vs_persistent": _ratio(by.get("local_lazy", {}).get("stall_s"), by["persistent"]["stall_s"]),
         "extra_cpu_local_vs_persistent": _ratio(by["local"]["extra_cpu_s"], by["persistent"]["extra_cpu_s"]),
         "recovery_replicas_vs_persistent_cold": _ratio(rec["local_replicas"]["seconds"], rec["persistent_cold"]["seconds"]),
         "recovery_replicas_vs_persistent_warm": _ratio(rec["local_replicas"]["seconds"], rec["persistent_warm"]["seconds"]),
@@ -137,6 +140,8 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
         f"| overhead per save, local / persistent | {f(ra['overhead_local_vs_persistent'], '.2f')}× | ≤ 0.5× |",
         f"| the same, of the medians | {f(ra['overhead_of_medians_local_vs_persistent'], '.2f')}× | |",
         f"| stall per save, local / persistent | {f(ra['stall_local_vs_persistent'], '.2f')}× | |",
+        f"| overhead per save, local with snapshot=\"lazy\" / persistent | {f(ra.get('overhead_local_lazy_vs_persistent'), '.2f')}× | |",
+        f"| stall per save, local with snapshot=\"lazy\" / persistent | {f(ra.get('stall_local_lazy_vs_persistent'), '.2f')}× | |",
         f"| extra CPU per save (all processes), local / persistent | {f(ra['extra_cpu_local_vs_persistent'], '.2f')}× | |",
         f"| recovery, replicas / persistent (page cache dropped) | {f(ra['recovery_replicas_vs_persistent_cold'], '.2f')}× | ≤ 0.5× |",
         f"| recovery, replicas / persistent (warm) | {f(ra['recovery_replicas_vs_persistent_warm'], '.2f')}× | |",

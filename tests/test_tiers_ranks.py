@@ -199,3 +199,48 @@ def test_a_node_back_without_room_for_its_shares_makes_every_rank_fall_back_at_o
         assert key is None  # the persistent tier's answer (none here), not a local restore
     why = [line for line in got[0][1] if "resuming from the persistent tier" in line]
     assert why and "rank 1 could not get ready for the refill transfers" in why[0] and "No space left" in why[0], why
+
+
+def _torn_lazy_rank(rank, root):
+    """A lazy local save of a DDP-like state, both ranks' copies held; rank 0 then changes both tensors in
+    place (its copy is torn), rank 1 does not. Returns the error each rank raised, and its step files."""
+    from pathlib import Path
+
+    from lightning_asyncckpt.errors import CheckpointWriteError
+    from lightning_asyncckpt.testing import HoldCopy
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    a, b = torch.ones(50_000), torch.full((50_000,), 2.0)  # 200 kB each: over the lazy minimum, one per share
+    watched = {a.data_ptr(): [a], b.data_ptr(): [b]}
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    hold = HoldCopy(timeout_s=60)
+    run.save(2, {"a": a, "b": b, "global_step": 2}, lazy=lambda t: watched.get(t.data_ptr()), hook=hold)
+    hold.wait_started()
+    if rank == 0:
+        a.add_(1.0)
+        b.add_(1.0)
+    hold.release()
+    run.wait_copy()
+    try:
+        run.finish()
+        outcome = "no error"
+    except CheckpointWriteError as e:
+        outcome = str(e)
+    files = sorted(p.name for p in Path(f"{root}/node{rank}").rglob("step-*") if not p.name.endswith(".tmp"))
+    run.close(wait=False)
+    return outcome, files
+
+
+def test_a_torn_lazy_copy_on_one_rank_commits_nothing_in_its_clique_and_every_rank_raises(tmp_path):
+    """Rank 0's copy is torn. Had its clique gone on, the replica check would have sent rank 0's torn share to
+    rank 1 as a repair, and rank 1 would have committed it: a step that looks complete, holding bytes from
+    after it. Instead no rank commits any share of that step, and both raise at the boundary."""
+    for r in range(2):
+        (tmp_path / f"node{r}").mkdir()
+    got = _two_ranks(_torn_lazy_rank, tmp_path)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+        outcome, files = got[rank]
+        assert "changed in place" in outcome and "rank(s) [0]" in outcome, outcome
+        assert files == [], f"rank {rank} committed {files}"

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import TinyModel, assert_tree_equal, clone_tree, loader, mounted_tmpfs, trainer
-from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, LocalTier
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, LocalTier, testing
 
 
 class States(L.Callback):
@@ -29,14 +29,16 @@ class States(L.Callback):
         self.start_step, self.start = trainer.global_step, self._state(trainer, pl_module)
 
 
-def _fit(tmp_path, max_steps, ckpt_path=None, every=8, callbacks=(), local_every=2, **kw):
-    io = AsyncCheckpointIO("nvrx", local=LocalTier(tmp_path / "local", every_n_train_steps=local_every,
-                                                   replication_factor=1))
+def _fit(tmp_path, max_steps, ckpt_path=None, every=8, callbacks=(), local_every=2, snapshot="eager", hold=None,
+         width=16, **kw):
+    io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(tmp_path / "local", every_n_train_steps=local_every,
+                                                                       replication_factor=1))
+    io.copy_hook = hold
     states = States()
     ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=every, save_top_k=-1, save_last=True)
     t = trainer(tmp_path, [io], [states, *callbacks, ck], max_steps=max_steps, **kw)
     L.seed_everything(0)
-    t.fit(TinyModel(width=16), loader(width=16, n=512, batch_size=4), ckpt_path=ckpt_path)
+    t.fit(TinyModel(width=width), loader(width=width, n=512, batch_size=4), ckpt_path=ckpt_path)
     return t, states
 
 
@@ -46,14 +48,37 @@ def local_dir(tmp_path):
     return tmp_path / "local"
 
 
-def test_last_resumes_from_the_local_step_when_it_is_newer(tmp_path, local_dir):
-    _, first = _fit(tmp_path, 10)  # persistent at 8, local at 2, 4, ..., 10
+@pytest.mark.parametrize("snapshot", ["eager", "lazy"])
+def test_last_resumes_from_the_local_step_when_it_is_newer(tmp_path, local_dir, snapshot):
+    """``snapshot="lazy"``: the local saves' optimizer tensors copied while the next step runs, bit for bit."""
+    # width 128: each weight and moment is 64 KiB, the least a lazy snapshot leaves to its background copy
+    _, first = _fit(tmp_path, 10, snapshot=snapshot, width=128)  # persistent at 8, local at 2, 4, ..., 10
     holder = local_dir / "asyncckpt-local" / "default" / "holder-0"
     assert sorted(p.name for p in holder.glob("*.pt")) == ["step-0000000010.owner-0.pt"]  # older ones removed
-    t, again = _fit(tmp_path, 11, ckpt_path="last")
+    t, again = _fit(tmp_path, 11, ckpt_path="last", snapshot=snapshot, width=128)
     assert again.start_step == 10 and t.ckpt_path.endswith("restore-step-10")
     assert_tree_equal(again.start, first.saved[10], "resume from the local tier")
     assert (tmp_path / "c" / "epoch=0-step=8.ckpt").is_file()  # the local tier deletes nothing persistent
+
+
+def test_a_lazy_local_save_whose_weights_change_before_their_copy_fails_and_commits_nothing(tmp_path, local_dir):
+    """The local save of step 2 returns before its weights are copied (held); a callback then changes a weight
+    in place before the optimizer step: that save fails on the next step, naming the tensor, and nothing
+    of step 2 is committed, rather than a checkpoint holding weights from after it."""
+    hold = testing.HoldCopy(timeout_s=60)
+
+    class EditAfterTheSave(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                hold.wait_started(timeout_s=30)  # the save call of step 2 has returned; its copy waits
+                with torch.no_grad():
+                    pl_module.net[0].weight.add_(1.0)
+                hold.release()
+
+    with pytest.raises(CheckpointWriteError, match="changed in place"):
+        _fit(tmp_path, 6, every=100, snapshot="lazy", hold=hold, callbacks=[EditAfterTheSave()], width=128)
+    holder = local_dir / "asyncckpt-local" / "default" / "holder-0"
+    assert not list(holder.glob("step-0000000002.*.json"))
 
 
 def test_run_from_a_source_checkout_without_the_entry_point_the_local_tier_still_saves(tmp_path, local_dir, monkeypatch):

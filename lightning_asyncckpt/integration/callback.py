@@ -127,9 +127,11 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        """(all ranks, right before the optimizer changes the state) Waits for a lazy snapshot's copy."""
+        """(all ranks, right before the optimizer changes the state) Waits for a lazy snapshot's copy, the
+        persistent save's and the local tier's."""
         if self._io is not None:
             self._io.wait_for_snapshot()
+            tier_trainer.before_optimizer_step(self._io)
 
     def _watch_saves(self, strategy: Any) -> None:
         """Every rank calls ``strategy.save_checkpoint`` for every save, weights-only ones included (for

@@ -41,7 +41,8 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     step = trainer.global_step
     due = step > 0 and step % io.local.every_n_train_steps == 0
     if (due or boundary.preempted) and step != tier.saved_step:
-        tier.save(step, dump())
+        # snapshot="lazy": the optimizers' tensors copied while the next forward and backward run
+        tier.save(step, dump(), lazy=io.lazy_rule(), hook=io.copy_hook)
     elif step > 0 and tier.wants_files:  # the first save's files, made while the next steps run; sized from
         # the states that make up nearly all its bytes, not dump(), which would run the user's on_save_checkpoint
         tier.prepare({"state_dict": trainer.lightning_module.state_dict(),
@@ -56,6 +57,12 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
         log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier%s; stopping training",
                     complete, " with its replicas" if io.local.replication_factor > 1 else "")
     return True
+
+
+def before_optimizer_step(io: Any) -> None:
+    """(all ranks, right before the optimizer changes the state) Waits for a lazy local save's copy."""
+    if io is not None and io.tier is not None:
+        io.tier.wait_copy()
 
 
 def stop(io: Any, wait: bool = True) -> None:

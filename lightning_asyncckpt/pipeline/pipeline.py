@@ -124,6 +124,12 @@ class SavePipeline:
         is copied at save time. Fabric users call it once, with their optimizers."""
         self._tracked.track(optimizers)
 
+    def lazy_rule(self) -> Any:
+        """(the training thread, at a local-tier save) With ``snapshot="lazy"``, which tensors may be copied
+        after the save call returns (the tracked optimizers' parameters and state: see
+        :meth:`~lightning_asyncckpt.snapshot.lazy.TrackedState.rule`); else None (everything at save time)."""
+        return self._tracked.rule() if self.settings.snapshot == "lazy" else None
+
     def wait_for_snapshot(self) -> None:
         """(the saving ranks, on the training thread, right before ``optimizer.step()``) Waits for the
         background copy of a lazy snapshot (``snapshot="lazy"``); a collective save's write is handed to the

@@ -26,17 +26,23 @@ class Settled:
     crc32: int
 
 
-def settle(me: int, own_head: bytes, flats: dict, group: dist.ProcessGroup | None) -> tuple[dict[int, Settled], int]:
+def settle(me: int, own_head: bytes, flats: dict, group: dist.ProcessGroup | None,
+           ok: bool = True) -> tuple[dict[int, Settled], int, list[int]]:
     """(every member of the clique ``group``, together, in the writer thread) ``flats`` maps each clique
     owner to the ``uint8`` tensor this rank copied that owner's share into. Returns, by owner, what to
-    write, and how many replicas were repaired (sent by their owner) in the whole clique."""
+    write, how many replicas were repaired (sent by their owner) in the whole clique, and the members
+    whose copy failed (``ok`` False: a lazy copy torn by a change in place). If any did, nothing is
+    repaired and nothing is to be written, on every member: a repair would spread its torn bytes."""
     mine = {owner: crc32(t) for owner, t in flats.items()}
-    row = (me, own_head, crc32(own_head), mine)
+    row = (me, own_head, crc32(own_head), mine, ok)
     if group is None:
         rows = [row]
     else:
         rows = [None] * dist.get_world_size(group)
         dist.all_gather_object(rows, row, group=group)
+    failed = sorted(r[0] for r in rows if not r[4])
+    if failed:
+        return {}, 0, failed
     by_rank = {r[0]: r for r in rows}
     # every member computes the same list from the same rows: the replicas whose bytes differ from the owner's
     repairs = sorted((owner, holder) for holder, r in by_rank.items() for owner, c in r[3].items()
@@ -50,6 +56,6 @@ def settle(me: int, own_head: bytes, flats: dict, group: dist.ProcessGroup | Non
                 raise RuntimeError(f"rank {owner}'s share arrived with another CRC32 than it sent")
     out = {}
     for owner in flats:
-        _, head, head_crc, crcs = by_rank[owner]
+        _, head, head_crc, crcs, _ok = by_rank[owner]
         out[owner] = Settled(head, head_crc, crcs[owner])
-    return out, len(repairs)
+    return out, len(repairs), []

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_asyncckpt.snapshot import tree
+from lightning_asyncckpt.snapshot import staging, tree
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -58,11 +58,21 @@ def layout(share: dict[str, Any]) -> tuple[Layout, dict[str, torch.Tensor]]:
     return Layout(skeleton, entries, offset, share["mode"]), tensors
 
 
-def copy_into(lay: Layout, tensors: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
-    """(the training thread) The one copy: every tensor into its place in ``flat`` (``lay.nbytes``)."""
+def copy_into(lay: Layout, tensors: dict[str, torch.Tensor], flat: torch.Tensor,
+              defer: staging.Defer | None = None) -> list[staging.Deferred]:
+    """(the training thread) The one copy: every tensor into its place in ``flat`` (``lay.nbytes``). With
+    ``defer`` (a lazy snapshot's rule), the tensors it watches are left out and returned, each with its place,
+    for a :class:`~lightning_asyncckpt.snapshot.lazy.BackgroundCopy`."""
+    deferred = []
     for name, dtype, shape, off, n in lay.entries:
         if n:
-            flat[off:off + n].view(dtype).view(shape).copy_(tensors[name])
+            place = flat[off:off + n].view(dtype).view(shape)
+            watch = defer(tensors[name]) if defer is not None else None
+            if watch:
+                deferred.append(staging.Deferred(name, tensors[name], place, watch))
+            else:
+                place.copy_(tensors[name])
+    return deferred
 
 
 def crc32(data: torch.Tensor | bytes, value: int = 0) -> int:

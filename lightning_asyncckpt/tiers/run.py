@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
+from lightning_asyncckpt.snapshot.lazy import BackgroundCopy
 from lightning_asyncckpt.tiers import checks, cliques, packing, pinning, recovery, restore, shares
 from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.mapped import MappedFile
@@ -68,7 +69,7 @@ class TierRun:
         checks.not_shared(config.root, self.rank, self.node_of, self.gather)
         self.topology = (self.world, self.jump, factor)
         self.store = LocalStore(config.root, self.rank, keep_free=len(self.clique) if factor > 1 else 1)
-        self.writer = ShareWriter(self.store, self.rank, self.clique_group, self.topology)
+        self.writer = ShareWriter(self.store, self.rank, self.clique_group, self.topology, config.timeout_s)
         self.flag = PreemptionFlag(config.emergency_signals)  # armed by arm(), once the loop runs
         self.complete = -1
         self.saved_step = -1
@@ -76,6 +77,7 @@ class TierRun:
         self._space_checked = False
         self._prepared = False
         self._restored: dict[str, Any] = {}
+        self._copy: BackgroundCopy | None = None  # a lazy save's copy, until wait_copy
 
     def gather(self, obj: Any) -> list[Any]:
         """(all ranks) Every rank's ``obj`` over the tier's group."""
@@ -86,12 +88,18 @@ class TierRun:
         return out
 
     # saving ------------------------------------------------------------------------------------------
-    def save(self, step: int, checkpoint: dict[str, Any]) -> None:
+    def save(self, step: int, checkpoint: dict[str, Any], lazy: Any = None, hook: Any = None) -> None:
         """(every rank, at the same step boundaries) Copies this rank's share of ``checkpoint`` (a DTensor
         state: its local shards; a replicated one: its part, and its clique peers' parts, which it holds
         too) into mapped files of its holder directory, then a thread checks the replicas and commits. Waits
         for the previous local save's thread first (at most ``timeout_s``). A file that cannot be reserved
-        (a full directory) fails this save on every rank at the next :meth:`boundary`, as a failed write."""
+        (a full directory) fails this save on every rank at the next :meth:`boundary`, as a failed write.
+
+        ``lazy`` (a lazy snapshot's rule, ``AsyncCheckpointIO.lazy_rule``): the tensors it watches (the
+        optimizers' parameters and state) are copied into the files by a background copy while the next
+        step's forward and backward run; :meth:`wait_copy` waits for it before the optimizer step. One
+        changed in place before its copy fails this save (nothing of it is committed), on every rank at the
+        next :meth:`boundary`. ``hook``: the copy thread calls it first (tests: ``testing.HoldCopy``)."""
         start = time.perf_counter()
         if not self.writer.wait(self.config.timeout_s):
             raise TimeoutError(f"lightning-asyncckpt: the local save of step {self.saved_step} is still running"
@@ -100,7 +108,7 @@ class TierRun:
         mode, laid = self._layouts(checkpoint)
         self._check_space(laid)
         self._pin_for(laid)
-        copied, failure = [], None
+        copied, failure, deferred = [], None, []
         for owner, (lay, tensors) in laid.items():
             try:
                 file = self.store.reserve(step, owner, lay.nbytes)
@@ -108,11 +116,20 @@ class TierRun:
                 # peers would wait for it), from memory, and its thread reports the failure after
                 failure = failure or f"local save of step {step}: {type(e).__name__}: {e}"
                 file = MappedFile(None, lay.nbytes, torch.empty(lay.nbytes, dtype=torch.uint8))
-            packing.copy_into(lay, tensors, file.tensor)  # the one copy, straight into node-local storage
+            # the one copy, straight into node-local storage (of what a lazy rule leaves: the rest, later)
+            deferred += packing.copy_into(lay, tensors, file.tensor, lazy)
             copied.append(Copied(owner, lay.header() if owner == self.rank else b"", file))
-        self.writer.submit(step, mode, copied, failure)
+        self._copy = BackgroundCopy(deferred, hook=hook) if deferred else None  # their versions: read now
+        self.writer.submit(step, mode, copied, failure, self._copy)
         self.saved_step = step
         self.last_stall_s = time.perf_counter() - start
+
+    def wait_copy(self) -> None:
+        """(every rank, right before the optimizer changes the state) Waits for a lazy save's background copy
+        (at most ``timeout_s``); a problem with it is the writer thread's to report, at the next boundary."""
+        if self._copy is not None:
+            self._copy.wait(self.config.timeout_s)
+            self._copy = None
 
     @property
     def wants_files(self) -> bool:

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from lightning_asyncckpt.snapshot.lazy import BackgroundCopy
 from lightning_asyncckpt.tiers import local_replicas, shares
 from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.packing import crc32
 from lightning_asyncckpt.tiers.store import Held, LocalStore
+
+TORN = (-1, -1)  # the CRC32s a sharded share is sent with when its lazy copy failed: never committed
 
 
 @dataclass
@@ -37,8 +40,10 @@ class Copied:
 class ShareWriter:
     """(one rank) Finishes its own share and, with replication, its clique peers' replicas."""
 
-    def __init__(self, store: LocalStore, rank: int, group: dist.ProcessGroup | None, topology: tuple) -> None:
+    def __init__(self, store: LocalStore, rank: int, group: dist.ProcessGroup | None, topology: tuple,
+                 timeout_s: float = 600.0) -> None:
         self.store, self.rank, self.group, self.topology = store, rank, group, topology
+        self.timeout_s = timeout_s  # for a lazy save's background copy
         self.newest_done = -1  # the newest step whose shares this rank holds in full
         self.error: str | None = None
         self.last_write_s: float | None = None
@@ -55,11 +60,14 @@ class ShareWriter:
             self._thread.join(timeout_s)
         return not self.busy
 
-    def submit(self, step: int, mode: str, copied: list[Copied], failure: str | None = None) -> None:
+    def submit(self, step: int, mode: str, copied: list[Copied], failure: str | None = None,
+               copy: BackgroundCopy | None = None) -> None:
         """Starts the thread. ``failure``: a file could not be reserved (``copied`` then holds memory for it);
-        the thread still takes part in the clique's exchange, commits nothing and reports ``failure``."""
+        the thread still takes part in the clique's exchange, commits nothing and reports ``failure``.
+        ``copy``: a lazy save's background copy into ``copied``'s files, waited for first; if it fails (a
+        tensor changed before its copy), so does the save, in the same way."""
         assert not self.busy, "a share is still being written"
-        self._thread = threading.Thread(target=self._job, args=(step, mode, copied, failure),
+        self._thread = threading.Thread(target=self._job, args=(step, mode, copied, failure, copy),
                                         name=f"asyncckpt-local-{step}", daemon=True)
         self._thread.start()
 
@@ -71,18 +79,25 @@ class ShareWriter:
                                         daemon=True)
         self._thread.start()
 
-    def _job(self, step: int, mode: str, copied: list[Copied], failure: str | None) -> None:
+    def _job(self, step: int, mode: str, copied: list[Copied], failure: str | None,
+             copy: BackgroundCopy | None) -> None:
         start = time.perf_counter()
         try:
+            problem = copy.wait(self.timeout_s) if copy is not None else None
+            if problem is not None:  # its bytes are torn or missing: exchanged (the peers wait), never committed
+                failure = failure or f"local save of step {step}: {copy.problem_type}: {problem}"
             if mode == shares.REPLICATED or self.group is None:  # every clique owner's share copied here
                 own = next(c for c in copied if c.owner == self.rank)
-                settled, repaired = local_replicas.settle(self.rank, own.head, {c.owner: c.file.tensor for c in copied},
-                                                          self.group)
+                settled, repaired, torn = local_replicas.settle(
+                    self.rank, own.head, {c.owner: c.file.tensor for c in copied}, self.group, ok=problem is None)
                 self.repaired += repaired
+                if torn and failure is None:
+                    failure = (f"local save of step {step}: the lazy copy of rank(s) {torn} of this clique failed (a"
+                               " tensor changed in place before it was copied); nothing of the step was committed")
                 commits = [(c.owner, c.file, settled[c.owner].head, settled[c.owner].head_crc32,
-                            settled[c.owner].crc32) for c in copied]
+                            settled[c.owner].crc32) for c in copied if c.owner in settled]
             else:
-                commits = self._replicate(step, copied[0])
+                commits = self._replicate(step, copied[0], torn=problem is not None)
             if failure is not None:
                 self.error = failure
                 return
@@ -95,22 +110,25 @@ class ShareWriter:
         finally:
             self.last_write_s = time.perf_counter() - start
 
-    def _replicate(self, step: int, own: Copied) -> list[tuple]:
+    def _replicate(self, step: int, own: Copied, torn: bool = False) -> list[tuple]:
         """A sharded share: NVRx's clique replication sends the own share; the peers' arrive in memory and
-        are copied into mapped files. Returns what to commit."""
+        are copied into mapped files. Returns what to commit. ``torn``: this rank's lazy copy failed; it still
+        sends (the peers wait for it), marked :data:`TORN` so that no peer commits it."""
         from lightning_asyncckpt.tiers.replication import (  # nvidia-resiliency-ext
             ShareStateDict,
             head_tensor,
             replicate,
         )
 
-        head_crc, flat_crc = crc32(own.head), crc32(own.file.tensor)
+        head_crc, flat_crc = TORN if torn else (crc32(own.head), crc32(own.file.tensor))
         sd = ShareStateDict(step, self.rank, (head_crc, flat_crc), [head_tensor(own.head), own.file.tensor])
         commits = []
         for got in replicate(sd, self.group):
             head_t, flat = got.tensors
             if got.owner == self.rank:
                 commits.append((self.rank, own.file, own.head, head_crc, flat_crc))
+                continue
+            if tuple(got.crc32) == TORN:  # its owner reports the failure; its share has no copy: not complete
                 continue
             mapped = self.store.reserve(step, got.owner, flat.numel())
             if flat.numel():
