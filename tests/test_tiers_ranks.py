@@ -244,3 +244,53 @@ def test_a_torn_lazy_copy_on_one_rank_commits_nothing_in_its_clique_and_every_ra
         outcome, files = got[rank]
         assert "changed in place" in outcome and "rank(s) [0]" in outcome, outcome
         assert files == [], f"rank {rank} committed {files}"
+
+
+def _torn_sharded_rank(rank, root):
+    """A lazy local save of a sharded (DTensor) state over both ranks, copies held; rank 0 then changes its
+    local shard in place (its copy is torn). Returns the error each rank raised, and its step files."""
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_asyncckpt.errors import CheckpointWriteError
+    from lightning_asyncckpt.testing import HoldCopy
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    mesh = init_device_mesh("cpu", (2,))
+    w = distribute_tensor(torch.ones(100_000), mesh, [Shard(0)])  # 200 kB per rank: over the lazy minimum
+    local = w.to_local()
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    hold = HoldCopy(timeout_s=60)
+    run.save(2, {"w": w, "global_step": 2}, lazy=lambda t: [local] if t.data_ptr() == local.data_ptr() else None,
+             hook=hold)
+    hold.wait_started()
+    if rank == 0:
+        local.add_(1.0)
+    hold.release()
+    run.wait_copy()
+    try:
+        run.finish()
+        outcome = "no error"
+    except CheckpointWriteError as e:
+        outcome = str(e)
+    files = sorted(p.name for p in Path(f"{root}/node{rank}").rglob("step-*") if not p.name.endswith(".tmp"))
+    run.close(wait=False)
+    return outcome, files
+
+
+def test_a_torn_lazy_copy_of_a_sharded_share_is_sent_marked_and_no_peer_commits_it(tmp_path):
+    """NVRx's clique replication still sends rank 0's torn shard (its peer waits for it), marked: rank 1 keeps
+    no replica of it, so step 2 is not complete anywhere, and both ranks raise rank 0's error."""
+    pytest.importorskip("nvidia_resiliency_ext")
+    for r in range(2):
+        (tmp_path / f"node{r}").mkdir()
+    got = _two_ranks(_torn_sharded_rank, tmp_path)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+        outcome, files = got[rank]
+        assert "changed in place" in outcome, outcome
+        assert not [f for f in files if ".owner-0." in f], f"rank {rank} committed rank 0's torn share: {files}"
+    assert got[1][1], "rank 1's own share, copied untorn, is committed"
