@@ -1,4 +1,4 @@
-"""One rank of ``bench_tiers.py`` (a spawned process): the training loop's stand-in, the three variants'
+"""One rank of ``bench_tiers.py`` (a spawned process): the training loop's stand-in, the four variants'
 periods, and the recoveries, timed in the rank (see ``bench_tiers.py`` for what each figure means)."""
 
 from __future__ import annotations

@@ -131,7 +131,6 @@ class AsyncFinalizerCallback(Callback):
         persistent save's and the local tier's."""
         if self._io is not None:
             self._io.wait_for_snapshot()
-            tier_trainer.before_optimizer_step(self._io)
 
     def _watch_saves(self, strategy: Any) -> None:
         """Every rank calls ``strategy.save_checkpoint`` for every save, weights-only ones included (for

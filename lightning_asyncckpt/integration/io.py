@@ -121,6 +121,15 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         self.tier: TierRun | None = None  # the local tier's run, made at setup on every rank (tier_trainer, tier_fabric)
         autoattach.install()  # the finalizer in the next Trainer, even without the package's entry point
 
+    def wait_for_snapshot(self) -> None:
+        """(every rank, on the training thread, right before ``optimizer.step()``) As
+        :meth:`SavePipeline.wait_for_snapshot` for the persistent saves, and then for a lazy local-tier save's
+        copy (``local=``; every rank saves to the local tier). ``AsyncFinalizerCallback`` calls it in
+        ``on_before_optimizer_step``; Fabric users call it themselves."""
+        SavePipeline.wait_for_snapshot(self)
+        if self.tier is not None:
+            self.tier.wait_copy()
+
     @property
     def engine(self) -> str:
         """``"nvrx"`` or ``"mcore"``: the engine ``strategy`` resolved to (in ``__init__``, on every rank)."""

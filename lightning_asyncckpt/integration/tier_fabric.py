@@ -11,6 +11,10 @@ Fabric has no hooks, so the loop calls two methods, on every rank, in the same o
         ...; optimizer.step(); state["step"] += 1
         if tiers.step_end(state["step"], state):  # a preemption signal: saved locally, drained
             break
+
+With ``AsyncCheckpointIO(snapshot="lazy")``, ``io.track_optimizers([optimizer])`` once and
+``io.wait_for_snapshot()`` right before each ``optimizer.step()``, as for the persistent saves: the local
+saves' optimizer tensors are then copied while the next forward and backward run.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class FabricTiers:
         boundary = self.tier.boundary()
         due = step > 0 and step % self.io.local.every_n_train_steps == 0
         if (due or boundary.preempted) and step != self.tier.saved_step:
-            self.tier.save(step, self._convert(state))
+            self.tier.save(step, self._convert(state), lazy=self.io.lazy_rule(), hook=self.io.copy_hook)
         elif step > 0 and self.tier.wants_files:  # the first save's files, made while the next steps run
             self.tier.prepare(self._convert(state))
         if not boundary.preempted:

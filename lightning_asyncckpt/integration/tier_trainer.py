@@ -59,12 +59,6 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     return True
 
 
-def before_optimizer_step(io: Any) -> None:
-    """(all ranks, right before the optimizer changes the state) Waits for a lazy local save's copy."""
-    if io is not None and io.tier is not None:
-        io.tier.wait_copy()
-
-
 def stop(io: Any, wait: bool = True) -> None:
     """(all ranks, at the end of fit; ``wait=False`` on an exception, where a peer may be gone) Waits for
     the local save in flight and agrees on it (raising a failed one), gives the signals back and forgets

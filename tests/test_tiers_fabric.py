@@ -1,0 +1,76 @@
+"""The local tier in a Fabric loop, in this process (one device): ``FabricTiers`` saves every 2 steps and
+resumes exactly, eagerly and with ``snapshot="lazy"`` (the loop calls ``io.wait_for_snapshot()`` before
+each optimizer step, as the Fabric docs of both tiers say); a lazy save torn by an edit fails, unsaved."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import assert_tree_equal, clone_tree
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, FabricTiers, LocalTier, testing
+
+
+def _state_of(state):
+    return clone_tree({"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()["state"],
+                       "step": state["step"]})
+
+
+def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None):
+    """Trains to ``steps`` (or resumes, and returns the step and state it resumed at); ``edit_after``: once the
+    local save of that step returned, changes a weight in place before the next optimizer step."""
+    (tmp_path / "local").mkdir(exist_ok=True)
+    io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(
+        tmp_path / "local", every_n_train_steps=2, replication_factor=1, timeout_s=60, emergency_signals=()))
+    io.copy_hook = hold
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    fabric.launch()
+    L.seed_everything(0)
+    # 128 wide: each weight and moment is 64 KiB, the least a lazy snapshot leaves to its background copy
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    io.track_optimizers([optimizer])
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    tiers = FabricTiers(fabric)
+    saved = {}
+    with io:
+        try:
+            if resume:
+                assert tiers.resume(state)
+                return state["step"], _state_of(state)
+            g = torch.Generator().manual_seed(0)
+            while state["step"] < steps:
+                loss = model(torch.randn(8, 128, generator=g)).pow(2).mean()
+                optimizer.zero_grad()
+                fabric.backward(loss)
+                if state["step"] == edit_after:
+                    hold.wait_started(timeout_s=30)  # the save call returned; its copy waits
+                    with torch.no_grad():
+                        next(model.parameters()).add_(1.0)
+                    hold.release()
+                io.wait_for_snapshot()
+                optimizer.step()
+                state["step"] += 1
+                tiers.step_end(state["step"], state)
+                saved[state["step"]] = _state_of(state)
+        finally:
+            tiers.close()
+    return saved
+
+
+@pytest.mark.parametrize("snapshot", ["eager", "lazy"])
+def test_fabric_tiers_resume_the_newest_local_step_bit_exactly(tmp_path, snapshot):
+    saved = _loop(tmp_path, 10, snapshot)
+    step, state = _loop(tmp_path, 0, snapshot, resume=True)
+    assert step == 10
+    assert_tree_equal(state, saved[10], "resume from the local tier")
+
+
+def test_a_lazy_fabric_local_save_torn_by_an_edit_fails_at_the_next_step_unsaved(tmp_path):
+    hold = testing.HoldCopy(timeout_s=60)
+    with pytest.raises(CheckpointWriteError, match="changed in place"):
+        _loop(tmp_path, 6, "lazy", edit_after=2, hold=hold)
+    holder = tmp_path / "local" / "asyncckpt-local" / "default" / "holder-0"
+    assert not list(holder.glob("step-0000000002.*.json"))
