@@ -286,3 +286,21 @@ def test_the_plugin_imports_without_nvidia_resiliency_ext_and_local_tier_says_wh
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "mcore" in p.stdout and "refused: LocalTier uses nvidia-resiliency-ext" in p.stdout, p.stdout
+
+
+def test_once_cuda_refuses_to_pin_a_file_the_pool_never_asks_again(tmp_path, monkeypatch):
+    """Pure logic (CUDA faked): a file system whose mappings CUDA cannot pin (seen: ext4 on an H200 machine)
+    costs one refused registration, not one per save; the files stay pageable and are used as ever."""
+    from lightning_asyncckpt.tiers import pinning
+    from lightning_asyncckpt.tiers.mapped import FilePool
+
+    asked = []
+    monkeypatch.setattr(pinning, "pin", lambda tensor, device: asked.append(device) or False)
+    pool = FilePool(tmp_path, keep_free=4)
+    for _save in range(3):  # as TierRun does before each save, then its writer thread after it
+        pool.pin_for(torch.device("cuda", 0))
+        pool.prepare([4096], uses=2)
+    assert len(asked) == 1
+    f = pool.take(tmp_path / "a.pt.tmp", 4096)
+    assert not f.pinned and f.nbytes == 4096
+    pool.close()

@@ -59,6 +59,7 @@ class FilePool:
         self._free: list[MappedFile] = []
         self._names = itertools.count()
         self.pin_device: torch.device | None = None  # set by pin_for: files made from then on are pinned
+        self._pin_refused = False  # CUDA refused a registration: never asked again
         if self.dir.is_dir():  # a previous process's spares: their sizes may not fit; start clean
             for p in self.dir.glob(FREE_PREFIX + "*"):
                 p.unlink(missing_ok=True)
@@ -130,15 +131,16 @@ class FilePool:
 
     def pin_for(self, device: torch.device) -> None:
         """(the training thread, at a save or its prepare) The state is on ``device`` (CUDA): from the next
-        :meth:`prepare` on, the spares are registered with CUDA."""
-        self.pin_device = device
+        :meth:`prepare` on, the spares are registered with CUDA (unless CUDA refused one already)."""
+        if not self._pin_refused:
+            self.pin_device = device
 
     def _pin(self, mapped: MappedFile) -> None:
         device = self.pin_device
         if device is not None and not mapped.pinned and mapped.path is not None:
             mapped.pinned = pinning.pin(mapped.tensor, device)
-            if not mapped.pinned:
-                self.pin_device = None  # refused (pinning.pin said why, once): the files stay pageable
+            if not mapped.pinned:  # refused (pinning.pin said why, once): the files stay pageable
+                self.pin_device, self._pin_refused = None, True
 
     def prepare(self, sizes: list[int], uses: int = 2) -> int:
         """(the writer thread) Makes spare files, faulted in, until each size in ``sizes`` has ``uses`` files

@@ -159,7 +159,7 @@ class TierRun:
     def _pin_for(self, laid: dict[int, Any]) -> None:
         """A GPU state: the pool's files are registered with CUDA, so that the save's copy runs at pinned speed."""
         device = pinning.cuda_device(laid[self.rank][1])
-        if device is not None and self.store.pool.pin_device is None:
+        if device is not None:
             self.store.pool.pin_for(device)
 
     def _check_space(self, laid: dict[int, Any]) -> None:
