@@ -202,34 +202,11 @@ def test_a_node_back_without_room_for_its_shares_makes_every_rank_fall_back_at_o
 
 
 def _torn_lazy_rank(rank, root):
-    """A lazy local save of a DDP-like state, both ranks' copies held; rank 0 then changes both tensors in
-    place (its copy is torn), rank 1 does not. Returns the error each rank raised, and its step files."""
-    from pathlib import Path
-
-    from lightning_asyncckpt.errors import CheckpointWriteError
-    from lightning_asyncckpt.testing import HoldCopy
-    from lightning_asyncckpt.tiers.run import TierRun
-
+    """A DDP-like state; rank 0 changes both tensors in place once the copies are held."""
     a, b = torch.ones(50_000), torch.full((50_000,), 2.0)  # 200 kB each: over the lazy minimum, one per share
     watched = {a.data_ptr(): [a], b.data_ptr(): [b]}
-    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
-    hold = HoldCopy(timeout_s=60)
-    run.save(2, {"a": a, "b": b, "global_step": 2}, lazy=lambda t: watched.get(t.data_ptr()), hook=hold)
-    hold.wait_started()
-    if rank == 0:
-        a.add_(1.0)
-        b.add_(1.0)
-    hold.release()
-    run.wait_copy()
-    try:
-        run.finish()
-        outcome = "no error"
-    except CheckpointWriteError as e:
-        outcome = str(e)
-    files = sorted(p.name for p in Path(f"{root}/node{rank}").rglob("step-*") if not p.name.endswith(".tmp"))
-    run.close(wait=False)
-    return outcome, files
+    return _lazy_save_torn_on_rank0(rank, root, {"a": a, "b": b, "global_step": 2},
+                                    lambda t: watched.get(t.data_ptr()), lambda: (a.add_(1.0), b.add_(1.0)))
 
 
 def test_a_torn_lazy_copy_on_one_rank_commits_nothing_in_its_clique_and_every_rank_raises(tmp_path):
@@ -247,38 +224,15 @@ def test_a_torn_lazy_copy_on_one_rank_commits_nothing_in_its_clique_and_every_ra
 
 
 def _torn_sharded_rank(rank, root):
-    """A lazy local save of a sharded (DTensor) state over both ranks, copies held; rank 0 then changes its
-    local shard in place (its copy is torn). Returns the error each rank raised, and its step files."""
-    from pathlib import Path
-
+    """A sharded (DTensor) state over both ranks; rank 0 changes its local shard in place once the copies are held."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_asyncckpt.errors import CheckpointWriteError
-    from lightning_asyncckpt.testing import HoldCopy
-    from lightning_asyncckpt.tiers.run import TierRun
-
-    mesh = init_device_mesh("cpu", (2,))
-    w = distribute_tensor(torch.ones(100_000), mesh, [Shard(0)])  # 200 kB per rank: over the lazy minimum
+    w = distribute_tensor(torch.ones(100_000), init_device_mesh("cpu", (2,)), [Shard(0)])  # 200 kB per rank
     local = w.to_local()
-    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
-    hold = HoldCopy(timeout_s=60)
-    run.save(2, {"w": w, "global_step": 2}, lazy=lambda t: [local] if t.data_ptr() == local.data_ptr() else None,
-             hook=hold)
-    hold.wait_started()
-    if rank == 0:
-        local.add_(1.0)
-    hold.release()
-    run.wait_copy()
-    try:
-        run.finish()
-        outcome = "no error"
-    except CheckpointWriteError as e:
-        outcome = str(e)
-    files = sorted(p.name for p in Path(f"{root}/node{rank}").rglob("step-*") if not p.name.endswith(".tmp"))
-    run.close(wait=False)
-    return outcome, files
+    return _lazy_save_torn_on_rank0(rank, root, {"w": w, "global_step": 2},
+                                    lambda t: [local] if t.data_ptr() == local.data_ptr() else None,
+                                    lambda: local.add_(1.0))
 
 
 def test_a_torn_lazy_copy_of_a_sharded_share_is_sent_marked_and_no_peer_commits_it(tmp_path):
@@ -294,3 +248,31 @@ def test_a_torn_lazy_copy_of_a_sharded_share_is_sent_marked_and_no_peer_commits_
         assert "changed in place" in outcome, outcome
         assert not [f for f in files if ".owner-0." in f], f"rank {rank} committed rank 0's torn share: {files}"
     assert got[1][1], "rank 1's own share, copied untorn, is committed"
+
+
+def _lazy_save_torn_on_rank0(rank, root, state, lazy, edit):
+    """A lazy local save of ``state`` at step 2, both ranks' copies held while rank 0 runs ``edit`` (a change in
+    place: its copy is torn). Returns the error each rank raised at the boundary, and its committed files."""
+    from pathlib import Path
+
+    from lightning_asyncckpt.errors import CheckpointWriteError
+    from lightning_asyncckpt.testing import HoldCopy
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    hold = HoldCopy(timeout_s=60)
+    run.save(2, state, lazy=lazy, hook=hold)
+    hold.wait_started()
+    if rank == 0:
+        edit()
+    hold.release()
+    run.wait_copy()
+    try:
+        run.finish()
+        outcome = "no error"
+    except CheckpointWriteError as e:
+        outcome = str(e)
+    files = sorted(p.name for p in Path(f"{root}/node{rank}").rglob("step-*") if not p.name.endswith(".tmp"))
+    run.close(wait=False)
+    return outcome, files
