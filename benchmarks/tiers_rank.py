@@ -347,6 +347,7 @@ class Trainer:
         info.update(seconds=slow[0], per_rank_s=[r[0] for r in rows], exact=all(r[1] for r in rows))
         if how == "local_replicas":
             info["parts"] = slow[2]
+            info["parts_per_rank"] = [r[2] for r in rows]
         return info
 
     def close(self) -> None:

@@ -159,6 +159,33 @@ def test_after_the_first_save_the_next_saves_files_are_made_ahead_then_reused(tm
     assert not list(store.dir.glob(".free-*"))
 
 
+def _resident_kib(path) -> int:
+    """Kilobytes of ``path``'s pages mapped into this process (its mappings' Rss in /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_spare_made_ahead_is_faulted_in_and_a_file_written_at_once_is_faulted_by_its_write(tmp_path):
+    """The save call that takes a spare takes no page fault (the writer thread took them); a file reserved
+    with no spare (a recovery's received share) is not faulted in twice, first empty, then by the write."""
+    store = LocalStore(tmp_path, 0, keep_free=1)
+    nbytes = 1 << 20
+    assert store.pool.prepare([nbytes], uses=1) == 1
+    (spare,) = store.dir.glob(".free-*")
+    assert _resident_kib(spare) == nbytes // 1024
+    store.pool.close()
+    fresh = LocalStore(tmp_path / "other", 0, keep_free=0)
+    mapped = fresh.reserve(2, 0, nbytes)
+    assert _resident_kib(mapped.path) == 0
+    mapped.tensor.fill_(7)
+    assert _resident_kib(mapped.path) == nbytes // 1024
+
+
 def test_before_the_first_save_its_files_are_made_in_the_background_and_the_save_reuses_them(tmp_path):
     """TierRun.prepare (called at a step boundary before the first local save) makes the first save's files
     in the writer thread; the save then renames them (the same inodes) instead of creating its own."""
