@@ -12,6 +12,7 @@ Job scripts read ``--nodes`` and ``--devices`` and write ``<out>/rank<global ran
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -22,7 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,40 @@ def namespaces_refused() -> str | None:
         return ("simulated nodes need `unshare --mount` and `mount -t tmpfs` (node-local /dev/shm), refused here:"
                 f" {p.stderr.strip()[:300]}")
     return None
+
+
+def node_job_args(**defaults: str | None) -> argparse.Namespace:
+    """(each rank of a node job) What :func:`launch_nodes` passes (``--case``, ``--out``, ``--engine``,
+    ``--worker``, ``--nodes``, ``--devices``), and ``--<name>`` for each of ``defaults``, with its default."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--case")
+    p.add_argument("--out", required=True)
+    for name, default in {"engine": "nvrx", "worker": "persistent", **defaults}.items():
+        p.add_argument(f"--{name}", default=default)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--devices", type=int, required=True)
+    return p.parse_args()
+
+
+def global_rank(devices: int) -> int:
+    """(each rank of a node job) ``NODE_RANK * devices + LOCAL_RANK``: what Lightning's launcher makes it."""
+    return int(os.environ["NODE_RANK"]) * devices + int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def run_and_report(out: str, devices: int, body: Callable[[dict], None]) -> None:
+    """(each rank of a node job) Runs ``body(report)`` and writes ``report`` to ``<out>/rank<global
+    rank>.json`` (:func:`read_reports`), with the traceback as ``crash`` if ``body`` raised. The report
+    appears whole (a rename): the test may be polling for it while a node is being killed."""
+    rank = global_rank(devices)
+    report: dict[str, Any] = {"rank": rank}
+    try:
+        body(report)
+    except BaseException as e:  # noqa: BLE001 - the report carries it to the test
+        report["crash"] = "".join(traceback.format_exception(e))
+    path = os.path.join(out, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 def skip_without_namespaces() -> None:

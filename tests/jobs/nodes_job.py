@@ -11,14 +11,11 @@ Cases: ``ddp`` (``--strategy async``: AsyncDDPStrategy, ``plain``: DDP with the 
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
-import json
 import os
 import signal
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
@@ -27,6 +24,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from mp_job import _sorted, full_state, read_with_dcp  # noqa: E402
+from nodes import node_job_args, run_and_report  # noqa: E402
 
 from helpers import (  # noqa: E402
     STACKS_AFTER_VAR,
@@ -251,35 +249,20 @@ def case_last(args, report):
     report["after"] = sorted(os.listdir(dirpath))
 
 
-def _args():
-    p = argparse.ArgumentParser()
-    for name in ("--case", "--out"):
-        p.add_argument(name, required=True)
-    for name, default in (("--engine", "nvrx"), ("--worker", "persistent"), ("--strategy", "async"),
-                          ("--dir", None), ("--tp", None)):
-        p.add_argument(name, default=default)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--devices", type=int, required=True)
-    return p.parse_args()
-
-
 def main():
-    args = _args()
-    rank = int(os.environ["NODE_RANK"]) * args.devices + int(os.environ.get("LOCAL_RANK", "0"))
+    args = node_job_args(strategy="async", dir=None, tp=None)
     stacks_after = os.environ.get(STACKS_AFTER_VAR)  # see helpers.run_job: stacks of a hang
     if stacks_after:
         stacks = open(os.path.join(args.out, f"{STACKS_PREFIX}{os.getpid()}.txt"), "w")  # noqa: SIM115
         faulthandler.dump_traceback_later(float(stacks_after), exit=False, file=stacks)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    report = {"rank": rank}
-    try:
+
+    def body(report):
         globals()[f"case_{args.case}"](args, report)
-        assert torch.distributed.get_rank() == rank, (torch.distributed.get_rank(), rank)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    with open(os.path.join(args.out, f"rank{rank}.json.tmp"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(os.path.join(args.out, f"rank{rank}.json.tmp"), os.path.join(args.out, f"rank{rank}.json"))
+        rank = torch.distributed.get_rank()
+        assert rank == report["rank"], (rank, report["rank"])
+
+    run_and_report(args.out, args.devices, body)
 
 
 if __name__ == "__main__":

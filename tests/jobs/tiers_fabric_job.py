@@ -8,18 +8,16 @@ the state equals the saved one exactly).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from nodes import node_job_args, run_and_report  # noqa: E402
 
 from helpers import assert_tree_equal  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, FabricTiers, LocalTier  # noqa: E402
@@ -31,21 +29,8 @@ def _state_of(state):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    for name, default in (("--case", None), ("--out", None), ("--engine", "nvrx"), ("--worker", "persistent")):
-        p.add_argument(name, default=default)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--devices", type=int, required=True)
-    args = p.parse_args()
-    rank = int(os.environ["NODE_RANK"]) * args.devices + int(os.environ.get("LOCAL_RANK", "0"))
-    report = {"rank": rank}
-    try:
-        run(args, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    with open(os.path.join(args.out, f"rank{rank}.json.tmp"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(os.path.join(args.out, f"rank{rank}.json.tmp"), os.path.join(args.out, f"rank{rank}.json"))
+    args = node_job_args()
+    run_and_report(args.out, args.devices, lambda report: run(args, report))
 
 
 def run(args, report):

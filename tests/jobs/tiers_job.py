@@ -15,12 +15,9 @@ Cases:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
@@ -28,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from mp_job import full_state  # noqa: E402
-from nodes_job import WIDTH, TPModel, _ddp_state  # noqa: E402
+from nodes import node_job_args, run_and_report  # noqa: E402
+from nodes_job import WIDTH, Recorder, TPModel  # noqa: E402
 
 from helpers import ShardedModel, TinyModel, assert_tree_equal, loader  # noqa: E402
 from lightning_asyncckpt import (  # noqa: E402
@@ -40,20 +37,6 @@ from lightning_asyncckpt import (  # noqa: E402
 )
 
 LOCAL = "/dev/shm/local"
-
-
-class Recorder(L.Callback):
-    """(all ranks) The full state at each save (local or persistent) and at the start of training."""
-
-    def __init__(self, sharded):
-        self.state = full_state if sharded else _ddp_state
-        self.copies, self.start, self.start_step = {}, None, None
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        self.copies[trainer.global_step] = self.state(trainer, pl_module)
-
-    def on_train_start(self, trainer, pl_module):
-        self.start_step, self.start = trainer.global_step, self.state(trainer, pl_module)
 
 
 class HoldAt10(L.Callback):
@@ -150,22 +133,8 @@ def case_preempt(args, report):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    for name, default in (("--case", None), ("--out", None), ("--engine", "nvrx"), ("--worker", "persistent"),
-                          ("--strategy", "ddp"), ("--tp", "1")):
-        p.add_argument(name, default=default)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--devices", type=int, required=True)
-    args = p.parse_args()
-    rank = int(os.environ["NODE_RANK"]) * args.devices + int(os.environ.get("LOCAL_RANK", "0"))
-    report = {"rank": rank}
-    try:
-        globals()[f"case_{args.case}"](args, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    with open(os.path.join(args.out, f"rank{rank}.json.tmp"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(os.path.join(args.out, f"rank{rank}.json.tmp"), os.path.join(args.out, f"rank{rank}.json"))
+    args = node_job_args(strategy="ddp", tp="1")
+    run_and_report(args.out, args.devices, lambda report: globals()[f"case_{args.case}"](args, report))
 
 
 if __name__ == "__main__":
