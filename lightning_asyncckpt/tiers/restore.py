@@ -169,16 +169,8 @@ def _prepare(moves: list[exchange.Move], read: Callable[[Held], tuple[bytes, tor
 
 
 def _checked(m: Held, head: bytes, flat: torch.Tensor, where: str, bad: list[str]) -> bool:
-    problem = _check(m, head, flat, where)
+    problem = store.crc_mismatch(m, head, flat, f"the copy {where}")
     if problem:
         bad.append(problem)
     return problem is None
-
-
-def _check(m: Held, head: bytes, flat: torch.Tensor, where: str) -> str | None:
-    actual, head_actual = packing.crc32(flat), packing.crc32(head)
-    if actual == m.crc32 and head_actual == m.head_crc32:
-        return None
-    return (f"rank {m.owner}'s share in the copy {where} has CRC32 {actual:08x}/{head_actual:08x},"
-            f" its manifest {m.crc32:08x}/{m.head_crc32:08x}")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_asyncckpt.tiers import packing
 from lightning_asyncckpt.tiers.mapped import FilePool, MappedFile
 
 _NAME = re.compile(r"step-(\d{10})\.owner-(\d+)\.json")
@@ -77,17 +78,9 @@ class LocalStore:
         if not self.dir.is_dir():
             return found
         for path in sorted(self.dir.iterdir()):
-            if not _NAME.fullmatch(path.name):
-                continue
-            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-                raw = json.loads(path.read_text())
-                held = Held(int(raw["step"]), int(raw["owner"]), int(raw["nbytes"]), int(raw["crc32"]),
-                            tuple(raw["topology"]), str(raw["mode"]), int(raw["head_nbytes"]),
-                            int(raw["head_crc32"]))
-                pt, head = (self._file(held.step, held.owner, x) for x in (".pt", ".head"))
-                if (held.topology == tuple(topology) and pt.stat().st_size == held.nbytes
-                        and head.stat().st_size == held.head_nbytes):
-                    found.append(held)
+            held = read_manifest(path)
+            if held is not None and held.topology == tuple(topology) and files_whole(self.dir, held):
+                found.append(held)
         return found
 
     def map(self, held: Held) -> tuple[bytes, torch.Tensor]:
@@ -141,6 +134,43 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def read_manifest(path: Path) -> Held | None:
+    """The share a manifest (``step-<step>.owner-<owner>.json``) describes; ``None`` for any other file, or
+    one that cannot be read or parsed."""
+    if not _NAME.fullmatch(Path(path).name):
+        return None
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        raw = json.loads(Path(path).read_text())
+        return Held(int(raw["step"]), int(raw["owner"]), int(raw["nbytes"]), int(raw["crc32"]),
+                    tuple(raw["topology"]), str(raw["mode"]), int(raw["head_nbytes"]), int(raw["head_crc32"]))
+    return None
+
+
+def share_files(directory: Path, held: Held) -> tuple[Path, Path, Path]:
+    """The share's ``.pt``, ``.head`` and ``.json`` files in ``directory`` (a holder directory)."""
+    name = f"step-{held.step:010d}.owner-{held.owner}"
+    return tuple(Path(directory) / f"{name}{suffix}" for suffix in (".pt", ".head", ".json"))
+
+
+def files_whole(directory: Path, held: Held) -> bool:
+    """Whether the share's tensor and header files in ``directory`` have the sizes its manifest says."""
+    pt, head, _ = share_files(directory, held)
+    try:
+        return pt.stat().st_size == held.nbytes and head.stat().st_size == held.head_nbytes
+    except OSError:
+        return False
+
+
+def crc_mismatch(held: Held, head: bytes, flat: torch.Tensor, where: str) -> str | None:
+    """``None`` if the share's bytes (``head``, ``flat``) have the CRC32s of its manifest, else the problem,
+    naming the share and ``where`` its bytes came from."""
+    actual, head_actual = packing.crc32(flat), packing.crc32(head)
+    if actual == held.crc32 and head_actual == held.head_crc32:
+        return None
+    return (f"rank {held.owner}'s share in {where} has CRC32 {actual:08x}/{head_actual:08x},"
+            f" its manifest {held.crc32:08x}/{held.head_crc32:08x}")
+
+
 def holder_dir(root: Path, rank: int) -> Path:
     """The holder directory of ``rank`` under the tier's ``root``."""
     return Path(root) / f"holder-{rank}"
@@ -149,10 +179,10 @@ def holder_dir(root: Path, rank: int) -> Path:
 def map_share(directory: Path, held: Held) -> tuple[bytes, torch.Tensor]:
     """A share's header and a private (copy-on-write) mapping of its tensors' bytes in ``directory`` (any
     holder's; nothing of it is changed or removed)."""
-    name = f"step-{held.step:010d}.owner-{held.owner}"
-    head = (Path(directory) / f"{name}.head").read_bytes()
+    pt, head_file, _ = share_files(directory, held)
+    head = head_file.read_bytes()
     if not held.nbytes:
         return head, torch.empty(0, dtype=torch.uint8)
-    with open(Path(directory) / f"{name}.pt", "rb") as f:
+    with open(pt, "rb") as f:
         mapping = mmap.mmap(f.fileno(), held.nbytes, access=mmap.ACCESS_COPY)
     return head, torch.frombuffer(mapping, dtype=torch.uint8)

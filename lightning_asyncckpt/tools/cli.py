@@ -1,4 +1,5 @@
-"""The ``lightning-asyncckpt`` command: inspect, verify, convert and clean checkpoints.
+"""The ``lightning-asyncckpt`` command: inspect, verify, convert and clean checkpoints, and list, check or
+remove a node's local-tier files (``local``).
 
 A checkpoint is one ``torch.save`` file (the single-writer format, as stock Lightning's ``TorchCheckpointIO``
 writes) or a torch.distributed.checkpoint (DCP) directory (sharded and distributed saves); ``inspect``,
@@ -14,7 +15,9 @@ Unpickling is restricted unless ``--allow-pickle`` is given: ``.metadata`` may o
 types, and the non-tensor state (all of a ``torch.save`` file) is read with ``torch.load(weights_only=True)``.
 
 This module parses arguments and prints; what it reports comes from :mod:`~lightning_asyncckpt.tools.describe`,
-:mod:`~lightning_asyncckpt.tools.verify` and :mod:`~lightning_asyncckpt.format.metadata`.
+:mod:`~lightning_asyncckpt.tools.verify` and :mod:`~lightning_asyncckpt.format.metadata`. The commands that
+remove files (``clean``, ``local``) are in :mod:`~lightning_asyncckpt.tools.cleanup`, what they share with
+the others in :mod:`~lightning_asyncckpt.tools.usage`.
 """
 
 from __future__ import annotations
@@ -24,9 +27,7 @@ import contextlib
 import json
 import os
 import pickle
-import shutil
 import sys
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any
 
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.metadata import MetadataError, read_metadata
+from lightning_asyncckpt.tools.cleanup import cmd_clean, cmd_local
 from lightning_asyncckpt.tools.describe import (
     describe,
     describe_file,
@@ -42,20 +44,19 @@ from lightning_asyncckpt.tools.describe import (
     incomplete_reason_file,
 )
 from lightning_asyncckpt.tools.items import ItemError, first_line, torch_load, weights_only_reason
+from lightning_asyncckpt.tools.usage import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROG,
+    CliError,
+    existing,
+    tree_size,
+)
 from lightning_asyncckpt.tools.verify import verify_checkpoint, verify_file
 from lightning_asyncckpt.units import human_bytes
 
-PROG = "lightning-asyncckpt"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _ALLOW_PICKLE_HINT = "pass --allow-pickle if you trust this checkpoint"
-
-
-class CliError(Exception):
-    """A user error: printed as one line on stderr, and the command exits with ``code``."""
-
-    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @contextlib.contextmanager
@@ -73,17 +74,10 @@ def _reading() -> Iterator[None]:
 # Reading a checkpoint: a torch.save file or a checkpoint directory
 
 
-def _existing(path_arg: str) -> Path:
-    path = Path(path_arg)
-    if not os.path.lexists(path):
-        raise CliError(f"{path}: no such file or directory")
-    return path
-
-
 def _checkpoint(path_arg: str) -> Path:
     """``path_arg`` as an existing regular file (a ``torch.save`` file, read by the caller), or a directory
     that looks like a checkpoint (committed or not)."""
-    path = _existing(path_arg)
+    path = existing(path_arg)
     if path.is_file():
         return path
     return _checkpoint_dir(path_arg)
@@ -91,7 +85,7 @@ def _checkpoint(path_arg: str) -> Path:
 
 def _checkpoint_dir(path_arg: str) -> Path:
     """``path_arg`` as an existing directory that looks like a checkpoint (committed or not)."""
-    path = _existing(path_arg)
+    path = existing(path_arg)
     if not path.is_dir():
         raise CliError(f"{path}: not a checkpoint (neither a regular file nor a directory)")
     if not (path / commit.METADATA_FILE).exists() and not commit.is_leftover(path.name) and not _shard_files(path):
@@ -104,20 +98,6 @@ def _shard_files(path: Path) -> list[Path]:
         return sorted(p for p in path.iterdir() if p.name.endswith(".distcp"))
     except OSError:
         return []
-
-
-def _tree_size(path: Path) -> int:
-    """Bytes of the files under ``path`` (links not followed)."""
-    if path.is_symlink() or not path.is_dir():
-        return path.lstat().st_size
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 # -------------------------------------------------------------------------------------------------
@@ -202,7 +182,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if not isinstance(checkpoint, dict):
             raise CliError(f"{src}: not a checkpoint (a {type(checkpoint).__name__}, not a dict)")
         _save_dir(checkpoint, dst)
-        print(f"converted {src} -> {dst} ({human_bytes(_tree_size(dst))}, checkpoint directory)")
+        print(f"converted {src} -> {dst} ({human_bytes(tree_size(dst))}, checkpoint directory)")
     return EXIT_OK
 
 
@@ -268,58 +248,6 @@ def _save_dir(checkpoint: dict[str, Any], out: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# clean
-
-
-def cmd_clean(args: argparse.Namespace) -> int:
-    """``clean DIR [--yes]``: lists the leftovers of interrupted saves in ``DIR``; removes them with ``--yes``."""
-    dirpath = _existing(args.dir)
-    if not dirpath.is_dir():
-        raise CliError(f"{dirpath}: not a directory")
-    try:
-        leftovers = sorted(p for p in dirpath.iterdir() if commit.is_leftover(p.name))
-    except OSError as e:
-        raise CliError(f"cannot list {dirpath}: {e.strerror or e}") from None
-    if not leftovers:
-        print(f"no leftovers of interrupted saves in {dirpath}")
-        return EXIT_OK
-    now = time.time()
-    sizes = {p: _tree_size(p) for p in leftovers}
-    failed = 0
-    for p in leftovers:
-        age = max(0.0, now - p.lstat().st_mtime)
-        what = f"{p} ({human_bytes(sizes[p])}, modified {_age(age)} ago)"
-        if not args.yes:
-            print(f"would remove {what}")
-            continue
-        try:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-            print(f"removed {what}")
-        except OSError as e:
-            failed += 1
-            print(f"cannot remove {p}: {e.strerror or e}", file=sys.stderr)
-    total = human_bytes(sum(sizes.values()))
-    if not args.yes:
-        print(f"{len(leftovers)} leftover(s), {total}; run again with --yes to remove them"
-              " (only while no job is saving checkpoints into this directory)")
-        return EXIT_OK
-    if failed:
-        raise CliError(f"{failed} of {len(leftovers)} leftover(s) could not be removed", EXIT_FAILED)
-    print(f"removed {len(leftovers)} leftover(s), {total}")
-    return EXIT_OK
-
-
-def _age(seconds: float) -> str:
-    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= n:
-            return f"{seconds / n:.0f} {unit}"
-    return f"{seconds:.0f} s"
-
-
-# -------------------------------------------------------------------------------------------------
 # Entry point
 
 
@@ -357,6 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--yes", action="store_true", help="remove them (without it, only list them)")
     p.set_defaults(func=cmd_clean)
+
+    p = sub.add_parser("local", help="list what a node's local-tier directory (LocalTier(dir=DIR)) holds; check or"
+                                     " remove it")
+    p.add_argument("dir", metavar="DIR", help="LocalTier's dir, its asyncckpt-local directory, or one session's")
+    p.add_argument("--session", help="only this session (LocalTier(session=...))")
+    p.add_argument("--verify", action="store_true", help="read every share and check it against its CRC32s")
+    p.add_argument("--remove", action="store_true", help="remove the session(s) (with --yes; refused while a"
+                                                          " process on this node uses their files)")
+    p.add_argument("--yes", action="store_true", help="with --remove: remove (without it, only list)")
+    p.add_argument("--json", action="store_true", help="print one JSON list")
+    p.set_defaults(func=cmd_local)
     return parser
 
 

@@ -1,0 +1,199 @@
+"""The ``local`` command's work: what one node's local-tier directory holds (:class:`~lightning_asyncckpt.LocalTier`),
+whether its shares still match their manifests, which processes use it, and its removal.
+
+Each node has its own local directory, so this speaks of one node: whether a step can be resumed depends
+on every node's directory, which the tier's recovery gathers across ranks, and one node cannot see alone.
+What it can say is which ranks' shares this node holds, and which it does not.
+
+The layout is :mod:`lightning_asyncckpt.tiers.store`'s: ``<dir>/asyncckpt-local/<session>/holder-<rank>/``
+holds ``step-<step>.owner-<owner>.{pt,head,json}`` for each share, spare files (``.free-*``) that later
+saves reuse, and the ``*.tmp`` files of a save or a transfer that did not finish. Nothing outside
+``<dir>/asyncckpt-local/`` is ever read as the tier's, or removed.
+
+Imports torch (the shares are checked with the tier's own code): the command line imports this module only
+for ``local``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from lightning_asyncckpt.tiers import mapped, store
+from lightning_asyncckpt.tiers.store import Held
+from lightning_asyncckpt.units import human_bytes
+
+TIER_DIR = "asyncckpt-local"  # LocalTier.root is <dir>/asyncckpt-local/<session>
+_HOLDER = re.compile(r"holder-(\d+)")
+
+
+class NoLocalTier(ValueError):
+    """The path holds no local tier (or not the session asked for); the message says what to pass."""
+
+
+@dataclass
+class Share:
+    """One share as a holder directory keeps it."""
+
+    holder: int
+    manifest: Held  # step, owner, sizes, CRC32s, the topology it was saved under
+    nbytes: int  # its three files
+    problem: str | None = None  # set by verify()
+
+
+@dataclass
+class Session:
+    """One session's files on this node."""
+
+    name: str
+    path: Path
+    shares: list[Share] = field(default_factory=list)
+    spares: list[Path] = field(default_factory=list)  # reused by the next saves
+    other: list[Path] = field(default_factory=list)  # not part of a complete share: an unfinished save
+    nbytes: int = 0  # every file under the session
+
+    def steps(self) -> list[int]:
+        return sorted({s.manifest.step for s in self.shares}, reverse=True)
+
+
+def sessions(path: Path, only: str | None = None) -> list[Session]:
+    """The sessions under ``path``: ``LocalTier(dir=...)``, its ``asyncckpt-local`` directory, or one session's
+    directory. Raises :class:`NoLocalTier` where there is none (or no session ``only``), naming what to pass."""
+    path = Path(path)
+    if (path / TIER_DIR).is_dir():
+        base = path / TIER_DIR
+    elif path.name == TIER_DIR:
+        base = path
+    elif path.parent.name == TIER_DIR:
+        base, only = path.parent, only or path.name
+        if only != path.name:
+            raise NoLocalTier(f"{path} is session {path.name!r}, not --session {only!r}")
+    else:
+        raise NoLocalTier(f"{path}: no local tier here (LocalTier(dir=DIR) writes under DIR/{TIER_DIR}/<session>/;"
+                          " pass that DIR)")
+    names = sorted(p.name for p in base.iterdir() if p.is_dir())
+    if only is not None and only not in names:
+        raise NoLocalTier(f"{base}: no session {only!r}; sessions here: {', '.join(names) or 'none'}")
+    return [describe(base / n) for n in names if only in (None, n)]
+
+
+def describe(root: Path) -> Session:
+    """What one session directory (``LocalTier.root``) holds on this node."""
+    out = Session(root.name, root)
+    for holder_path in sorted(root.iterdir(), key=lambda p: p.name):
+        m = _HOLDER.fullmatch(holder_path.name)
+        if not m or not holder_path.is_dir():
+            continue
+        files = {p: _size(p) for p in holder_path.iterdir() if p.is_file()}
+        out.nbytes += sum(files.values())
+        claimed: set[Path] = set()
+        for p in sorted(files):
+            held = store.read_manifest(p)
+            if held is None or not store.files_whole(holder_path, held):
+                continue
+            parts = store.share_files(holder_path, held)
+            claimed.update(parts)
+            out.shares.append(Share(int(m.group(1)), held, sum(files.get(f, 0) for f in parts)))
+        out.spares += [p for p in files if p.name.startswith(mapped.FREE_PREFIX)]
+        out.other += [p for p in files if p not in claimed and not p.name.startswith(mapped.FREE_PREFIX)]
+    return out
+
+
+def verify(session: Session) -> int:
+    """Reads every share of ``session`` and checks its bytes against the CRC32s of its manifest; sets each
+    :attr:`Share.problem`. Returns how many failed."""
+    for share in session.shares:
+        directory = store.holder_dir(session.path, share.holder)
+        try:
+            head, flat = store.map_share(directory, share.manifest)
+            share.problem = store.crc_mismatch(share.manifest, head, flat, directory.name)
+        except OSError as e:
+            share.problem = f"rank {share.manifest.owner}'s share in {directory.name} could not be read: {e}"
+    return sum(s.problem is not None for s in session.shares)
+
+
+def users(path: Path) -> list[str]:
+    """The processes on this machine (other than this one) that map or hold open a file under ``path``, as
+    ``pid N (command)``: a job still running there. Processes this user cannot inspect are not seen."""
+    root = os.path.realpath(path)
+    prefix = root.rstrip("/") + "/"
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        if _uses(entry.path, prefix):
+            found.append(f"pid {entry.name} ({_command(entry.path)})")
+    return found
+
+
+def _uses(proc: str, prefix: str) -> bool:
+    with contextlib.suppress(OSError):
+        with open(f"{proc}/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n").startswith(prefix):
+                    return True
+    with contextlib.suppress(OSError):
+        for fd in os.scandir(f"{proc}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(fd.path).startswith(prefix):
+                    return True
+    return False
+
+
+def _command(proc: str) -> str:
+    with contextlib.suppress(OSError):
+        with open(f"{proc}/cmdline", "rb") as f:
+            words = [w.decode(errors="replace") for w in f.read().split(b"\0") if w]
+        line = " ".join(" ".join(words[:3]).split())  # one line: an argument may hold newlines (python -c)
+        return (line[:77] + "...") if len(line) > 80 else (line or "?")
+    return "?"
+
+
+def remove(session: Session) -> None:
+    """Removes the session's directory (its holders' files, and nothing outside it). Raises ``OSError``."""
+    shutil.rmtree(session.path)
+
+
+def _size(p: Path) -> int:
+    with contextlib.suppress(OSError):
+        return p.stat().st_size
+    return 0
+
+
+def as_dict(session: Session) -> dict:
+    d = asdict(session)
+    d["path"] = str(session.path)
+    d["spares"] = [str(p) for p in session.spares]
+    d["other"] = [str(p) for p in session.other]
+    return d
+
+
+def format_session(session: Session) -> str:
+    """Lines for one session: its steps, newest first, with the ranks whose shares each holder keeps."""
+    lines = [f"{session.path}: {len(session.shares)} share(s) of {len(session.steps())} step(s),"
+             f" {human_bytes(session.nbytes)} in all"]
+    for step in session.steps():
+        here = [s for s in session.shares if s.manifest.step == step]
+        world = here[0].manifest.topology[0]
+        holders = sorted({s.holder for s in here})
+        by_holder = "; ".join(f"holder-{h}: " + ", ".join(str(s.manifest.owner) for s in here if s.holder == h)
+                              for h in holders)
+        owners = {s.manifest.owner for s in here}
+        missing = sorted(set(range(world)) - owners)
+        where = ("every rank's share is on this node" if not missing else
+                 f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}: on other nodes only")
+        lines.append(f"  step {step}: shares of {len(owners)} of {world} ranks ({by_holder});"
+                     f" {where}; {human_bytes(sum(s.nbytes for s in here))}")
+        lines += [f"    BAD: {s.problem}" for s in here if s.problem]
+    if session.spares:
+        lines.append(f"  spare files, reused by the next saves: {len(session.spares)},"
+                     f" {human_bytes(sum(_size(p) for p in session.spares))}")
+    if session.other:
+        lines.append(f"  not part of a complete share (an unfinished save or transfer): {len(session.other)} file(s),"
+                     f" {human_bytes(sum(_size(p) for p in session.other))}")
+    return "\n".join(lines)
