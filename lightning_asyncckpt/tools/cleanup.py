@@ -79,6 +79,8 @@ def cmd_local(args: argparse.Namespace) -> int:
         found = local_tier.sessions(path, args.session)
     except local_tier.NoLocalTier as e:
         raise CliError(str(e)) from None
+    except OSError as e:  # a directory this user cannot list
+        raise CliError(f"cannot read {e.filename}: {e.strerror or e}") from None
     bad = sum(local_tier.verify(s) for s in found) if args.verify else 0
     if args.json:
         print(json.dumps([local_tier.as_dict(s) for s in found], indent=1))

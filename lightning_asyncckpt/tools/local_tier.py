@@ -84,10 +84,8 @@ def sessions(path: Path, only: str | None = None) -> list[Session]:
 def describe(root: Path) -> Session:
     """What one session directory (``LocalTier.root``) holds on this node."""
     out = Session(root.name, root)
-    for holder_path in sorted(root.iterdir(), key=lambda p: p.name):
-        m = _HOLDER.fullmatch(holder_path.name)
-        if not m or not holder_path.is_dir():
-            continue
+    holders = {int(m.group(1)): p for p in root.iterdir() if (m := _HOLDER.fullmatch(p.name)) and p.is_dir()}
+    for rank, holder_path in sorted(holders.items()):
         files = {p: _size(p) for p in holder_path.iterdir() if p.is_file()}
         out.nbytes += sum(files.values())
         claimed: set[Path] = set()
@@ -97,7 +95,7 @@ def describe(root: Path) -> Session:
                 continue
             parts = store.share_files(holder_path, held)
             claimed.update(parts)
-            out.shares.append(Share(int(m.group(1)), held, sum(files.get(f, 0) for f in parts)))
+            out.shares.append(Share(rank, held, sum(files.get(f, 0) for f in parts)))
         out.spares += [p for p in files if p.name.startswith(mapped.FREE_PREFIX)]
         out.other += [p for p in files if p not in claimed and not p.name.startswith(mapped.FREE_PREFIX)]
     return out
