@@ -5,7 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import combo_params, hold_write, live_children, mounted_tmpfs, wait_no_children  # noqa: E402
+from helpers import combo_params, hold_write, mounted_tmpfs  # noqa: E402
+from processes import live_children, wait_no_children  # noqa: E402
 
 
 @pytest.fixture(params=combo_params(single=True))

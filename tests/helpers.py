@@ -5,17 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import psutil
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -46,10 +42,6 @@ def run_fabric_case(args: Any, fabric: Any, io: Any, cases: dict) -> None:
         json.dump(report, f, indent=1, default=str)
     os.replace(path + ".tmp", path)
 
-
-def job_script(name: str) -> str:
-    """The path of a job script in ``tests/jobs`` (the scripts the tests start in their own processes)."""
-    return os.path.join(TESTS, "jobs", name)
 
 
 def combo_params(single: bool = False, fast: Any = MAIN_COMBOS, combos: Any = COMBOS) -> list:
@@ -207,121 +199,8 @@ def hold_write(folder: Any) -> Any:
     return testing.HoldWrite(os.path.join(folder, "release"), started_file=os.path.join(folder, "started"))
 
 
-def live_children() -> list[psutil.Process]:
-    """This process's live descendants, but for Open MPI's ``orted``: where mpi4py is installed, Lightning's
-    MPI detection starts it (a singleton ``MPI_Init``) and it lives as long as this process (seen on a GPU
-    machine); it is not ours."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.name() != "orted":
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def cmdline(p: psutil.Process) -> str:
-    """A child's command line; empty if it exited (or became a zombie) since it was listed."""
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
-
-
-def other_children(exclude: Any, timeout: float = 3.0) -> list:
-    """``(pid, command line)`` of live child processes not matched by ``exclude(pid, cmdline)``; waits up to
-    ``timeout`` for ones that are already exiting."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for p in live_children():
-            line = cmdline(p)
-            if line and not exclude(p.pid, line):
-                left.append((p.pid, line[:120]))
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
-def wait_no_children(timeout: float = 5.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    kids = live_children()
-    while kids and time.monotonic() < deadline:
-        time.sleep(0.05)
-        kids = live_children()
-    return kids
-
-
 def dir_entries(path: Any) -> list[str]:
     return sorted(os.listdir(path))
-
-
-def job_args(extra: tuple = ()) -> Any:
-    """Arguments of the job scripts that ``run_ranks`` starts."""
-    import argparse
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--case", required=True)
-    p.add_argument("--engine", default="nvrx")
-    p.add_argument("--worker", default="persistent")
-    p.add_argument("--out", required=True)
-    for name in extra:
-        p.add_argument(name, default=None)
-    return p.parse_args()
-
-
-def run_job(run: Any, extra: tuple = ("--dir",), report: dict | None = None) -> None:
-    """The ``main`` of a job script: ``run(args, report)`` on this rank, then ``<out>/rank<r>.json`` with the
-    report (and the traceback, if it raised)."""
-    import faulthandler
-    import json
-    import traceback
-
-    import torch
-
-    args = job_args(extra=extra)
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # On a hang, run_ranks shows every process's stacks. Each rank writes its own just before the harness
-    # gives up (a watchdog thread: Lightning resets signal handlers at teardown); forked writers inherit a
-    # SIGUSR1 handler, and run_ranks signals them.
-    stacks_after = os.environ.get(STACKS_AFTER_VAR)
-    if stacks_after:
-        stacks = open(os.path.join(args.out, f"{STACKS_PREFIX}{os.getpid()}.txt"), "w")  # noqa: SIM115 - kept open
-        faulthandler.dump_traceback_later(float(stacks_after), exit=False, file=stacks)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    report = {"rank": rank, **(report or {})}
-    try:
-        run(args, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    if torch.distributed.is_initialized():
-        report["world_size"] = torch.distributed.get_world_size()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-
-
-STACKS_AFTER_VAR = "ASYNCCKPT_TEST_STACKS_AFTER_S"
-STACKS_PREFIX = "stacks-"
-
-
-def hang_report(pgid: int, script: str, out: Any, log: Any) -> str:
-    """Every stack of a hung job that runs ``script``: the ranks' own (written by their watchdog, see
-    ``run_job``), and those of the other processes (forked writers), which print them into ``log`` on
-    SIGUSR1, one by one."""
-    ranks = {int(f.name[len(STACKS_PREFIX):-4]) for f in out.glob(f"{STACKS_PREFIX}*.txt")}
-    for p in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error, OSError):
-            if p.pid not in ranks and os.getpgid(p.pid) == pgid and script in " ".join(p.info["cmdline"] or []):
-                log.write(f"\n--- stacks of pid {p.pid} (parent {p.ppid()}) ---\n")
-                log.flush()  # the job's processes share this file offset
-                p.send_signal(signal.SIGUSR1)
-                time.sleep(1.0)
-    parts = [Path(log.name).read_text()[-8000:]]
-    for f in sorted(out.glob(f"{STACKS_PREFIX}*.txt")):
-        if f.stat().st_size:
-            parts.append(f"--- stacks of rank process {f.name[len(STACKS_PREFIX):-4]} ---\n{f.read_text()[-6000:]}")
-    return "\n".join(parts)
 
 
 @contextlib.contextmanager
@@ -339,87 +218,6 @@ def mounted_tmpfs(path: Any, size: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the kernel picks it): each job gets its own ``MASTER_PORT``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Job:
-    """A process that ``launch`` started: the leader of its own session, with its output in ``log``."""
-
-    def __init__(self, proc: subprocess.Popen, script: str, out: Path, log: Any, timeout: float) -> None:
-        self.proc, self.script, self.out, self.log, self.timeout = proc, script, out, log, timeout
-        self.deadline = time.monotonic() + timeout
-
-    @property
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_text(self) -> str:
-        return Path(self.log.name).read_text()
-
-    def wait(self) -> int:
-        """The job's exit status; a job still running at its hard timeout fails the test with its log and
-        every stack of its processes."""
-        import pytest
-
-        try:
-            return self.proc.wait(timeout=max(self.deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            report = hang_report(self.proc.pid, self.script, self.out, self.log)
-            pytest.fail(f"{self.script} hung for {self.timeout}s; log, and every stack:\n{report}")
-
-
-@contextlib.contextmanager
-def launch(cmd: list, out: Any, timeout: float, cwd: Any = None, env: dict | None = None,
-           log_name: str = "log.txt") -> Iterator[Job]:
-    """The one way the tests start a process: ``cmd`` in its own session, stdout and stderr in
-    ``<out>/<log_name>``, its own free ``MASTER_PORT``, ``tests/`` importable (``helpers``), and ``env`` on
-    top of this environment. ``Job.wait`` bounds it by ``timeout`` (a hang fails the test with every
-    stack: job scripts that use ``run_job`` write theirs into ``out``); leaving the block kills the job's
-    whole process group, whatever is still running in it."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()),
-               **{STACKS_AFTER_VAR: str(max(timeout - 8, timeout * 0.8))}, **(env or {}))
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths + [TESTS] * (TESTS not in paths))
-    script = next((str(c) for c in cmd if str(c).endswith(".py")), str(cmd[0]))
-    with open(out / log_name, "w") as log:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            yield Job(proc, script, out, log, timeout)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def run_ranks(
-    script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, ranks: int = 2, **extra: Any
-) -> list:
-    """Runs a ``ranks``-rank job script with ``launch`` and returns each rank's JSON report (a rank that
-    crashed fails the test with its traceback)."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, script, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
-    for k, v in extra.items():
-        cmd += [f"--{k}", str(v)]
-    with launch(cmd, out, timeout, cwd=tmp_path) as job:
-        job.wait()
-    reports = []
-    for rank in range(ranks):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
-        reports.append(json.loads(path.read_text()))
-    for r in reports:
-        assert "crash" not in r, f"rank {r['rank']} crashed:\n{r['crash']}"
-        assert r["world_size"] == ranks
-    return reports
 
 
 def run_cli(capsys: Any, *args: object) -> tuple[int, str, str]:

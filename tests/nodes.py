@@ -30,7 +30,8 @@ from typing import Any
 
 import psutil
 
-from helpers import STACKS_AFTER_VAR, TESTS, free_port, hang_report
+from helpers import TESTS
+from processes import STACKS_AFTER_VAR, free_port, hang_report
 
 # the node's own /dev/shm, then the job: `sh` execs it, so the node's leader keeps the pid Popen returned
 _NODE_SHELL = 'mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && exec "$@"'

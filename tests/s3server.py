@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers import free_port
+from processes import free_port
 
 _WRITES = ("PUT", "POST")
 _ERROR = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>injected</Message></Error>"

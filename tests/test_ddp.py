@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import combo_params, job_script, latest_raise_step, run_ranks
+from helpers import combo_params, latest_raise_step
+from processes import job_script, run_ranks
 
 JOB = job_script("ddp_job.py")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import job_script, launch
+from processes import job_script, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 PL_PYTHON = Path(os.environ.get("LIGHTNING_ASYNCCKPT_PL_PYTHON", ROOT / ".venv-pl" / "bin" / "python"))

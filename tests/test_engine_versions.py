@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import job_script, launch
 from lightning_asyncckpt.write.dcp_writer import write_call_kwargs
+from processes import job_script, launch
 
 
 # The parameter lists of write_preloaded_data, release by release (signatures only).

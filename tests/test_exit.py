@@ -8,8 +8,9 @@ import psutil
 import pytest
 import torch
 
-from helpers import combo_params, job_script, launch
+from helpers import combo_params
 from lightning_asyncckpt.format import commit
+from processes import job_script, launch
 
 JOB = job_script("exit_job.py")
 

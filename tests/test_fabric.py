@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from helpers import combo_params, job_script, run_ranks
+from helpers import combo_params
+from processes import job_script, run_ranks
 
 JOB = job_script("fabric_job.py")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import COMBOS, job_script, run_ranks
+from helpers import COMBOS
+from processes import job_script, run_ranks
 
 JOB = job_script("fault_job.py")
 CAUSE = {  # what the message must say about the cause

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, launch
+from helpers import ROOT
 from lightning_asyncckpt import AsyncCheckpointIO
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.snapshot import staging
+from processes import launch
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from helpers import assert_tree_equal, clone_tree, live_children
+from helpers import assert_tree_equal, clone_tree
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
 from lightning_asyncckpt.format import commit
+from processes import live_children
 
 
 @dataclasses.dataclass

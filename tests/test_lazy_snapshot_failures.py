@@ -12,10 +12,11 @@ from lazy_snapshot_parts import lazy_io as _lazy_io
 from lazy_snapshot_parts import staged_bytes as _staged_bytes
 from lazy_snapshot_parts import torch_state as _torch_state
 
-from helpers import assert_tree_equal, clone_tree, dir_entries, live_children
+from helpers import assert_tree_equal, clone_tree, dir_entries
 from lightning_asyncckpt import CheckpointWriteError, testing
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.snapshot import staging
+from processes import live_children
 
 
 @pytest.mark.parametrize("edit", ["in_place_add", "optimizer_step_without_wait"])

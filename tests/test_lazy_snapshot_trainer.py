@@ -12,17 +12,9 @@ from lazy_snapshot_parts import WIDTH
 from lazy_snapshot_parts import lazy_io as _lazy_io
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import (
-    SnapshotRecorder,
-    TinyModel,
-    assert_tree_equal,
-    clone_tree,
-    dir_entries,
-    live_children,
-    loader,
-    trainer,
-)
+from helpers import SnapshotRecorder, TinyModel, assert_tree_equal, clone_tree, dir_entries, loader, trainer
 from lightning_asyncckpt import AsyncFinalizerCallback, CheckpointWriteError, testing
+from processes import live_children
 
 
 class BatchNormModel(TinyModel):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import combo_params, job_script, run_ranks
+from helpers import combo_params
+from processes import job_script, run_ranks
 
 JOB = job_script("mp_job.py")
 LAZY_JOB = job_script("mp_lazy_job.py")

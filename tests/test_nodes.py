@@ -10,7 +10,7 @@ import time
 import pytest
 from nodes import launch_nodes, read_reports, run_nodes, skip_without_namespaces
 
-from helpers import job_script
+from processes import job_script
 
 JOB = job_script("nodes_job.py")
 RANKS = [0, 1, 2, 3]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import job_script, run_ranks
+from processes import job_script, run_ranks
 
 JOB = job_script("pipeline_job.py")
 

@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
-from helpers import job_script, run_ranks
 from lightning_asyncckpt.pipeline.plan_cache import PlanCache, structure_digest
+from processes import job_script, run_ranks
 
 JOB = job_script("plan_job.py")
 

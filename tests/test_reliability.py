@@ -12,8 +12,9 @@ import time
 import psutil
 import pytest
 
-from helpers import combo_params, job_script, latest_raise_step, launch, run_ranks
+from helpers import combo_params, latest_raise_step
 from lightning_asyncckpt.format import commit
+from processes import job_script, launch, run_ranks
 
 
 def _gone(pid):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import SnapshotRecorder, TinyModel, assert_tree_equal, job_script, loader, run_ranks, trainer
+from helpers import SnapshotRecorder, TinyModel, assert_tree_equal, loader, trainer
 from lightning_asyncckpt import (
     AsyncCheckpointIO,
     AsyncFinalizerCallback,
@@ -17,6 +17,7 @@ from lightning_asyncckpt import (
     last_checkpoint,
 )
 from lightning_asyncckpt.format import remote
+from processes import job_script, run_ranks
 
 URL = "s3://ckpt/run1"
 

@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from helpers import ROOT, launch
+from helpers import ROOT
+from processes import launch
 
 
 def _run(cmd, cwd, timeout=180):

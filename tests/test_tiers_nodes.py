@@ -14,7 +14,7 @@ import time
 import pytest
 from nodes import launch_nodes, node_local_dir, read_reports, skip_without_namespaces
 
-from helpers import job_script
+from processes import job_script
 
 JOB = job_script("tiers_job.py")
 

@@ -11,8 +11,8 @@ import traceback
 import pytest
 import torch
 
-from helpers import free_port
 from lightning_asyncckpt import LocalTier
+from processes import free_port
 
 
 @pytest.fixture

@@ -11,19 +11,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import (
-    SnapshotRecorder,
-    TinyModel,
-    assert_tree_equal,
-    clone_tree,
-    dir_entries,
-    live_children,
-    loader,
-    trainer,
-)
+from helpers import SnapshotRecorder, TinyModel, assert_tree_equal, clone_tree, dir_entries, loader, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, testing
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.write import torch_file
+from processes import live_children
 
 
 def _ckpt_cb(dirpath, save_last=True, every=5):

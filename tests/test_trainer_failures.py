@@ -19,12 +19,12 @@ from helpers import (
     assert_tree_equal,
     dir_entries,
     latest_raise_step,
-    live_children,
     loader,
     trainer,
 )
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
 from lightning_asyncckpt.format import commit
+from processes import live_children
 
 
 class _FillDisk(L.Callback):

@@ -11,16 +11,9 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import (
-    SlowSteps,
-    TinyModel,
-    dir_entries,
-    latest_raise_step,
-    live_children,
-    loader,
-    trainer,
-)
+from helpers import SlowSteps, TinyModel, dir_entries, latest_raise_step, loader, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
+from processes import live_children
 
 
 @pytest.mark.parametrize("entry_point", [True, False], ids=["installed", "source-checkout"])

@@ -17,8 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from helpers import SlowSteps, TinyModel, job_args, loader, trainer  # noqa: E402
+from helpers import SlowSteps, TinyModel, loader, trainer  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO  # noqa: E402
+from processes import job_args  # noqa: E402
 
 
 class Ready(L.Callback):

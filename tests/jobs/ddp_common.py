@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import lightning as L
 
-from helpers import other_children
+from processes import other_children
 
 
 def ddp_trainer(args, plugins, callbacks, **kw):

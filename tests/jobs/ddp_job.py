@@ -19,7 +19,7 @@ import ddp_fault_cases  # noqa: E402
 import ddp_fit_cases  # noqa: E402
 import ddp_soak_case  # noqa: E402
 
-from helpers import run_job  # noqa: E402
+from processes import run_job  # noqa: E402
 
 CASES = {
     name[len("case_"):]: case

@@ -12,8 +12,9 @@ import torch
 from ddp_common import ddp_trainer, own_children
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import TinyModel, live_children, loader
+from helpers import TinyModel, loader
 from lightning_asyncckpt import AsyncCheckpointIO
+from processes import live_children
 
 
 def _resources(io):

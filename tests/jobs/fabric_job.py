@@ -13,9 +13,10 @@ import lightning as L  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import assert_tree_equal, clone_tree, job_args, other_children, run_fabric_case  # noqa: E402
+from helpers import assert_tree_equal, clone_tree, run_fabric_case  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing  # noqa: E402
 from lightning_asyncckpt.format import commit
+from processes import job_args, other_children  # noqa: E402
 
 
 def _setup(fabric, width=64):

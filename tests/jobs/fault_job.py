@@ -18,15 +18,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from helpers import (  # noqa: E402
-    ShardedModel,
-    SlowSteps,
-    TinyModel,
-    assert_tree_equal,
-    loader,
-    other_children,
-    run_job,
-)
+from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, loader  # noqa: E402
 from lightning_asyncckpt import (  # noqa: E402
     AsyncCheckpointIO,
     AsyncDDPStrategy,
@@ -34,6 +26,7 @@ from lightning_asyncckpt import (  # noqa: E402
     CheckpointWriteError,
     testing,
 )
+from processes import other_children, run_job  # noqa: E402
 
 WIDTH = 64
 

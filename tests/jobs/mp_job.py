@@ -19,18 +19,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
-from helpers import (  # noqa: E402
-    FailOnRankFrom,
-    ShardedModel,
-    assert_tree_equal,
-    clone_tree,
-    loader,
-    other_children,
-    run_job,
-)
+from helpers import FailOnRankFrom, ShardedModel, assert_tree_equal, clone_tree, loader  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.integration.io import META_FILE  # noqa: E402
+from processes import other_children, run_job  # noqa: E402
 
 WIDTH = 64
 DATA = dict(width=WIDTH, n=64, batch_size=4)  # 8 steps per epoch per rank on 2 ranks

@@ -13,8 +13,9 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from mp_job import FullStateRecorder, _trainer, failing_fit, read_with_dcp  # noqa: E402
 
-from helpers import HoldWriteAt, ShardedModel, assert_tree_equal, loader, other_children, run_job  # noqa: E402
+from helpers import HoldWriteAt, ShardedModel, assert_tree_equal, loader  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
+from processes import other_children, run_job  # noqa: E402
 
 
 def _own_children():

@@ -26,14 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from mp_job import _sorted, full_state, read_with_dcp  # noqa: E402
 from nodes import node_job_args, run_and_report  # noqa: E402
 
-from helpers import (  # noqa: E402
-    STACKS_AFTER_VAR,
-    STACKS_PREFIX,
-    ShardedModel,
-    TinyModel,
-    assert_tree_equal,
-    loader,
-)
+from helpers import ShardedModel, TinyModel, assert_tree_equal, loader  # noqa: E402
 from lightning_asyncckpt import (  # noqa: E402
     AsyncCheckpointIO,
     AsyncDDPStrategy,
@@ -41,6 +34,7 @@ from lightning_asyncckpt import (  # noqa: E402
     CheckpointWriteError,
     testing,
 )
+from processes import STACKS_AFTER_VAR, STACKS_PREFIX  # noqa: E402
 
 WIDTH = 64
 DATA = dict(width=WIDTH, n=128, batch_size=4)  # 8 steps per epoch on 4 data-parallel ranks
@@ -251,7 +245,7 @@ def case_last(args, report):
 
 def main():
     args = node_job_args(strategy="async", dir=None, tp=None)
-    stacks_after = os.environ.get(STACKS_AFTER_VAR)  # see helpers.run_job: stacks of a hang
+    stacks_after = os.environ.get(STACKS_AFTER_VAR)  # see processes.run_job: stacks of a hang
     if stacks_after:
         stacks = open(os.path.join(args.out, f"{STACKS_PREFIX}{os.getpid()}.txt"), "w")  # noqa: SIM115
         faulthandler.dump_traceback_later(float(stacks_after), exit=False, file=stacks)

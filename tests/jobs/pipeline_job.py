@@ -12,11 +12,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import job_args, run_fabric_case  # noqa: E402
+from helpers import run_fabric_case  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing  # noqa: E402
 from lightning_asyncckpt.faults.injected import EnvironmentFaults  # noqa: E402
 from lightning_asyncckpt.faults.policy import SaveFaults  # noqa: E402
 from lightning_asyncckpt.format import commit
+from processes import job_args  # noqa: E402
 
 
 def _state(value: float) -> dict:

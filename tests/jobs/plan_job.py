@@ -24,10 +24,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
-from helpers import assert_tree_equal, clone_tree, run_job  # noqa: E402
+from helpers import assert_tree_equal, clone_tree  # noqa: E402
 from lightning_asyncckpt import AsyncCheckpointIO  # noqa: E402
 from lightning_asyncckpt.format import commit  # noqa: E402
 from lightning_asyncckpt.pipeline import dcp_plan, plan_cache  # noqa: E402
+from processes import run_job  # noqa: E402
 
 WORLD = 2
 
