@@ -1,7 +1,7 @@
 """Both Lightning distributions: with ``pip install pytorch-lightning`` alone (``pytorch_lightning`` and
 ``lightning_fabric``, no ``lightning``), the README's quick start, ``load_from_checkpoint``, resuming from
-``ckpt_path="last"``, a 2-rank DDP run (stock DDP and ``AsyncDDPStrategy``) and ``lightning_fabric.Fabric`` work as
-with ``lightning``.
+``ckpt_path="last"``, a 2-rank DDP run (stock DDP and ``AsyncDDPStrategy``), ``lightning_fabric.Fabric`` and a
+resume from the local tier work as with ``lightning``.
 
 The environment is ``.venv-pl``, which ``make test`` builds beside ``.venv`` (pinned torch,
 ``pytorch-lightning``, nvidia-resiliency-ext and this checkout); the job runs there in its own process."""
@@ -67,3 +67,12 @@ def test_pytorch_lightning_alone_ddp(pl_python, tmp_path, case):
 def test_lightning_fabric_alone(pl_python, tmp_path):
     (r0,) = _run(pl_python, "fabric", tmp_path, ranks=1)
     assert r0["loaded_equal"] is True
+
+
+def test_pytorch_lightning_alone_resumes_from_the_local_tier(pl_python, tmp_path):
+    """``LocalTier`` on ``pytorch_lightning``'s Trainer: ``ckpt_path="last"`` picks local step 10 over the
+    persistent step 8, and the model starts with step 10's weights exactly."""
+    (r0,) = _run(pl_python, "local", tmp_path, ranks=1)
+    assert r0["resumed_step"] == 10 and r0["ckpt_path"].endswith("restore-step-10"), r0
+    assert r0["start_equal"] is True
+    assert "epoch=0-step=8.ckpt" in r0["persistent"]  # the local tier deletes nothing persistent

@@ -16,7 +16,7 @@ import traceback
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=["quickstart", "ddp", "async_ddp", "fabric"], required=True)
+    ap.add_argument("--case", choices=["quickstart", "ddp", "async_ddp", "fabric", "local"], required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -68,6 +68,8 @@ def run(args: argparse.Namespace, report: dict) -> None:
             **kw,
         )
 
+    if args.case == "local":
+        return local_case(args, report, Model, data)
     model = Model()
     kw = {"ddp": dict(devices=2, strategy="ddp"), "async_ddp": dict(devices=2, strategy=AsyncDDPStrategy())}.get(args.case, {})
     fit = trainer(6, **kw)
@@ -96,6 +98,49 @@ def run(args: argparse.Namespace, report: dict) -> None:
         resumed.fit(Model(), data, ckpt_path="last")
         report["resumed_step"] = resumed.global_step
         report["files_after_resume"] = sorted(os.listdir(ckpt_dir))
+
+
+def local_case(args: argparse.Namespace, report: dict, model_class: type, data) -> None:
+    """The local tier under ``pytorch_lightning``: local saves every 2 steps, persistent ones every 8; after 10
+    steps a new Trainer with ``ckpt_path="last"`` resumes at local step 10, bit for bit, not at 8."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, LocalTier
+
+    local, ckpt_dir = os.path.join(args.out, "local"), os.path.join(args.out, "ckpt")
+    os.makedirs(local)
+    saved, started = {}, {}
+
+    class Record(pl.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            saved[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+        def on_train_start(self, trainer, pl_module):
+            started.update(step=trainer.global_step, state={k: v.clone() for k, v in pl_module.state_dict().items()})
+
+    def trainer(max_steps: int) -> pl.Trainer:
+        io = AsyncCheckpointIO(strategy="nvrx", local=LocalTier(local, every_n_train_steps=2, replication_factor=1))
+        return pl.Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          accelerator="cpu", plugins=[io],
+                          callbacks=[AsyncFinalizerCallback(), Record(),
+                                     ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=8, save_last=True)])
+
+    first = trainer(10)
+    report["plugin"] = type(first.strategy.checkpoint_io).__name__
+    report["finalizers"] = sum(isinstance(cb, AsyncFinalizerCallback) for cb in first.callbacks)
+    first.fit(model_class(), data)
+    again = trainer(11)
+    again.fit(model_class(), data, ckpt_path="last")
+    report["resumed_step"], report["ckpt_path"] = started["step"], str(again.ckpt_path)
+    report["start_equal"] = all(torch_equal(started["state"][k], v) for k, v in saved[10].items())
+    report["persistent"] = sorted(os.listdir(ckpt_dir))
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and torch.equal(a, b)
 
 
 def fabric_case(args: argparse.Namespace, report: dict) -> None:
