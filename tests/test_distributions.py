@@ -76,3 +76,11 @@ def test_pytorch_lightning_alone_resumes_from_the_local_tier(pl_python, tmp_path
     assert r0["resumed_step"] == 10 and r0["ckpt_path"].endswith("restore-step-10"), r0
     assert r0["start_equal"] is True
     assert "epoch=0-step=8.ckpt" in r0["persistent"]  # the local tier deletes nothing persistent
+
+
+def test_lightning_fabric_alone_resumes_from_the_local_tier(pl_python, tmp_path):
+    """``FabricTiers`` on ``lightning_fabric.Fabric``: a new loop resumes at local step 10, model and optimizer
+    state exactly."""
+    (r0,) = _run(pl_python, "fabric_local", tmp_path, ranks=1)
+    assert r0.get("resumed") is True and r0["resumed_step"] == 10, r0
+    assert r0["start_equal"] is True

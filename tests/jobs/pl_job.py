@@ -16,7 +16,7 @@ import traceback
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=["quickstart", "ddp", "async_ddp", "fabric", "local"], required=True)
+    ap.add_argument("--case", choices=["quickstart", "ddp", "async_ddp", "fabric", "local", "fabric_local"], required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -40,6 +40,8 @@ def run(args: argparse.Namespace, report: dict) -> None:
 
     if args.case == "fabric":
         return fabric_case(args, report)
+    if args.case == "fabric_local":
+        return fabric_local_case(args, report)
 
     class Model(pl.LightningModule):
         def __init__(self, width: int = 8) -> None:
@@ -164,6 +166,50 @@ def fabric_case(args: argparse.Namespace, report: dict) -> None:
     fabric.load(path, state)
     report["loaded_equal"] = state["step"] == 7 and all(
         torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True))
+
+
+def fabric_local_case(args: argparse.Namespace, report: dict) -> None:
+    """``FabricTiers`` on ``lightning_fabric.Fabric``: local saves every 2 steps; a second loop resumes at step
+    10 with its model and optimizer state exactly."""
+    import torch
+    from lightning_fabric import Fabric
+
+    from lightning_asyncckpt import AsyncCheckpointIO, FabricTiers, LocalTier
+
+    local = os.path.join(args.out, "local")
+    os.makedirs(local)
+
+    def loop(steps: int, resume: bool) -> dict:
+        io = AsyncCheckpointIO(strategy="nvrx", local=LocalTier(local, every_n_train_steps=2, replication_factor=1,
+                                                                emergency_signals=()))
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, optimizer = fabric.setup(model, optimizer)
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        tiers = FabricTiers(fabric)
+        with io:
+            try:
+                if resume:
+                    report["resumed"] = tiers.resume(state)
+                while state["step"] < steps:
+                    optimizer.zero_grad()
+                    fabric.backward(model(torch.randn(4, 8)).pow(2).mean())
+                    optimizer.step()
+                    state["step"] += 1
+                    tiers.step_end(state["step"], state)
+            finally:
+                tiers.close()
+        return {"step": state["step"], "model": {k: v.clone() for k, v in model.state_dict().items()},
+                "moments": [t.clone() for s in optimizer.state_dict()["state"].values() for t in s.values()]}
+
+    report["plugin"], report["finalizers"] = "AsyncCheckpointIO", 1  # Fabric has no callbacks
+    saved = loop(10, resume=False)
+    again = loop(0, resume=True)
+    report["resumed_step"] = again["step"]
+    report["start_equal"] = (all(torch.equal(saved["model"][k], v) for k, v in again["model"].items())
+                             and all(torch.equal(a, b) for a, b in zip(saved["moments"], again["moments"], strict=True)))
 
 
 if __name__ == "__main__":
