@@ -224,7 +224,7 @@ class Saver:
 
     def _wrap_ours(self) -> None:
         io, clock = self.io, self.clock
-        wait, finalize_step = io.wait_for_snapshot, io.finalize_step
+        wait, finalize_step, save = io.wait_for_snapshot, io.finalize_step, io.save_checkpoint
 
         def timed_wait() -> None:
             t0 = time.perf_counter()
@@ -232,14 +232,25 @@ class Saver:
             clock.waited(time.perf_counter() - t0)
 
         def noting_commits(*args: Any, **kwargs: Any) -> None:
-            before = len(io.history)
             try:
                 finalize_step(*args, **kwargs)
             finally:
-                for rec in io.history[before:]:
-                    clock.committed(rec.path)
+                self._note_commits()
 
-        io.wait_for_snapshot, io.finalize_step = timed_wait, noting_commits
+        def saving(*args: Any, **kwargs: Any) -> None:
+            # a save call may commit the previous save first (no room for another in flight): a loaded
+            # machine does that, and that commit would otherwise never be noted
+            try:
+                save(*args, **kwargs)
+            finally:
+                self._note_commits()
+
+        io.wait_for_snapshot, io.finalize_step, io.save_checkpoint = timed_wait, noting_commits, saving
+
+    def _note_commits(self) -> None:
+        """Every save in our plugin's history is committed (``Clock.committed`` keeps the first time seen)."""
+        for rec in self.io.history:
+            self.clock.committed(rec.path)
 
     def drain(self) -> None:
         """Untimed, between phases: every save committed, nothing in flight."""
@@ -249,10 +260,8 @@ class Saver:
                 self.io.wait_staging()
                 self.io.wait_upload()
             elif self.io is not None:
-                before = len(self.io.history)
                 self.io.finalize(blocking=True)
-                for rec in self.io.history[before:]:
-                    self.clock.committed(rec.path)
+                self._note_commits()
         finally:
             self.clock.draining = False
 
