@@ -115,6 +115,10 @@ def test_bad_paths_and_sessions_are_user_errors_naming_the_fix(capsys, tmp_path,
     assert_user_error(code, err, 2, f"{tmp_path}: no local tier here", "pass that DIR")
     code, _, err = run(capsys, "local", local, "--session", "run9")
     assert_user_error(code, err, 2, "no session 'run9'; sessions here: default")
+    code, _, err = run(capsys, "local", local, "--yes")
+    assert_user_error(code, err, 2, "--yes confirms --remove")
+    code, _, err = run(capsys, "local", local, "--remove", "--yes", "--json")
+    assert_user_error(code, err, 2, "--json only lists")
     assert os.listdir(_holder(local))  # nothing removed by a refused call
 
 

@@ -74,6 +74,10 @@ def cmd_local(args: argparse.Namespace) -> int:
     """``local DIR [--session S] [--verify] [--remove [--yes]] [--json]``: a node's local-tier files."""
     from lightning_asyncckpt.tools import local_tier
 
+    if args.yes and not args.remove:
+        raise CliError("--yes confirms --remove; add --remove to remove the session's files")
+    if args.json and args.remove:
+        raise CliError("--json only lists; leave it out to --remove")
     path = existing(args.dir)
     try:
         found = local_tier.sessions(path, args.session)
