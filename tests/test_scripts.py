@@ -56,6 +56,23 @@ def test_demo_runs(tmp_path):
     ]
 
 
+def test_two_tiers_example_runs(tmp_path):
+    """Preempted at step 13 (SIGTERM), the example resumes from local step 13, not persistent step 10, then lists
+    and removes its local files."""
+    local = tmp_path / "local"
+    local.mkdir()
+    code, out = _run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_two_tiers.py"), "--local-dir", str(local),
+         "--local-every", "5", "--every", "10", "--preempt-at", "13", "--width", "32", "--out", str(tmp_path / "tt")],
+        cwd=tmp_path,
+    )
+    assert code == 0, out[-3000:]
+    assert "preempted: training stopped at step 13; persistent checkpoints: ['epoch=0-step=10.ckpt', 'last.ckpt']" in out
+    assert "resumed from restore-step-13, now at step 18" in out
+    assert "verified 1 share(s): OK" in out and "removed " in out
+    assert os.listdir(local) == []  # the example's own directory under --local-dir is gone too
+
+
 @pytest.mark.slow  # make test-all: kept out of make test for its 15-minute budget
 def test_fabric_example_runs(tmp_path):
     code, out = _run(
