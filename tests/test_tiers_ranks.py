@@ -276,3 +276,39 @@ def _lazy_save_torn_on_rank0(rank, root, state, lazy, edit):
     files = sorted(p.name for p in Path(f"{root}/node{rank}").rglob("step-*") if not p.name.endswith(".tmp"))
     run.close(wait=False)
     return outcome, files
+
+
+def _signals_rank(rank, root):
+    """For each case, a fresh tier on both ranks; each rank sends itself its case's signal (or none), then
+    both take a step boundary: what they agreed on."""
+    import os
+    import signal
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    cases = {"one rank": ("SIGUSR1", None), "both, the same": ("SIGUSR1", "SIGUSR1"),
+             "both, different": ("SIGUSR1", "SIGUSR2")}
+    seen = {}
+    for case, sent in cases.items():
+        run = TierRun(LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=30,
+                                emergency_signals=("SIGUSR1", "SIGUSR2")), node_rank=rank, local_world_size=1)
+        try:
+            assert run.arm()
+            if sent[rank]:
+                os.kill(os.getpid(), getattr(signal, sent[rank]))  # only a flag is set
+            b = run.boundary()
+            seen[case] = (b.preempted, b.everywhere)
+        finally:
+            run.close()
+    return seen
+
+
+def test_the_ranks_agree_whether_every_rank_received_the_same_preemption_signal(tmp_path):
+    """What decides whether Lightning's SLURM requeue handler may run after the emergency save: its save is
+    collective, so every rank must have received the signal."""
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    got = _two_ranks(_signals_rank, tmp_path)
+    for rank in (0, 1):
+        assert got[rank] == {"one rank": (True, False), "both, the same": (True, True),
+                             "both, different": (True, False)}, got[rank]

@@ -178,3 +178,42 @@ def test_a_local_save_that_hits_enospc_raises_on_the_next_step_and_keeps_the_pre
             _fit(tmp_path, 100, callbacks=[FillAt(3, local / "other-process.bin")])
         holder = local / "asyncckpt-local" / "default" / "holder-0"
         assert sorted(p.name for p in holder.glob("*.pt")) == ["step-0000000002.owner-0.pt"]
+
+
+class SignalAt(L.Callback):
+    def __init__(self, step, signum):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)  # only a flag is set; the next boundary acts on it
+
+
+def test_slurm_requeue_signal_saves_locally_then_lets_lightning_save_and_requeue(tmp_path, local_dir, monkeypatch,
+                                                                                  caplog):
+    """Under Lightning's SLURM auto-requeue, SIGUSR1 is the requeue signal. The local tier saves the step and
+    stops training, and then passes the signal on, outside the handler, to Lightning's requeue: it writes
+    ``hpc_ckpt_1.ckpt`` and runs ``scontrol requeue``, as without the local tier."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `scontrol` here: Lightning logs that the requeue failed
+    before = signal.getsignal(signal.SIGUSR1)
+    io = AsyncCheckpointIO("nvrx", local=LocalTier(local_dir, every_n_train_steps=2, replication_factor=1))
+    states = States()
+    t = trainer(tmp_path, [io, SLURMEnvironment(auto_requeue=True)], [states, SignalAt(3, signal.SIGUSR1)],
+                max_steps=100, enable_checkpointing=False)
+    try:
+        with caplog.at_level("INFO"):
+            L.seed_everything(0)
+            t.fit(TinyModel(width=16), loader(width=16, n=512, batch_size=4))
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert t.global_step == 3 and not t.interrupted
+    assert "requeing job 4242" in caplog.text  # Lightning's handler ran
+    hpc = io.load_checkpoint(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
+    assert hpc["global_step"] == 3
+    holder = local_dir / "asyncckpt-local" / "default" / "holder-0"
+    assert (holder / "step-0000000003.owner-0.json").is_file()  # the emergency local save came first

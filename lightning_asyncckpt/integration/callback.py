@@ -123,7 +123,7 @@ class AsyncFinalizerCallback(Callback):
         """(all ranks) Tracks the optimizers, for weights-only saves too (they run no ``on_save_checkpoint``)."""
         if self._io is not None:
             self._io.track_optimizers(trainer.optimizers)
-            tier_trainer.arm(self._io)
+            tier_trainer.arm(trainer, self._io)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:

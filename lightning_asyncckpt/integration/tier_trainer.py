@@ -7,6 +7,7 @@ and consulted by ``ckpt_path="last"`` (:mod:`lightning_asyncckpt.integration.tie
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -25,11 +26,23 @@ def start(trainer: Any, io: Any) -> TierRun | None:
     return io.tier
 
 
-def arm(io: Any) -> None:
+def arm(trainer: Any, io: Any) -> None:
     """(all ranks, at the start of training: after Lightning has installed its signal handlers) Lets a
-    preemption signal request an emergency save."""
+    preemption signal request an emergency save. Under Lightning's SLURM auto-requeue, its requeue signal is
+    passed on to Lightning's handler after that save (:func:`step_end`), so the job is still requeued."""
     if io is not None and io.tier is not None:
-        io.tier.arm()
+        io.tier.arm(pass_on=_slurm_requeue_signal(trainer))
+
+
+def _slurm_requeue_signal(trainer: Any) -> tuple[str, ...]:
+    from lightning_asyncckpt.integration.lightning_api import fabric_module
+
+    # the environment Lightning's signal connector reads when it decides to install its requeue handler
+    env = getattr(trainer._accelerator_connector, "cluster_environment", None)
+    slurm = fabric_module("plugins.environments").SLURMEnvironment
+    if isinstance(env, slurm) and getattr(env, "auto_requeue", False):
+        return (signal.Signals(env.requeue_signal).name,)
+    return ()
 
 
 def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
@@ -56,7 +69,24 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     if trainer.is_global_zero:
         log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier%s; stopping training",
                     complete, " with its replicas" if io.local.replication_factor > 1 else "")
+    _pass_on(tier, boundary.everywhere)
     return True
+
+
+def _pass_on(tier: Any, everywhere: bool) -> None:
+    """(every rank, at the boundary that stops training) Runs the handler the received signal replaced where it
+    is to be passed on (Lightning's SLURM requeue: saves ``hpc_ckpt_<N>.ckpt``, requeues the job), here rather
+    than inside the signal handler. Its save is collective, so only where every rank received that signal."""
+    handler = tier.replaced_handler()
+    if handler is None:
+        return
+    name = tier.preemption_signal
+    if not everywhere:
+        log.warning("lightning-asyncckpt: not passing %s on to Lightning's SLURM requeue handler: not every rank"
+                    " received it, and that handler's save needs every rank; requeue the job yourself", name)
+        return
+    log.info("lightning-asyncckpt: passing %s on to Lightning's SLURM requeue handler", name)
+    handler(int(getattr(signal, name)), None)
 
 
 def stop(io: Any, wait: bool = True) -> None:

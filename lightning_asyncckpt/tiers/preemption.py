@@ -3,6 +3,11 @@
 The handler runs between two bytecodes of whatever the main thread is doing (a collective, a write):
 saving or talking to other ranks there can deadlock or corrupt (Lightning #21406). So it only records the
 signal; the ranks agree on it at the next step boundary (:meth:`TierRun.boundary`) and save there.
+
+One signal may still be owed to the handler it replaced: Lightning's SLURM auto-requeue handler, which
+saves ``hpc_ckpt_<N>.ckpt`` and requeues the job. After the emergency save the caller runs that handler
+itself, at the boundary, where its collective save is safe, and only where every rank received the same
+signal (a save that only some ranks enter would wait forever).
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ class PreemptionFlag:
         self.names = names
         self.received: str | None = None
         self._previous: dict[int, Any] = {}
+        self._pass_on: tuple[str, ...] = ()
 
-    def install(self) -> bool:
-        """Installs the handlers; False (nothing installed) off the main thread, where Python allows none."""
+    def install(self, pass_on: tuple[str, ...] = ()) -> bool:
+        """Installs the handlers; False (nothing installed) off the main thread, where Python allows none.
+        ``pass_on``: signals whose replaced handler still has a job to do once the emergency save is done
+        (Lightning's SLURM requeue), see :meth:`replaced_handler`."""
         if not self.names or threading.current_thread() is not threading.main_thread():
             return False
+        self._pass_on = tuple(pass_on)
         for name in self.names:
             sig = getattr(signal, name)
             self._previous.setdefault(sig, signal.getsignal(sig))
@@ -32,6 +41,19 @@ class PreemptionFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum).name
+
+    @property
+    def received_number(self) -> int:
+        """The received signal's number, 0 for none: what the ranks compare at a step boundary."""
+        return int(getattr(signal, self.received)) if self.received else 0
+
+    def replaced_handler(self) -> Any | None:
+        """The Python handler that :meth:`install` replaced for the received signal, where that signal is one
+        to pass on; else None. The caller runs it outside any signal handler, at a step boundary."""
+        if self.received not in self._pass_on:
+            return None
+        previous = self._previous.get(getattr(signal, self.received))
+        return previous if callable(previous) else None
 
     def uninstall(self) -> None:
         """Gives each signal the handler it had before :meth:`install`."""

@@ -42,6 +42,7 @@ class Boundary:
 
     preempted: bool  # some rank received a preemption signal
     complete: int  # the newest step every rank holds in full (-1: none yet)
+    everywhere: bool = False  # every rank received the same preemption signal
 
 
 class TierRun:
@@ -170,21 +171,23 @@ class TierRun:
             self._space_checked = True
 
     def boundary(self) -> Boundary:
-        """(every rank, after every optimizer step) One all-reduce: a preemption request on any rank, a failed
+        """(every rank, after every optimizer step) One all-reduce: a preemption request on any rank (and whether
+        every rank received the same signal), a failed
         local save on any rank (raised here on every rank), and the newest step complete everywhere, whose
         older steps this rank then removes from its own holder directory."""
-        values = [int(self.flag.received is not None), int(self.writer.error is not None), -self.writer.newest_done]
+        signum = self.flag.received_number
+        values = [signum, -signum, int(self.writer.error is not None), -self.writer.newest_done]
         if self.distributed and self.world > 1:
             t = torch.tensor(values, dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             values = [int(v) for v in t.tolist()]
-        preempted, failed, complete = bool(values[0]), bool(values[1]), -values[2]
+        highest, lowest, failed, complete = values[0], -values[1], bool(values[2]), -values[3]
         if failed:
             self._raise_failed(force=True)
         if complete > self.complete:
             self.complete = complete
             self.store.remove_older(complete)
-        return Boundary(preempted, self.complete)
+        return Boundary(highest > 0, self.complete, everywhere=lowest > 0 and lowest == highest)
 
     def finish(self) -> int:
         """(every rank) Waits for the local save in flight, then agrees; returns the newest complete step."""
@@ -199,15 +202,21 @@ class TierRun:
             raise CheckpointWriteError(str(self.config.root), failures,
                                        note="The local tier keeps its newest complete step.")
 
-    def arm(self) -> bool:
+    def arm(self, pass_on: tuple[str, ...] = ()) -> bool:
         """(every rank, main thread, once the training loop starts) Installs the preemption handlers, after
         Lightning's own (whose SIGTERM handler runs a collective inside the handler): ours replace them
-        until :meth:`close`. False where none could be installed (not the main thread)."""
-        return self.flag.install()
+        until :meth:`close`. ``pass_on``: signals whose replaced handler runs after the emergency save
+        (:meth:`replaced_handler`). False where none could be installed (not the main thread)."""
+        return self.flag.install(pass_on)
 
     @property
     def preemption_signal(self) -> str | None:
         return self.flag.received
+
+    def replaced_handler(self) -> Any | None:
+        """(every rank, at the boundary that stops training) The handler this rank's received signal replaced,
+        where that signal is to be passed on (:meth:`arm`); run it only where :attr:`Boundary.everywhere`."""
+        return self.flag.replaced_handler()
 
     # recovering --------------------------------------------------------------------------------------
     def latest(self, persistent: Any) -> Any:
