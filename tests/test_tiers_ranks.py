@@ -312,3 +312,38 @@ def test_the_ranks_agree_whether_every_rank_received_the_same_preemption_signal(
     for rank in (0, 1):
         assert got[rank] == {"one rank": (True, False), "both, the same": (True, True),
                              "both, different": (True, False)}, got[rank]
+
+
+def _pass_on_rank(rank, root):
+    """Both ranks receive SIGUSR1, which is to be passed on; before the tier armed, rank 0 always had a Python
+    handler for it, rank 1 only in the second case: whether both may run the handler they replaced."""
+    import os
+    import signal
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    seen = {}
+    for case, rank1_had_one in (("rank 1 had none", False), ("both had one", True)):
+        before = signal.getsignal(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, (lambda *_: None) if rank == 0 or rank1_had_one else signal.SIG_DFL)
+        run = TierRun(LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=30,
+                                emergency_signals=("SIGUSR1",)), node_rank=rank, local_world_size=1)
+        try:
+            assert run.arm(pass_on=("SIGUSR1",))
+            os.kill(os.getpid(), signal.SIGUSR1)
+            b = run.boundary()
+            seen[case] = (b.everywhere, b.handlers_everywhere)
+        finally:
+            run.close()
+            signal.signal(signal.SIGUSR1, before)
+    return seen
+
+
+def test_a_replaced_handler_is_passed_on_only_where_every_rank_has_one(tmp_path):
+    """Lightning's SLURM requeue handler saves collectively: if one rank had no such handler to run, no rank
+    runs its own (else the others would wait in that save)."""
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    got = _two_ranks(_pass_on_rank, tmp_path)
+    for rank in (0, 1):
+        assert got[rank] == {"rank 1 had none": (True, False), "both had one": (True, True)}, got[rank]

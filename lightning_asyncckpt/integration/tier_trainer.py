@@ -38,7 +38,7 @@ def _slurm_requeue_signal(trainer: Any) -> tuple[str, ...]:
     from lightning_asyncckpt.integration.lightning_api import fabric_module
 
     # the environment Lightning's signal connector reads when it decides to install its requeue handler
-    env = getattr(trainer._accelerator_connector, "cluster_environment", None)
+    env = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
     slurm = fabric_module("plugins.environments").SLURMEnvironment
     if isinstance(env, slurm) and getattr(env, "auto_requeue", False):
         return (signal.Signals(env.requeue_signal).name,)
@@ -69,21 +69,23 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     if trainer.is_global_zero:
         log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier%s; stopping training",
                     complete, " with its replicas" if io.local.replication_factor > 1 else "")
-    _pass_on(tier, boundary.everywhere)
+    _pass_on(tier, boundary.handlers_everywhere)
     return True
 
 
 def _pass_on(tier: Any, everywhere: bool) -> None:
     """(every rank, at the boundary that stops training) Runs the handler the received signal replaced where it
     is to be passed on (Lightning's SLURM requeue: saves ``hpc_ckpt_<N>.ckpt``, requeues the job), here rather
-    than inside the signal handler. Its save is collective, so only where every rank received that signal."""
+    than inside the signal handler. Its save is collective, so only where every rank received that signal and
+    has that handler (all ranks agreed on it in the same all-reduce, so they all run it or none does)."""
     handler = tier.replaced_handler()
     if handler is None:
         return
     name = tier.preemption_signal
     if not everywhere:
         log.warning("lightning-asyncckpt: not passing %s on to Lightning's SLURM requeue handler: not every rank"
-                    " received it, and that handler's save needs every rank; requeue the job yourself", name)
+                    " received it (or has that handler), and its save needs every rank; requeue the job yourself",
+                    name)
         return
     log.info("lightning-asyncckpt: passing %s on to Lightning's SLURM requeue handler", name)
     handler(int(getattr(signal, name)), None)

@@ -43,6 +43,8 @@ class Boundary:
     preempted: bool  # some rank received a preemption signal
     complete: int  # the newest step every rank holds in full (-1: none yet)
     everywhere: bool = False  # every rank received the same preemption signal
+    # every rank has the handler that signal replaced, to pass it on (TierRun.replaced_handler)
+    handlers_everywhere: bool = False
 
 
 class TierRun:
@@ -172,22 +174,24 @@ class TierRun:
 
     def boundary(self) -> Boundary:
         """(every rank, after every optimizer step) One all-reduce: a preemption request on any rank (and whether
-        every rank received the same signal), a failed
+        every rank received the same signal, and has the handler it replaced to pass it on to), a failed
         local save on any rank (raised here on every rank), and the newest step complete everywhere, whose
         older steps this rank then removes from its own holder directory."""
         signum = self.flag.received_number
-        values = [signum, -signum, int(self.writer.error is not None), -self.writer.newest_done]
+        handler = int(signum > 0 and self.flag.replaced_handler() is not None)
+        values = [signum, -signum, -handler, int(self.writer.error is not None), -self.writer.newest_done]
         if self.distributed and self.world > 1:
             t = torch.tensor(values, dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             values = [int(v) for v in t.tolist()]
-        highest, lowest, failed, complete = values[0], -values[1], bool(values[2]), -values[3]
+        highest, lowest, handlers, failed, complete = values[0], -values[1], -values[2], bool(values[3]), -values[4]
         if failed:
             self._raise_failed(force=True)
         if complete > self.complete:
             self.complete = complete
             self.store.remove_older(complete)
-        return Boundary(highest > 0, self.complete, everywhere=lowest > 0 and lowest == highest)
+        same = lowest > 0 and lowest == highest
+        return Boundary(highest > 0, self.complete, everywhere=same, handlers_everywhere=same and handlers == 1)
 
     def finish(self) -> int:
         """(every rank) Waits for the local save in flight, then agrees; returns the newest complete step."""
@@ -215,7 +219,9 @@ class TierRun:
 
     def replaced_handler(self) -> Any | None:
         """(every rank, at the boundary that stops training) The handler this rank's received signal replaced,
-        where that signal is to be passed on (:meth:`arm`); run it only where :attr:`Boundary.everywhere`."""
+        where that signal is to be passed on (:meth:`arm`); run it only where
+        :attr:`Boundary.handlers_everywhere`: every rank then runs its own, so a collective in it is reached
+        by all."""
         return self.flag.replaced_handler()
 
     # recovering --------------------------------------------------------------------------------------
