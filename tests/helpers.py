@@ -289,3 +289,12 @@ class HoldWriteAt(L.Callback):
         if trainer.global_step == self.step + 2:  # both saves made: the second one follows the held write
             self.staged["both"], self.staged["pending"] = self._staged(), self.io.num_pending
             self.hold.release()
+
+
+def slurm_job(monkeypatch: Any, bin_dir: Any) -> None:
+    """This process as the single task of SLURM job 4242, as Lightning's ``SLURMEnvironment`` reads it; ``PATH``
+    is ``bin_dir``, which holds no ``scontrol``, so Lightning's requeue logs that it failed."""
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PATH", str(bin_dir))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import TinyModel, assert_tree_equal, clone_tree, loader, mounted_tmpfs, trainer
+from helpers import TinyModel, assert_tree_equal, clone_tree, loader, mounted_tmpfs, slurm_job, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, LocalTier, testing
 
 
@@ -196,10 +196,7 @@ def test_slurm_requeue_signal_saves_locally_then_lets_lightning_save_and_requeue
     ``hpc_ckpt_1.ckpt`` and runs ``scontrol requeue``, as without the local tier."""
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
-                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("PATH", str(tmp_path))  # no `scontrol` here: Lightning logs that the requeue failed
+    slurm_job(monkeypatch, tmp_path)
     before = signal.getsignal(signal.SIGUSR1)
     io = AsyncCheckpointIO("nvrx", local=LocalTier(local_dir, every_n_train_steps=2, replication_factor=1))
     states = States()

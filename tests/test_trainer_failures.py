@@ -20,6 +20,7 @@ from helpers import (
     dir_entries,
     latest_raise_step,
     loader,
+    slurm_job,
     trainer,
 )
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
@@ -189,10 +190,7 @@ def test_slurm_requeue_save_is_on_disk_before_the_requeue(tmp_path, monkeypatch,
     after, which stops the job: the write must be finished and committed before that, not in flight."""
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
-                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("PATH", str(tmp_path))  # no `scontrol` here: Lightning logs that the requeue failed
+    slurm_job(monkeypatch, tmp_path)
     io = AsyncCheckpointIO("nvrx", worker="persistent")
     io.write_hook = testing.DelayWrite(1.0)
     rec = SnapshotRecorder()

@@ -51,7 +51,7 @@ class LocalStore:
         self.pool = FilePool(self.dir, keep_free)
 
     def _file(self, step: int, owner: int, suffix: str) -> Path:
-        return self.dir / f"step-{step:010d}.owner-{owner}{suffix}"
+        return self.dir / f"{_share_name(step, owner)}{suffix}"
 
     def reserve(self, step: int, owner: int, nbytes: int) -> MappedFile:
         """(any thread) A mapped file for a share's tensors, not yet listed; raises ``OSError`` (ENOSPC)
@@ -134,6 +134,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _share_name(step: int, owner: int) -> str:
+    return f"step-{step:010d}.owner-{owner}"
+
+
 def read_manifest(path: Path) -> Held | None:
     """The share a manifest (``step-<step>.owner-<owner>.json``) describes; ``None`` for any other file, or
     one that cannot be read or parsed."""
@@ -148,7 +152,7 @@ def read_manifest(path: Path) -> Held | None:
 
 def share_files(directory: Path, held: Held) -> tuple[Path, Path, Path]:
     """The share's ``.pt``, ``.head`` and ``.json`` files in ``directory`` (a holder directory)."""
-    name = f"step-{held.step:010d}.owner-{held.owner}"
+    name = _share_name(held.step, held.owner)
     return tuple(Path(directory) / f"{name}{suffix}" for suffix in (".pt", ".head", ".json"))
 
 
