@@ -4,6 +4,10 @@ each optimizer step, as the Fabric docs of both tiers say); a lazy save torn by 
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
 import lightning as L
 import pytest
 import torch
@@ -17,12 +21,14 @@ def _state_of(state):
                        "step": state["step"]})
 
 
-def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None):
+def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None, sigterm_at=None):
     """Trains to ``steps`` (or resumes, and returns the step and state it resumed at); ``edit_after``: once the
-    local save of that step returned, changes a weight in place before the next optimizer step."""
+    local save of that step returned, changes a weight in place before the next optimizer step;
+    ``sigterm_at``: this process sends itself SIGTERM after that step (the tier then holds SIGTERM)."""
     (tmp_path / "local").mkdir(exist_ok=True)
     io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(
-        tmp_path / "local", every_n_train_steps=2, replication_factor=1, timeout_s=60, emergency_signals=()))
+        tmp_path / "local", every_n_train_steps=2, replication_factor=1, timeout_s=60,
+        emergency_signals=("SIGTERM",) if sigterm_at is not None else ()))
     io.copy_hook = hold
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
     fabric.launch()
@@ -53,8 +59,11 @@ def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None):
                 io.wait_for_snapshot()
                 optimizer.step()
                 state["step"] += 1
-                tiers.step_end(state["step"], state)
                 saved[state["step"]] = _state_of(state)
+                if state["step"] == sigterm_at:
+                    os.kill(os.getpid(), signal.SIGTERM)  # only a flag is set; step_end acts on it
+                if tiers.step_end(state["step"], state):
+                    break
         finally:
             tiers.close()
     return saved
@@ -74,3 +83,25 @@ def test_a_lazy_fabric_local_save_torn_by_an_edit_fails_at_the_next_step_unsaved
         _loop(tmp_path, 6, "lazy", edit_after=2, hold=hold)
     holder = tmp_path / "local" / "asyncckpt-local" / "default" / "holder-0"
     assert not list(holder.glob("step-0000000002.*.json"))
+
+
+def test_a_sigterm_handler_of_the_users_runs_after_the_emergency_save_and_may_exit(tmp_path):
+    """A handler installed before ``FabricTiers`` is passed the signal once the emergency save of that step
+    is complete; its ``sys.exit`` leaves the loop, and the next launch resumes at that step."""
+    holder = tmp_path / "local" / "asyncckpt-local" / "default" / "holder-0"
+    seen = []
+
+    def mine(signum, frame):
+        seen.append((signum, sorted(p.name for p in holder.glob("*.json"))))
+        sys.exit(0)
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(SystemExit):
+            _loop(tmp_path, 100, "eager", sigterm_at=3)
+        assert signal.getsignal(signal.SIGTERM) is mine  # given back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert seen == [(signal.SIGTERM, ["step-0000000003.owner-0.json"])]  # once, the emergency save complete
+    step, _ = _loop(tmp_path, 0, "eager", resume=True)
+    assert step == 3

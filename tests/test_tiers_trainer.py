@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import TinyModel, assert_tree_equal, clone_tree, loader, mounted_tmpfs, slurm_job, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, LocalTier, testing
+from lightning_asyncckpt.integration import replaced_handlers
 
 
 class States(L.Callback):
@@ -142,6 +143,25 @@ def test_sigterm_saves_the_step_locally_and_stops_training_without_an_error(tmp_
     assert_tree_equal(again.start, first.saved[3], "resume after the emergency save")
 
 
+def test_a_sigterm_handler_of_the_users_runs_once_after_the_emergency_save(tmp_path, local_dir):
+    """Stock Lightning calls a SIGTERM handler installed before ``fit`` from its own composed handler. The
+    local tier passes the signal on to it (not to Lightning's notifier) once the emergency save is complete."""
+    holder = local_dir / "asyncckpt-local" / "default" / "holder-0"
+    seen = []
+
+    def mine(signum, frame):
+        seen.append((signum, sorted(p.name for p in holder.glob("*.json"))))
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        t, _ = _fit(tmp_path, 100, callbacks=[SigtermAt(3)])
+        assert signal.getsignal(signal.SIGTERM) is mine  # given back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert t.global_step == 3 and not t.interrupted
+    assert seen == [(signal.SIGTERM, ["step-0000000003.owner-0.json"])]
+
+
 def test_the_local_argument_is_checked(tmp_path):
     with pytest.raises(TypeError, match=r"AsyncCheckpointIO\(local=\.\.\.\) takes a LocalTier"):
         AsyncCheckpointIO(local=str(tmp_path))
@@ -214,3 +234,21 @@ def test_slurm_requeue_signal_saves_locally_then_lets_lightning_save_and_requeue
     assert hpc["global_step"] == 3
     holder = local_dir / "asyncckpt-local" / "default" / "holder-0"
     assert (holder / "step-0000000003.owner-0.json").is_file()  # the emergency local save came first
+
+
+def test_only_the_users_own_handlers_are_passed_on_never_lightnings():
+    """Pure logic on Lightning's real composed handlers: its SIGTERM notifier (which kills the launcher's
+    processes and runs a collective) is never passed the signal; the user's handler inside it is."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
+
+    connector = _SignalConnector(trainer=None)
+
+    def mine(signum, frame):
+        pass
+
+    sigterm = _HandlersCompose([connector._sigterm_notifier_fn, connector._sigterm_handler_fn, _HandlersCompose(mine)])
+    assert replaced_handlers.users_own(sigterm) == [mine]
+    assert replaced_handlers.users_own(mine) == [mine]
+    assert replaced_handlers.users_own(signal.SIG_DFL) == replaced_handlers.users_own(None) == []
+    assert replaced_handlers.is_lightnings_requeue(_HandlersCompose([connector._slurm_sigusr_handler_fn]))
+    assert not replaced_handlers.is_lightnings_requeue(sigterm) and not replaced_handlers.is_lightnings_requeue(mine)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lightning_asyncckpt.integration import lightning_api
+from lightning_asyncckpt.integration import lightning_api, replaced_handlers
 from lightning_asyncckpt.integration.io import find_async_io
 from lightning_asyncckpt.tiers.run import TierRun
 
@@ -58,7 +58,8 @@ class FabricTiers:
     def step_end(self, step: int, state: dict[str, Any]) -> bool:
         """(every rank, after every optimizer step) Agrees on the step boundary; saves ``state`` to the local
         tier every ``every_n_train_steps``; on a preemption signal saves now, waits for the copies, drains
-        the persistent saves and returns True (the loop should stop)."""
+        the persistent saves, runs the handler that signal had before ``FabricTiers`` (on the ranks that
+        received it) and returns True (the loop should stop)."""
         boundary = self.tier.boundary()
         due = step > 0 and step % self.io.local.every_n_train_steps == 0
         if (due or boundary.preempted) and step != self.tier.saved_step:
@@ -75,6 +76,7 @@ class FabricTiers:
         if self.fabric.global_rank == 0:
             log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier; stop the loop",
                         complete)
+        replaced_handlers.pass_on(self.tier, boundary.handlers_everywhere)  # a handler installed before, if any
         return True
 
     def _convert(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from lightning_asyncckpt.integration import replaced_handlers
 from lightning_asyncckpt.tiers.run import TierRun
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ def start(trainer: Any, io: Any) -> TierRun | None:
 def arm(trainer: Any, io: Any) -> None:
     """(all ranks, at the start of training: after Lightning has installed its signal handlers) Lets a
     preemption signal request an emergency save. Under Lightning's SLURM auto-requeue, its requeue signal is
-    passed on to Lightning's handler after that save (:func:`step_end`), so the job is still requeued."""
+    passed on to Lightning's handler after that save (:func:`step_end`), so the job is still requeued; so is
+    any signal to the user's own handler (:mod:`~lightning_asyncckpt.integration.replaced_handlers`)."""
     if io is not None and io.tier is not None:
         io.tier.arm(pass_on=_slurm_requeue_signal(trainer))
 
@@ -41,7 +43,10 @@ def _slurm_requeue_signal(trainer: Any) -> tuple[str, ...]:
     env = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
     slurm = fabric_module("plugins.environments").SLURMEnvironment
     if isinstance(env, slurm) and getattr(env, "auto_requeue", False):
-        return (signal.Signals(env.requeue_signal).name,)
+        sig = signal.Signals(env.requeue_signal)
+        # Lightning installs none where the user has a handler for that signal: that one is the user's own
+        if replaced_handlers.is_lightnings_requeue(signal.getsignal(sig)):
+            return (sig.name,)
     return ()
 
 
@@ -69,26 +74,8 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     if trainer.is_global_zero:
         log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier%s; stopping training",
                     complete, " with its replicas" if io.local.replication_factor > 1 else "")
-    _pass_on(tier, boundary.handlers_everywhere)
+    replaced_handlers.pass_on(tier, boundary.handlers_everywhere)
     return True
-
-
-def _pass_on(tier: Any, everywhere: bool) -> None:
-    """(every rank, at the boundary that stops training) Runs the handler the received signal replaced where it
-    is to be passed on (Lightning's SLURM requeue: saves ``hpc_ckpt_<N>.ckpt``, requeues the job), here rather
-    than inside the signal handler. Its save is collective, so only where every rank received that signal and
-    has that handler (all ranks agreed on it in the same all-reduce, so they all run it or none does)."""
-    handler = tier.replaced_handler()
-    if handler is None:
-        return
-    name = tier.preemption_signal
-    if not everywhere:
-        log.warning("lightning-asyncckpt: not passing %s on to Lightning's SLURM requeue handler: not every rank"
-                    " received it (or has that handler), and its save needs every rank; requeue the job yourself",
-                    name)
-        return
-    log.info("lightning-asyncckpt: passing %s on to Lightning's SLURM requeue handler", name)
-    handler(int(getattr(signal, name)), None)
 
 
 def stop(io: Any, wait: bool = True) -> None:

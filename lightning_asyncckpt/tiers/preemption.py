@@ -4,10 +4,10 @@ The handler runs between two bytecodes of whatever the main thread is doing (a c
 saving or talking to other ranks there can deadlock or corrupt (Lightning #21406). So it only records the
 signal; the ranks agree on it at the next step boundary (:meth:`TierRun.boundary`) and save there.
 
-One signal may still be owed to the handler it replaced: Lightning's SLURM auto-requeue handler, which
-saves ``hpc_ckpt_<N>.ckpt`` and requeues the job. After the emergency save the caller runs that handler
-itself, at the boundary, where its collective save is safe, and only where every rank received the same
-signal (a save that only some ranks enter would wait forever).
+The handlers it replaced may still be owed the signal (Lightning's SLURM requeue, a user's own handler):
+after the emergency save the caller runs them itself, at the boundary
+(:mod:`lightning_asyncckpt.integration.replaced_handlers`). A collective one (the requeue's save) runs only
+where every rank received the same signal: a save that only some ranks enter would wait forever.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class PreemptionFlag:
 
     def install(self, pass_on: tuple[str, ...] = ()) -> bool:
         """Installs the handlers; False (nothing installed) off the main thread, where Python allows none.
-        ``pass_on``: signals whose replaced handler still has a job to do once the emergency save is done
-        (Lightning's SLURM requeue), see :meth:`replaced_handler`."""
+        ``pass_on``: signals whose replaced handler is collective (Lightning's SLURM requeue), see
+        :meth:`replaced_handler`."""
         if not self.names or threading.current_thread() is not threading.main_thread():
             return False
         self._pass_on = tuple(pass_on)
@@ -47,12 +47,17 @@ class PreemptionFlag:
         """The received signal's number, 0 for none: what the ranks compare at a step boundary."""
         return int(getattr(signal, self.received)) if self.received else 0
 
+    def replaced(self, name: str) -> Any:
+        """The handler that :meth:`install` replaced for signal ``name`` (callable or not), None if none."""
+        return self._previous.get(getattr(signal, name))
+
     def replaced_handler(self) -> Any | None:
         """The Python handler that :meth:`install` replaced for the received signal, where that signal is one
-        to pass on; else None. The caller runs it outside any signal handler, at a step boundary."""
+        passed on collectively (``pass_on``); else None. The caller runs it outside any signal handler, at a
+        step boundary."""
         if self.received not in self._pass_on:
             return None
-        previous = self._previous.get(getattr(signal, self.received))
+        previous = self.replaced(self.received)
         return previous if callable(previous) else None
 
     def uninstall(self) -> None:

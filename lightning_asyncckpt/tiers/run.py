@@ -209,8 +209,9 @@ class TierRun:
     def arm(self, pass_on: tuple[str, ...] = ()) -> bool:
         """(every rank, main thread, once the training loop starts) Installs the preemption handlers, after
         Lightning's own (whose SIGTERM handler runs a collective inside the handler): ours replace them
-        until :meth:`close`. ``pass_on``: signals whose replaced handler runs after the emergency save
-        (:meth:`replaced_handler`). False where none could be installed (not the main thread)."""
+        until :meth:`close`. ``pass_on``: signals whose replaced handler is collective and runs after the
+        emergency save on every rank or none (:meth:`replaced_handler`). False where none could be installed
+        (not the main thread)."""
         return self.flag.install(pass_on)
 
     @property
@@ -223,6 +224,10 @@ class TierRun:
         :attr:`Boundary.handlers_everywhere`: every rank then runs its own, so a collective in it is reached
         by all."""
         return self.flag.replaced_handler()
+
+    def replaced(self, name: str) -> Any:
+        """(any rank) The handler that :meth:`arm` replaced for signal ``name`` (callable or not; None: none)."""
+        return self.flag.replaced(name)
 
     # recovering --------------------------------------------------------------------------------------
     def latest(self, persistent: Any) -> Any:
