@@ -235,6 +235,27 @@ def test_a_restored_checkpoint_maps_its_files_privately_and_later_saves_never_wr
         run.close()
 
 
+def test_a_resized_job_does_not_use_steps_saved_under_another_topology_and_says_so(tmp_path, caplog):
+    """Step 10 was saved by 4 ranks (replication 2 x 2); a job of 1 rank finds it in its holder directory but
+    cannot reshard it: it resumes from the persistent tier, and the log line names both layouts and the fix."""
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    tier = LocalTier(tmp_path, replication_factor=1, emergency_signals=())
+    old = LocalStore(tier.root, 0)
+    _write(old, 10, 0, torch.arange(10, dtype=torch.uint8))
+    old.close()
+    run = TierRun(tier, node_rank=0, local_world_size=1)
+    try:
+        with caplog.at_level("WARNING"):
+            assert run.latest("persistent.ckpt") == "persistent.ckpt"
+    finally:
+        run.close()
+    assert ("resuming from the persistent tier, persistent.ckpt: local tier: step 10 was saved by 4"
+            " rank(s) with replication_jump=2, replication_factor=2, and this run has 1 with replication_jump=1,"
+            " replication_factor=1: the local tier does not reshard") in caplog.text
+    assert (old.dir / "step-0000000010.owner-0.pt").exists()  # nothing removed by looking
+
+
 def test_a_share_cut_short_is_not_listed(tmp_path):
     store = LocalStore(tmp_path, 0)
     _write(store, 4, 0, torch.arange(10, dtype=torch.uint8))

@@ -107,9 +107,19 @@ def _where(plan: Plan, holdings: list[list[Held]]) -> dict[int, list[tuple[int, 
     return where
 
 
-def why_not(holdings: list[list[Held]], cliques: list[list[int]]) -> str:
-    """One line on why no step is complete: which owners' shares are missing at the newest step any rank has."""
+def why_not(holdings: list[list[Held]], cliques: list[list[int]], others: dict[tuple, int] | None = None,
+            topology: tuple = ()) -> str:
+    """One line on why no step is complete: which owners' shares are missing at the newest step any rank has,
+    or, where no rank has any under this run's ``topology``, the steps saved under ``others`` (``{topology:
+    newest step}``, gathered from every rank)."""
     steps = {h.step for held in holdings for h in held}
+    if not steps and others:
+        (world, jump, factor), step = max(others.items(), key=lambda kv: kv[1])
+        now = (f"this run has {topology[0]} with replication_jump={topology[1]}, replication_factor={topology[2]}"
+               if len(topology) == 3 else "this run's differs")
+        return (f"step {step} was saved by {world} rank(s) with replication_jump={jump}, replication_factor={factor},"
+                f" and {now}: the local tier does not reshard (the persistent tier does); `lightning-asyncckpt"
+                " local DIR --remove --yes` frees those files")
     if not steps:
         return "no rank holds any local checkpoint (every local directory is empty)"
     newest = max(steps)

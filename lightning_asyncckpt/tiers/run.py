@@ -234,11 +234,16 @@ class TierRun:
         """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take` (the
         local tier's newest complete step, :func:`~lightning_asyncckpt.tiers.restore.restore`), else
         ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why."""
-        rows = self.gather((self.store.holdings(self.topology), global_step(persistent) if self.rank == 0 else None))
+        rows = self.gather((self.store.holdings(self.topology), global_step(persistent) if self.rank == 0 else None,
+                            self.store.saved_under_others(self.topology)))
         holdings, pstep = [r[0] for r in rows], rows[0][1]
         plan = recovery.plan(holdings, self.cliques)
         if plan is None:
-            return self._persistent(persistent, pstep, recovery.why_not(holdings, self.cliques))
+            others: dict[tuple, int] = {}
+            for row in rows:  # a resized job: steps saved under another topology, which it cannot use
+                for topo, step in row[2].items():
+                    others[topo] = max(others.get(topo, -1), step)
+            return self._persistent(persistent, pstep, recovery.why_not(holdings, self.cliques, others, self.topology))
         if pstep is not None and pstep > plan.step:
             return self._persistent(persistent, pstep, f"its step {pstep} is newer than the local tier's {plan.step}")
         ranks = restore.Ranks(self.rank, self.world, self.config.root, self.store, self.group, self.node_of,
@@ -258,7 +263,8 @@ class TierRun:
 
     def _persistent(self, persistent: Any, pstep: int | None, why: str) -> Any:
         if self.rank == 0:
-            target = f"{persistent} (step {pstep})" if persistent is not None else "nothing (no persistent checkpoint)"
+            target = ("nothing (no persistent checkpoint)" if persistent is None
+                      else f"{persistent} (step {pstep})" if pstep is not None else str(persistent))
             log.warning("lightning-asyncckpt: resuming from the persistent tier, %s: local tier: %s", target, why)
         return persistent
 

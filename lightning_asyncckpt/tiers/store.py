@@ -83,6 +83,17 @@ class LocalStore:
                 found.append(held)
         return found
 
+    def saved_under_others(self, topology: tuple) -> dict[tuple, int]:
+        """``{topology: newest step}`` of the complete shares here saved under another topology (another
+        world size, ``replication_jump`` or ``replication_factor``): what a resized job cannot use."""
+        newest: dict[tuple, int] = {}
+        if self.dir.is_dir():
+            for path in self.dir.iterdir():
+                held = read_manifest(path)
+                if held is not None and held.topology != tuple(topology) and files_whole(self.dir, held):
+                    newest[held.topology] = max(newest.get(held.topology, -1), held.step)
+        return newest
+
     def map(self, held: Held) -> tuple[bytes, torch.Tensor]:
         """The share's header and a private (copy-on-write) mapping of its tensors' bytes: no copy. For
         checksums and sends, and for a restored checkpoint once its step is :meth:`retire`-d."""
