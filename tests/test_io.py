@@ -214,6 +214,8 @@ def test_bad_input_fails_at_save_time(io, tmp_path):
         io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "notes")
     with pytest.raises(TypeError, match="cannot pickle"):
         io.save_checkpoint({"w": torch.ones(1), "lock": threading.Lock()}, tmp_path / "b.ckpt")
+    with pytest.raises(TypeError, match=r"checkpoint path must be a str or os.PathLike .*; got dict \{'global_step': 2\}"):
+        io.save_checkpoint({"w": torch.ones(1)}, {"global_step": 2})  # e.g. the arguments swapped
     assert sorted(os.listdir(tmp_path)) == ["notes"]
     assert io.num_pending == 0
 

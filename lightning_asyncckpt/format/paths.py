@@ -28,10 +28,19 @@ def local_path(path: Any) -> Path:
 
 def checkpoint_path(path: Any) -> Path | str:
     """A local path as a ``Path``, a remote URL as its ``str``: how saves, loads and removals name it."""
-    text = os.fspath(path)
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise TypeError(f"lightning-asyncckpt: a checkpoint path must be a str or os.PathLike (a local path or an"
+                        f" fsspec URL such as s3://bucket/ckpt); got {type(path).__name__} {_short(path)}") from None
     if isinstance(text, bytes):
         text = text.decode()
     return text if remote.is_remote(text) else local_path(text)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parent(path: Path | str) -> Path | str:
