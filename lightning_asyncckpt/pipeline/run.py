@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 from lightning_asyncckpt import engines
 from lightning_asyncckpt.format import commit, remote
+from lightning_asyncckpt.pipeline import scratch
 from lightning_asyncckpt.pipeline.failures import FailureLog
 from lightning_asyncckpt.pipeline.pending import PendingQueue
 from lightning_asyncckpt.pipeline.plan_cache import PlanCache
@@ -101,7 +101,7 @@ class Run:
         A remote ``dirpath`` is checked instead (a missing bucket is an error here, at save time)."""
         if self.results_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-            self.results_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-", dir=base))
+            self.results_dir = scratch.make_scratch_dir(base)  # first removes those of dead trainers
         if self.engine is None:
             self.engine = engines.create(self.engine_name, self.worker_mode, rank, self.worker_nice, str(self.results_dir))
         if isinstance(dirpath, str) and dirpath not in self.cleaned_dirs:
