@@ -138,7 +138,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=float, default=0.25, help="state in GiB (every rank holds all of it)")
+    p.add_argument("--size", type=float, default=0.25,
+                   help="state in GiB (replicated: every rank holds all of it; sharded: a quarter each)")
+    p.add_argument("--layout", choices=["replicated", "sharded"], default="replicated",
+                   help="replicated: a DDP state, persistent as one torch.save file from rank 0; sharded: FSDP2-like"
+                        " DTensor shards, persistent as a DCP directory from every rank (no S3 recovery)")
     p.add_argument("--layers", type=int, default=16, help="layers; 3 tensors each (weight, two moments)")
     p.add_argument("--every", type=int, default=8, help="training steps after each save (a period)")
     p.add_argument("--reps", type=int, default=10, help="periods of every variant, in a rotated order")
@@ -153,6 +157,8 @@ def main() -> None:
     p.add_argument("--render", default=None, help="print the tables of a saved tiers-*.json instead of running")
     args = p.parse_args()
 
+    if args.layout == "sharded":
+        args.s3 = False  # the S3 recovery reads one torch.save file
     if args.render:
         saved = json.loads(Path(args.render).read_text())
         print(markdown(summarize(saved["result"]), saved["result"], saved["args"]))

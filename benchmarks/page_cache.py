@@ -1,4 +1,5 @@
-"""A file's pages in the page cache, for benchmarks that time a cold and a warm read of it."""
+"""A file's (or a directory's files') pages in the page cache, for benchmarks that time a cold and a warm
+read of it."""
 
 from __future__ import annotations
 
@@ -18,25 +19,40 @@ def drop_cache(path: Path) -> dict[str, Any]:
             f.write("3\n")
     except OSError as e:
         method = f"posix_fadvise DONTNEED (drop_caches refused: {e.strerror})"
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return {"cache": method, "cached_bytes": cached_bytes(path), "file_bytes": path.stat().st_size}
+        for file in _files(path):
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return {"cache": method, "cached_bytes": cached_bytes(path), "file_bytes": _size(path)}
 
 
 def warm_cache(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        while f.read(16 << 20):
-            pass
-    return {"cache": "warm (read through first)", "cached_bytes": cached_bytes(path), "file_bytes": path.stat().st_size}
+    for file in _files(path):
+        with open(file, "rb") as f:
+            while f.read(16 << 20):
+                pass
+    return {"cache": "warm (read through first)", "cached_bytes": cached_bytes(path), "file_bytes": _size(path)}
 
 
 def cached_bytes(path: Path) -> int | None:
-    """The file's bytes in the page cache (util-linux ``fincore``), or None without it."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError, IndexError):
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return int(out.split()[0])
-    return None
+    """The bytes of ``path`` (a file, or every file under a directory) in the page cache (util-linux
+    ``fincore``), or None without it."""
+    total = 0
+    for file in _files(path):
+        with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError, IndexError):
+            out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(file)],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout
+            total += int(out.split()[0])
+            continue
+        return None
+    return total
+
+
+def _files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in _files(path))

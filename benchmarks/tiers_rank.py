@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import tiers_sharded
 from page_cache import drop_cache, warm_cache
 
 VARIANTS = ["baseline", "local", "local_lazy", "persistent"]  # local_lazy: snapshot="lazy"
@@ -54,8 +55,14 @@ def make_state(nbytes: int, layers: int) -> dict[str, Any]:
 
 
 def state_tensors(obj: Any) -> list:
+    """The state's tensors in a fixed order; a ``DTensor``'s local shard (the local tier restores one as a
+    ``LocalShard``, whose ``local`` it is)."""
     import torch
 
+    if hasattr(obj, "to_local"):  # a DTensor
+        return [obj.to_local()]
+    if type(obj).__name__ == "LocalShard":
+        return [obj.local]
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
@@ -127,7 +134,11 @@ class Trainer:
         from lightning_asyncckpt.tiers.run import TierRun
 
         self.torch, self.dist, self.rank, self.args, self.ckpt_dir = torch, dist, rank, args, ckpt_dir
-        self.state = make_state(int(args.size * GiB), args.layers)
+        self.sharded = getattr(args, "layout", "replicated") == "sharded"
+        if self.sharded:
+            self.state = tiers_sharded.make_state(int(args.size * GiB), args.layers, rank, WORLD)
+        else:
+            self.state = make_state(int(args.size * GiB), args.layers)
         self.tensors = state_tensors(self.state)
         self._state_ptrs = {t.data_ptr() for t in self.tensors}
         self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
@@ -139,7 +150,7 @@ class Trainer:
                            timeout_s=args.timeout)
         self.tier = TierRun(config, node_rank=rank // PER_NODE, local_world_size=PER_NODE)
         self.io = AsyncCheckpointIO("nvrx")
-        if rank == 0:
+        if rank == 0 and not self.sharded:
             self.io.warmup(like=self.state)  # starts the worker and allocates its staging buffers
         self.persistent_path: Path | None = None
         self.timers = t = Timers()
@@ -209,13 +220,19 @@ class Trainer:
         return [t] if t.data_ptr() in self._state_ptrs else None
 
     def persistent_save(self) -> float | None:
-        if self.rank != 0:
-            return None
         path = self.ckpt_dir / f"step-{self.step}.ckpt"
-        t0 = time.perf_counter()
-        self.io.save_checkpoint(self.state, path)
-        stall = time.perf_counter() - t0
-        if self.persistent_path is not None:
+        if self.sharded:  # every rank writes its shards into one DCP directory
+            t0 = time.perf_counter()
+            sharded, meta = tiers_sharded.split(self.state)
+            self.io.save_checkpoint_sharded(sharded, path, meta)
+            stall = time.perf_counter() - t0
+        elif self.rank != 0:
+            return None
+        else:
+            t0 = time.perf_counter()
+            self.io.save_checkpoint(self.state, path)
+            stall = time.perf_counter() - t0
+        if self.rank == 0 and self.persistent_path is not None:
             self.io.remove_checkpoint(self.persistent_path)  # once the new one commits (save_top_k=1)
         self.persistent_path = path
         return stall
@@ -266,8 +283,9 @@ class Trainer:
             out.update(stall_s=slow["stall"], save_parts=slow["save_parts"])
             slow = max(rows, key=lambda r: r["background"])
             out.update(background_s=slow["background"], thread_parts=slow["thread_parts"])
-        elif variant == "persistent":
-            out.update(stall_s=rows[0]["stall"], background_s=rows[0]["background"])
+        elif variant == "persistent":  # sharded: every rank's save call, the slowest
+            stall = max(r["stall"] for r in rows) if self.sharded else rows[0]["stall"]
+            out.update(stall_s=stall, background_s=rows[0]["background"])
         return out
 
     def warmup(self) -> dict[str, Any]:
@@ -283,7 +301,7 @@ class Trainer:
             self.drain(variant)
             self.dist.barrier()
             rows = self.gather(stall)
-            out[f"{variant}_first_stall_s"] = max(rows) if variant == "local" else rows[0]
+            out[f"{variant}_first_stall_s"] = max(rows) if variant == "local" or self.sharded else rows[0]
             out[f"{variant}_first_to_done_s"] = time.perf_counter() - t0
         return out
 
@@ -293,7 +311,11 @@ class Trainer:
         tensors that a recovery loads into, allocated and touched."""
         import torch
 
-        self.model = [torch.zeros_like(t) for t in state_tensors(self.state)]
+        if self.sharded:  # DTensors that DCP loads into; the local tier's shards are copied into their locals
+            self.model_state = tiers_sharded.zeros_like(self.state)
+            self.model = state_tensors(self.model_state)
+        else:
+            self.model = [torch.zeros_like(t) for t in state_tensors(self.state)]
         self.train_step()
         self.local_save()
         self.persistent_save()
@@ -301,7 +323,7 @@ class Trainer:
         self.drain("persistent")
         assert self.tier.complete == self.step
         if self.rank == 0:
-            assert self.persistent_path is not None and self.persistent_path.is_file()
+            assert self.persistent_path is not None and self.persistent_path.exists()
             if self.args.s3:  # the same file on the S3-protocol server: a persistent tier on an object store
                 import fsspec
 
@@ -323,19 +345,27 @@ class Trainer:
             info["cache"] = "n/a (moto keeps it in memory)"
         elif self.rank == 0:
             info.update(drop_cache(Path(path)) if how == "persistent_cold" else warm_cache(Path(path)))
+        for t in self.model:  # so that each recovery proves it loaded the state
+            t.zero_()
         self.dist.barrier()
         mark = self.timers.mark()
         t0 = time.perf_counter()
+        in_place = False
         if how == "local_replicas":
             key = self.tier.latest(None)
             restored = self.tier.take(key)
             info["from"] = str(key)
+        elif self.sharded:  # DCP reads into the model's tensors: its load is the whole recovery
+            tiers_sharded.load_persistent(Path(path), self.model_state)
+            restored, in_place = {**self.model_state, "global_step": self.step}, True  # meta.pt: not read
+            info["from"] = path
         else:
             restored = self.io.load_checkpoint(path)
             info["from"] = path
         t1 = time.perf_counter()
-        for dst, src in zip(self.model, state_tensors(restored) if restored is not None else []):
-            dst.copy_(src)  # into the model, as load_state_dict does
+        if restored is not None and not in_place:
+            for dst, src in zip(self.model, state_tensors(restored)):
+                dst.copy_(src)  # into the model, as load_state_dict does
         elapsed = time.perf_counter() - t0
         parts = self.timers.since(mark, RECOVERY_PARTS)
         parts["load"] = elapsed - (t1 - t0)

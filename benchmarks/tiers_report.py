@@ -87,8 +87,13 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
 
     first, every = result["first"], args["every"]
     base_step = summary["baseline_period_s"] / every if summary["baseline_period_s"] else None
+    if args.get("layout") == "sharded":
+        held = (f"Sharded (FSDP2-like DTensor shards): {result['state_bytes'] / GiB:.3g} GiB in {result['tensors']}"
+                " tensors on each rank, 4 times that in all; persistent: a DCP directory written by every rank")
+    else:
+        held = f"State {result['state_bytes'] / GiB:.3g} GiB in {result['tensors']} tensors on every rank"
     lines = [
-        f"State {result['state_bytes'] / GiB:.3g} GiB in {result['tensors']} tensors on every rank; 4 ranks on 2 simulated"
+        f"{held}; 4 ranks on 2 simulated"
         f" nodes; a save every {every} steps; baseline step {f(base_step, '.3f')} s ({result['matmuls_per_step']}"
         f" matmuls, a {args['grad_mib']:g} MiB all-reduce, add_ on the state); load average"
         f" {result['loadavg_start'][0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end. Medians.",
