@@ -4,18 +4,20 @@ whole process group when its block ends. ``run_ranks`` runs a multi-rank job scr
 the JSON report that each rank wrote (job scripts write it with ``run_job``). A job still running at its
 timeout fails the test with its log and the stacks of all its processes (``hang_report``).
 ``live_children``, ``other_children`` and ``wait_no_children`` check that no child process is left
-behind."""
+behind. ``two_ranks`` runs a function in two forked processes of one gloo group."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,3 +224,39 @@ def wait_no_children(timeout: float = 5.0) -> list[psutil.Process]:
         time.sleep(0.05)
         kids = live_children()
     return kids
+
+
+def _forked(target, rank, port, path, q):
+    """One of :func:`two_ranks`' processes: a gloo group of two, ``target(rank, path)``'s result (or the
+    error) put on the queue."""
+    import torch
+    import torch.distributed as dist
+
+    # one intra-op thread: OpenMP's pool, used by an earlier test in the parent, can hang a forked child
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        try:
+            q.put((rank, target(rank, path)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def two_ranks(target, tmp_path):
+    """Runs ``target(rank, str(tmp_path))`` in two forked processes of one gloo group (a hard timeout,
+    killed after); returns what each returned (or its error, as text), by rank."""
+    ctx = mp.get_context("fork")  # no resource tracker left behind (spawn starts one)
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_forked, args=(target, r, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return got

@@ -5,14 +5,12 @@ must learn of at once (a full directory while saving, or while refilling a node 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
-import traceback
 
 import pytest
 import torch
 
 from lightning_asyncckpt import LocalTier
-from processes import free_port
+from processes import two_ranks
 
 
 @pytest.fixture
@@ -21,41 +19,6 @@ def small_node1(tmpfs_1m, tmp_path):
     (tmp_path / "node0").mkdir()
     (tmp_path / "node1").symlink_to(tmpfs_1m)
     return tmp_path
-
-
-def _forked(target, rank, port, path, q):
-    """One of :func:`_two_ranks`' processes: a gloo group of two, ``target(rank, path)``'s result (or the
-    error) put on the queue."""
-    import torch.distributed as dist
-
-    # one intra-op thread: OpenMP's pool, used by an earlier test in the parent, can hang a forked child
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        try:
-            q.put((rank, target(rank, path)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-
-
-def _two_ranks(target, tmp_path):
-    """Runs ``target(rank, str(tmp_path))`` in two forked processes of one gloo group (a hard timeout,
-    killed after); returns what each returned (or its error, as text), by rank."""
-    ctx = mp.get_context("fork")  # no resource tracker left behind (spawn starts one)
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_forked, args=(target, r, port, str(tmp_path), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return got
 
 
 def _shared_dir_rank(rank, path):
@@ -67,7 +30,7 @@ def _shared_dir_rank(rank, path):
 
 def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
     """Two real processes that say they are on nodes 0 and 1 but share one directory: both refuse it."""
-    got = _two_ranks(_shared_dir_rank, tmp_path)
+    got = two_ranks(_shared_dir_rank, tmp_path)
     for rank in (0, 1):
         assert got[rank] and "TierConfigError" in got[rank] and "is shared between nodes" in got[rank], got[rank]
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the probes are gone
@@ -100,7 +63,7 @@ def _replicas_rank(rank, root):
 def test_replicas_of_a_replicated_state_are_copied_locally_and_hold_their_owners_bytes(tmp_path):
     for r in range(2):
         (tmp_path / f"node{r}").mkdir()
-    got = _two_ranks(_replicas_rank, tmp_path)
+    got = two_ranks(_replicas_rank, tmp_path)
     for rank in (0, 1):
         assert isinstance(got[rank], tuple), got[rank]
     # every replica file holds exactly its owner's bytes
@@ -147,7 +110,7 @@ def _full_peer_rank(rank, root):
 
 
 def test_a_rank_whose_directory_is_full_still_joins_the_exchange_and_every_rank_raises_its_error(small_node1):
-    got = _two_ranks(_full_peer_rank, small_node1)
+    got = two_ranks(_full_peer_rank, small_node1)
     for rank in (0, 1):
         assert isinstance(got[rank], tuple), got[rank]
         text = got[rank][1]
@@ -192,7 +155,7 @@ def _refill_full_rank(rank, root):
 
 
 def test_a_node_back_without_room_for_its_shares_makes_every_rank_fall_back_at_once(small_node1):
-    got = _two_ranks(_refill_full_rank, small_node1)
+    got = two_ranks(_refill_full_rank, small_node1)
     for rank in (0, 1):
         assert isinstance(got[rank], tuple), got[rank]
         key, lines = got[rank]
@@ -215,7 +178,7 @@ def test_a_torn_lazy_copy_on_one_rank_commits_nothing_in_its_clique_and_every_ra
     after it. Instead no rank commits any share of that step, and both raise at the boundary."""
     for r in range(2):
         (tmp_path / f"node{r}").mkdir()
-    got = _two_ranks(_torn_lazy_rank, tmp_path)
+    got = two_ranks(_torn_lazy_rank, tmp_path)
     for rank in (0, 1):
         assert isinstance(got[rank], tuple), got[rank]
         outcome, files = got[rank]
@@ -241,7 +204,7 @@ def test_a_torn_lazy_copy_of_a_sharded_share_is_sent_marked_and_no_peer_commits_
     pytest.importorskip("nvidia_resiliency_ext")
     for r in range(2):
         (tmp_path / f"node{r}").mkdir()
-    got = _two_ranks(_torn_sharded_rank, tmp_path)
+    got = two_ranks(_torn_sharded_rank, tmp_path)
     for rank in (0, 1):
         assert isinstance(got[rank], tuple), got[rank]
         outcome, files = got[rank]
@@ -308,7 +271,7 @@ def test_the_ranks_agree_whether_every_rank_received_the_same_preemption_signal(
     collective, so every rank must have received the signal."""
     for rank in (0, 1):
         (tmp_path / f"node{rank}").mkdir()
-    got = _two_ranks(_signals_rank, tmp_path)
+    got = two_ranks(_signals_rank, tmp_path)
     for rank in (0, 1):
         assert got[rank] == {"one rank": (True, False), "both, the same": (True, True),
                              "both, different": (True, False)}, got[rank]
@@ -344,6 +307,6 @@ def test_a_replaced_handler_is_passed_on_only_where_every_rank_has_one(tmp_path)
     runs its own (else the others would wait in that save)."""
     for rank in (0, 1):
         (tmp_path / f"node{rank}").mkdir()
-    got = _two_ranks(_pass_on_rank, tmp_path)
+    got = two_ranks(_pass_on_rank, tmp_path)
     for rank in (0, 1):
         assert got[rank] == {"rank 1 had none": (True, False), "both had one": (True, True)}, got[rank]

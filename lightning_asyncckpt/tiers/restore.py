@@ -4,7 +4,9 @@ Three moves, each rank in the same order:
 
 1. **Refill.** Every rank holds again what it holds after a save (its share and its clique's replicas):
    a node back with an empty directory gets them sent, each share once, into its mapped files. This is
-   also what protects the next failure.
+   also what protects the next failure. For a sharded state only a rank's own share is sent here; the
+   replicas it holds for its peers are prepared with it and sent after the restore, in the writer's thread
+   (:mod:`lightning_asyncckpt.tiers.deferred_refill`).
 2. **Check.** Every rank checks the CRC32 of every share in its own holder directory (and of what it was
    sent); the ranks agree on the outcome (one gather), so that either all restore or all fall back.
 3. **Read.** Each rank reads the shares it needs (sharded: its own; replicated: every owner's) from the
@@ -25,14 +27,14 @@ complete. Loading the checkpoint into the model is then its one copy, as from an
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_asyncckpt.tiers import exchange, packing, recovery, shares, store
+from lightning_asyncckpt.tiers import deferred_refill, exchange, packing, recovery, shares, store
 from lightning_asyncckpt.tiers.store import Held, LocalStore
 
 
@@ -60,6 +62,7 @@ class Restored:
     problems: list[str]
     sent: int  # shares sent between ranks
     read: int  # shares read from a holder directory on the reader's node
+    later: deferred_refill.Deferred = field(default_factory=deferred_refill.Deferred)  # replicas sent after
 
 
 def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Restored:
@@ -71,6 +74,9 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     mode = plan.sources[0][1].mode
     needs = {r: ([r] if mode == shares.SHARDED else list(range(ranks.world))) for r in range(ranks.world)}
     refill = recovery.refill(plan, holdings, ranks.cliques, ranks.factor, ranks.node_of)
+    # a sharded rank needs only its own share to resume: the replicas it holds for its peers are sent later
+    later = [m for m in refill if m[0] not in needs[m[2]]]
+    refill = [m for m in refill if m[0] in needs[m[2]]]
     fetch = recovery.fetch(plan, recovery.after(holdings, refill), ranks.node_of, needs)
     mine = set(needs[me])
     sent, read = len(refill) + len(fetch.moves), sum(len(v) for v in fetch.reads.values())
@@ -96,8 +102,10 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         return reserved[m.owner].tensor
 
     ready = _prepare(refill, mapped, into, me, bad, "refill")
+    deferred = deferred_refill.Deferred(later, _prepare(later, mapped, into, me, bad, "refill"))
     if problems := agreed():
         return Restored(None, problems, sent, read)
+    deferred.reserved = {m[0]: reserved[m[0]] for m in later if m[2] == me}
     senders = {(o, r): s for o, s, r, _ in refill}
     refilled: dict[int, Held] = {}
     for m, head, flat in exchange.transfer(refill, ready, me, ranks.group):
@@ -152,7 +160,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         return Restored(None, problems, sent, read)
     own = packing.unpack(*got[me])
     if mode == shares.SHARDED:
-        return Restored(own["state"], [], sent, read)
+        return Restored(own["state"], [], sent, read, deferred)
     every = [own, *(packing.unpack(*got[o]) for o in sorted(got) if o != me)]
     return Restored(shares.assemble(own, every), [], sent, read)
 

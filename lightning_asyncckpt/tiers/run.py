@@ -25,7 +25,16 @@ import torch.distributed as dist
 
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.snapshot.lazy import BackgroundCopy
-from lightning_asyncckpt.tiers import checks, cliques, packing, pinning, recovery, restore, shares
+from lightning_asyncckpt.tiers import (
+    checks,
+    cliques,
+    deferred_refill,
+    packing,
+    pinning,
+    recovery,
+    restore,
+    shares,
+)
 from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.persistent import global_step
@@ -256,9 +265,14 @@ class TierRun:
         key = str(self.config.root / f"restore-step-{plan.step}")
         self._restored[key] = done.checkpoint
         self.complete = plan.step
+        later = done.later
+        if later.moves:  # every rank of the clique joins, in its writer's thread (see deferred_refill)
+            self.writer.background(lambda: deferred_refill.run(later, self.rank, self.store, self.clique_group),
+                                   f"asyncckpt-local-refill-{plan.step}")
         if self.rank == 0:
             log.warning("lightning-asyncckpt: resuming from the local tier at step %d (%d share(s) sent between"
-                        " ranks, %d read on their own node)", plan.step, done.sent, done.read)
+                        " ranks, %d read on their own node%s)", plan.step, done.sent, done.read,
+                        f"; {len(later.moves)} replica(s) sent after, while training resumes" if later.moves else "")
         return key
 
     def _persistent(self, persistent: Any, pstep: int | None, why: str) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -74,9 +75,13 @@ class ShareWriter:
     def make_ahead(self, sizes: list[int]) -> None:
         """Starts the thread making spare files of ``sizes`` (faulted in) for the first save; the save waits
         for it as for a save in flight. A full directory makes fewer: the save then reports it."""
+        self.background(lambda: self.store.pool.prepare(sizes, 1), "asyncckpt-local-files")
+
+    def background(self, job: Callable[[], object], name: str) -> None:
+        """Runs ``job`` in the writer's thread (which owns the clique's group); the next save waits for it
+        as for a save in flight. ``job`` handles its own errors."""
         assert not self.busy, "a share is still being written"
-        self._thread = threading.Thread(target=self.store.pool.prepare, args=(sizes, 1), name="asyncckpt-local-files",
-                                        daemon=True)
+        self._thread = threading.Thread(target=job, name=name, daemon=True)
         self._thread.start()
 
     def _job(self, step: int, mode: str, copied: list[Copied], failure: str | None,

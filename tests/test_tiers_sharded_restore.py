@@ -1,0 +1,86 @@
+"""A sharded (DTensor) state restored after a node loss, across two real processes (one gloo group, each
+rank its own "node" directory): the node back empty receives only its own share before it resumes; the
+replica it holds for its peer follows in the background, and then protects against the next loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_asyncckpt import LocalTier
+from processes import two_ranks
+
+
+def _lose(root, node):
+    import shutil
+
+    shutil.rmtree(f"{root}/node{node}/asyncckpt-local")
+
+
+def _restore(tier, rank):
+    """A new run's restore on this rank: the checkpoint's local shard, the log lines, what it holds after."""
+    import logging
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("lightning_asyncckpt").addHandler(handler)
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    try:
+        restored = run.take(run.latest(None))
+        assert run.writer.wait(60)  # the replicas sent after the restore
+        held = sorted((h.step, h.owner) for h in run.store.holdings(run.topology))
+    finally:
+        run.close()
+        logging.getLogger("lightning_asyncckpt").removeHandler(handler)
+    local = restored["w"].local.clone() if restored is not None else None
+    return local, lines, held
+
+
+def _node_lost_twice_rank(rank, root):
+    """Step 2 saved with replicas; node 1 comes back empty and resumes; then node 0 is lost before any new
+    save: step 2 is still restorable, from the replica node 1 received after its resume."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = distribute_tensor(torch.arange(100_000, dtype=torch.float32), init_device_mesh("cpu", (2,)), [Shard(0)])
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run.save(2, {"w": w, "global_step": 2})
+    assert run.finish() == 2
+    run.close()
+    if rank == 1:
+        _lose(root, 1)
+    dist.barrier()
+    after_first = _restore(tier, rank)
+    dist.barrier()
+    if rank == 0:
+        _lose(root, 0)
+    dist.barrier()
+    after_second = _restore(tier, rank)
+    return w.to_local().clone(), after_first, after_second
+
+
+@pytest.mark.timeout(180)
+def test_a_node_back_empty_receives_only_its_own_share_first_and_the_replica_after(tmp_path):
+    pytest.importorskip("nvidia_resiliency_ext")
+    for r in range(2):
+        (tmp_path / f"node{r}").mkdir()
+    got = two_ranks(_node_lost_twice_rank, tmp_path)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+    for rank in (0, 1):
+        live, first, second = got[rank]
+        assert first[0] is not None and second[0] is not None, f"rank {rank} fell back: {first[1]} {second[1]}"
+        assert torch.equal(first[0], live) and torch.equal(second[0], live), f"rank {rank} restored other bytes"
+        assert first[2] == [(2, 0), (2, 1)], f"rank {rank} holds {first[2]} after the first restore"
+    # rank 1's own share on the critical path; rank 0's replica sent after, while training would resume
+    assert any("1 share(s) sent between ranks" in line and "1 replica(s) sent after" in line
+               for line in got[0][1][1]), got[0][1][1]
+    # node 0 lost next: its share comes back from the replica that node 1 received after the first restore
+    assert any("resuming from the local tier at step 2" in line for line in got[0][2][1]), got[0][2][1]
