@@ -84,7 +84,7 @@ def _scenarios(tmp_path, extra):
     # and node 1 holds again what it held: its ranks' shares and node 0's replicas
     node1 = node_local_dir(tmp_path, 1) / "asyncckpt-local" / "default"
     assert sorted(p.name for p in (node1 / "holder-2").glob("*.pt")) == [
-        "step-0000000010.owner-0.pt", "step-0000000010.owner-2.pt"]
+        "step-0000000010.owner-0.pt", "step-0000000010.owner-2.pt"], logs
 
     # a replica corrupted (one byte): its CRC check fails, and the job resumes at 8 from the persistent tier
     _empty(tmp_path, 1)

@@ -1,6 +1,7 @@
 """A sharded (DTensor) state restored after a node loss, across two real processes (one gloo group, each
 rank its own "node" directory): the node back empty receives only its own share before it resumes; the
-replica it holds for its peer follows in the background, and then protects against the next loss."""
+replica it holds for its peer follows in the background from the first step boundary on, and then protects
+against the next loss."""
 
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ def _restore(tier, rank):
     run = TierRun(tier, node_rank=rank, local_world_size=1)
     try:
         restored = run.take(run.latest(None))
-        assert run.writer.wait(60)  # the replicas sent after the restore
+        held_at_resume = sorted((h.step, h.owner) for h in run.store.holdings(run.topology))
+        local = restored["w"].local.clone() if restored is not None else None
+        if restored is not None:  # training changes what the checkpoint's views hold before the first boundary
+            restored["w"].local.add_(1.0)
+        run.finish()  # the first boundary: the replicas left for later are sent, and waited for here
         held = sorted((h.step, h.owner) for h in run.store.holdings(run.topology))
     finally:
         run.close()
         logging.getLogger("lightning_asyncckpt").removeHandler(handler)
-    local = restored["w"].local.clone() if restored is not None else None
-    return local, lines, held
+    return local, lines, held, held_at_resume
 
 
 def _node_lost_twice_rank(rank, root):
@@ -79,6 +83,8 @@ def test_a_node_back_empty_receives_only_its_own_share_first_and_the_replica_aft
         assert first[0] is not None and second[0] is not None, f"rank {rank} fell back: {first[1]} {second[1]}"
         assert torch.equal(first[0], live) and torch.equal(second[0], live), f"rank {rank} restored other bytes"
         assert first[2] == [(2, 0), (2, 1)], f"rank {rank} holds {first[2]} after the first restore"
+    # at the resume, before its first boundary, node 1 holds its own share only
+    assert got[1][1][3] == [(2, 1)], got[1][1][3]
     # rank 1's own share on the critical path; rank 0's replica sent after, while training would resume
     assert any("1 share(s) sent between ranks" in line and "1 replica(s) sent after" in line
                for line in got[0][1][1]), got[0][1][1]

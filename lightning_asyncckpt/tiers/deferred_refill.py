@@ -4,7 +4,8 @@ A node back with an empty directory needs, to resume a sharded (FSDP2) state, on
 The replicas it also held for its clique peers on other nodes protect against the *next* failure, not
 this one, so :func:`~lightning_asyncckpt.tiers.restore.restore` prepares their transfers with the others
 (files reserved, copies mapped, every rank agreed) but does not run them: that halves what a node back
-empty receives before it can resume. :func:`run` then moves them in the writer's thread, over the
+empty receives before it can resume. From the first step boundary on (after the checkpoint is loaded
+into the model, not beside that load), :func:`run` moves them in the writer's thread, over the
 clique's own gloo group (the one the writer's replication uses; never the training's, which the main
 thread is using), checks each on arrival and commits it. The next local save waits for it, as for a save
 in flight. Until it is done, a loss of the nodes that sent them falls back to the persistent tier.

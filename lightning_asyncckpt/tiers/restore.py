@@ -5,7 +5,8 @@ Three moves, each rank in the same order:
 1. **Refill.** Every rank holds again what it holds after a save (its share and its clique's replicas):
    a node back with an empty directory gets them sent, each share once, into its mapped files. This is
    also what protects the next failure. For a sharded state only a rank's own share is sent here; the
-   replicas it holds for its peers are prepared with it and sent after the restore, in the writer's thread
+   replicas it holds for its peers are prepared with it and sent from the first step boundary on, in the
+   writer's thread
    (:mod:`lightning_asyncckpt.tiers.deferred_refill`).
 2. **Check.** Every rank checks the CRC32 of every share in its own holder directory (and of what it was
    sent); the ranks agree on the outcome (one gather), so that either all restore or all fall back.
@@ -102,7 +103,8 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         return reserved[m.owner].tensor
 
     ready = _prepare(refill, mapped, into, me, bad, "refill")
-    deferred = deferred_refill.Deferred(later, _prepare(later, mapped, into, me, bad, "refill"))
+    # sent from mappings of their own: the checkpoint's views of the same files change once the model trains
+    deferred = deferred_refill.Deferred(later, _prepare(later, ranks.store.map, into, me, bad, "refill"))
     if problems := agreed():
         return Restored(None, problems, sent, read)
     deferred.reserved = {m[0]: reserved[m[0]] for m in later if m[2] == me}

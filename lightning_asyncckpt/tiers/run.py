@@ -89,6 +89,7 @@ class TierRun:
         self._space_checked = False
         self._prepared = False
         self._restored: dict[str, Any] = {}
+        self._refill: Any = None  # the replicas a restore left for later, until the first boundary (_start_refill)
         self._copy: BackgroundCopy | None = None  # a lazy save's copy, until wait_copy
 
     def gather(self, obj: Any) -> list[Any]:
@@ -113,6 +114,7 @@ class TierRun:
         changed in place before its copy fails this save (nothing of it is committed), on every rank at the
         next :meth:`boundary`. ``hook``: the copy thread calls it first (tests: ``testing.HoldCopy``)."""
         start = time.perf_counter()
+        self._start_refill()
         if not self.writer.wait(self.config.timeout_s):
             raise TimeoutError(f"lightning-asyncckpt: the local save of step {self.saved_step} is still running"
                                f" after timeout_s={self.config.timeout_s}")
@@ -153,7 +155,7 @@ class TierRun:
         Makes the first save's files in the background thread, sized for ``like`` (the checkpoint, or its
         model and optimizer states: a file a few bytes off is resized at the save, keeping its pages), so
         that the first save copies into ready files as every later one does. The save checks the space."""
-        if not self.wants_files:
+        if not self.wants_files or self.writer.busy:  # busy: replicas sent after a restore; next boundary
             return
         _mode, laid = self._layouts(like)
         self._pin_for(laid)
@@ -186,6 +188,7 @@ class TierRun:
         every rank received the same signal, and has the handler it replaced to pass it on to), a failed
         local save on any rank (raised here on every rank), and the newest step complete everywhere, whose
         older steps this rank then removes from its own holder directory."""
+        self._start_refill()
         signum = self.flag.received_number
         handler = int(signum > 0 and self.flag.replaced_handler() is not None)
         values = [signum, -signum, -handler, int(self.writer.error is not None), -self.writer.newest_done]
@@ -204,6 +207,7 @@ class TierRun:
 
     def finish(self) -> int:
         """(every rank) Waits for the local save in flight, then agrees; returns the newest complete step."""
+        self._start_refill()
         self.writer.wait(self.config.timeout_s)
         return self.boundary().complete
 
@@ -243,6 +247,8 @@ class TierRun:
         """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take` (the
         local tier's newest complete step, :func:`~lightning_asyncckpt.tiers.restore.restore`), else
         ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why."""
+        self._refill = None  # an earlier restore's replicas, never started: every rank drops them alike
+        self.writer.wait(self.config.timeout_s)  # nothing of this run's is still being written or sent
         rows = self.gather((self.store.holdings(self.topology), global_step(persistent) if self.rank == 0 else None,
                             self.store.saved_under_others(self.topology)))
         holdings, pstep = [r[0] for r in rows], rows[0][1]
@@ -267,8 +273,7 @@ class TierRun:
         self.complete = plan.step
         later = done.later
         if later.moves:  # every rank of the clique joins, in its writer's thread (see deferred_refill)
-            self.writer.background(lambda: deferred_refill.run(later, self.rank, self.store, self.clique_group),
-                                   f"asyncckpt-local-refill-{plan.step}")
+            self._refill = lambda: deferred_refill.run(later, self.rank, self.store, self.clique_group)
         if self.rank == 0:
             log.warning("lightning-asyncckpt: resuming from the local tier at step %d (%d share(s) sent between"
                         " ranks, %d read on their own node%s)", plan.step, done.sent, done.read,
@@ -282,6 +287,15 @@ class TierRun:
             log.warning("lightning-asyncckpt: resuming from the persistent tier, %s: local tier: %s", target, why)
         return persistent
 
+    def _start_refill(self) -> None:
+        """(every rank, at its first boundary, save, finish or close after a restore) Starts sending the
+        replicas the restore left for later (:mod:`~lightning_asyncckpt.tiers.deferred_refill`) in the writer's
+        thread: after the checkpoint is loaded into the model, not beside that load, so that they overlap the
+        first training steps, as a local save's replication does."""
+        if self._refill is not None:
+            job, self._refill = self._refill, None
+            self.writer.background(job, "asyncckpt-local-refill")
+
     def take(self, key: Any) -> Any | None:
         """The checkpoint :meth:`latest` fetched for ``key`` (once), or None for any other path."""
         return self._restored.pop(str(key), None)
@@ -289,6 +303,9 @@ class TierRun:
     def close(self, wait: bool = True) -> None:
         """(every rank) Waits for the local save in flight (at most ``timeout_s``; not at all without
         ``wait``: its thread is a daemon) and gives the signals back."""
+        if not wait:
+            self._refill = None  # a peer may be gone: nothing more is sent
+        self._start_refill()
         if wait and self.writer.wait(self.config.timeout_s):
             self.store.close()  # its spare files: the next run makes its own
         self.flag.uninstall()
