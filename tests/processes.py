@@ -260,3 +260,14 @@ def two_ranks(target, tmp_path):
             if p.is_alive():
                 p.kill()
     return got
+
+
+def two_nodes(target, tmp_path):
+    """:func:`two_ranks` with each rank's own "node" directory (``node0``, ``node1`` under ``tmp_path``, made
+    here); fails the test with a rank's error if one raised, else returns what each returned, by rank."""
+    for r in range(2):
+        (tmp_path / f"node{r}").mkdir()
+    got = two_ranks(target, tmp_path)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+    return got

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_asyncckpt import LocalTier
-from processes import two_ranks
+from processes import two_nodes, two_ranks
 
 
 @pytest.fixture
@@ -61,11 +61,7 @@ def _replicas_rank(rank, root):
 
 
 def test_replicas_of_a_replicated_state_are_copied_locally_and_hold_their_owners_bytes(tmp_path):
-    for r in range(2):
-        (tmp_path / f"node{r}").mkdir()
-    got = two_ranks(_replicas_rank, tmp_path)
-    for rank in (0, 1):
-        assert isinstance(got[rank], tuple), got[rank]
+    got = two_nodes(_replicas_rank, tmp_path)
     # every replica file holds exactly its owner's bytes
     for owner, holder in ((0, 1), (1, 0)):
         name = f"step-0000000002.owner-{owner}.pt"
@@ -176,11 +172,8 @@ def test_a_torn_lazy_copy_on_one_rank_commits_nothing_in_its_clique_and_every_ra
     """Rank 0's copy is torn. Had its clique gone on, the replica check would have sent rank 0's torn share to
     rank 1 as a repair, and rank 1 would have committed it: a step that looks complete, holding bytes from
     after it. Instead no rank commits any share of that step, and both raise at the boundary."""
-    for r in range(2):
-        (tmp_path / f"node{r}").mkdir()
-    got = two_ranks(_torn_lazy_rank, tmp_path)
+    got = two_nodes(_torn_lazy_rank, tmp_path)
     for rank in (0, 1):
-        assert isinstance(got[rank], tuple), got[rank]
         outcome, files = got[rank]
         assert "changed in place" in outcome and "rank(s) [0]" in outcome, outcome
         assert files == [], f"rank {rank} committed {files}"
@@ -202,11 +195,8 @@ def test_a_torn_lazy_copy_of_a_sharded_share_is_sent_marked_and_no_peer_commits_
     """NVRx's clique replication still sends rank 0's torn shard (its peer waits for it), marked: rank 1 keeps
     no replica of it, so step 2 is not complete anywhere, and both ranks raise rank 0's error."""
     pytest.importorskip("nvidia_resiliency_ext")
-    for r in range(2):
-        (tmp_path / f"node{r}").mkdir()
-    got = two_ranks(_torn_sharded_rank, tmp_path)
+    got = two_nodes(_torn_sharded_rank, tmp_path)
     for rank in (0, 1):
-        assert isinstance(got[rank], tuple), got[rank]
         outcome, files = got[rank]
         assert "changed in place" in outcome, outcome
         assert not [f for f in files if ".owner-0." in f], f"rank {rank} committed rank 0's torn share: {files}"

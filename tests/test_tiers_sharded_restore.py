@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_asyncckpt import LocalTier
-from processes import two_ranks
+from processes import two_nodes
 
 
 def _lose(root, node):
@@ -73,11 +73,7 @@ def _node_lost_twice_rank(rank, root):
 @pytest.mark.timeout(180)
 def test_a_node_back_empty_receives_only_its_own_share_first_and_the_replica_after(tmp_path):
     pytest.importorskip("nvidia_resiliency_ext")
-    for r in range(2):
-        (tmp_path / f"node{r}").mkdir()
-    got = two_ranks(_node_lost_twice_rank, tmp_path)
-    for rank in (0, 1):
-        assert isinstance(got[rank], tuple), got[rank]
+    got = two_nodes(_node_lost_twice_rank, tmp_path)
     for rank in (0, 1):
         live, first, second = got[rank]
         assert first[0] is not None and second[0] is not None, f"rank {rank} fell back: {first[1]} {second[1]}"
