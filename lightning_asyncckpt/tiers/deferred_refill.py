@@ -1,4 +1,4 @@
-"""The replicas a sharded restore leaves for later, sent in the writer's thread while training resumes.
+"""The replicas a sharded restore leaves for later, sent in the writer's thread from the first step boundary.
 
 A node back with an empty directory needs, to resume a sharded (FSDP2) state, only its own ranks' shares.
 The replicas it also held for its clique peers on other nodes protect against the *next* failure, not
@@ -40,8 +40,9 @@ class Deferred:
 
 
 def run(deferred: Deferred, me: int, local: LocalStore, group: dist.ProcessGroup | None) -> int:
-    """(every rank of a clique, in the writer's thread, right after a restore) Moves ``deferred``'s
-    replicas, checks and commits those this rank receives; returns how many it committed. Never raises."""
+    """(every rank of a clique, in the writer's thread, from its first step boundary after a restore) Moves
+    ``deferred``'s replicas, checks and commits those this rank receives; returns how many it committed.
+    Never raises; a peer that never comes is bounded by the clique group's timeout (``timeout_s``)."""
     if not deferred.moves:
         return 0
     senders = {(o, r): s for o, s, r, _ in deferred.moves}
