@@ -1,4 +1,4 @@
-"""One rank of ``bench_tiers.py`` (a spawned process): the training loop's stand-in, the four variants'
+"""One rank of ``bench_tiers.py`` (a spawned process): the training loop's stand-in, the variants'
 periods, and the recoveries, timed in the rank (see ``bench_tiers.py`` for what each figure means)."""
 
 from __future__ import annotations
@@ -6,110 +6,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import functools
 import json
 import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 import traceback
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import tiers_sharded
 from page_cache import drop_cache, warm_cache
+from tiers_parts import Timers, make_state, rotations, same_state, state_tensors
 
-VARIANTS = ["baseline", "local", "local_lazy", "persistent"]  # local_lazy: snapshot="lazy"
+VARIANTS = ["baseline", "local", "local_lazy", "persistent", "persistent_s3"]  # local_lazy: snapshot="lazy"
 RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm", "persistent_s3"]
 S3_PATH = "s3://bench-tiers/last.ckpt"
+S3_SAVES = "s3://bench-tiers/saves"  # the persistent_s3 variant's checkpoints
 SAVE_PARTS = ["wait_previous", "copy_share"]  # of the local save call
 THREAD_PARTS = ["replicate", "write"]  # of the local save's thread: replicas settled, shares committed
 RECOVERY_PARTS = ["transfer", "read", "assemble", "load", "crc32", "agree", "unpack", "list"]
 GiB = 1 << 30
 WORLD, PER_NODE = 4, 2
-
-
-# -------------------------------------------------------------------------------------------------
-# One rank
-def make_state(nbytes: int, layers: int) -> dict[str, Any]:
-    import torch
-
-    numel = max(1, nbytes // (3 * layers * 4))
-    gen = torch.Generator().manual_seed(0)  # the same values on every rank: a replicated (DDP) state
-
-    def rand() -> Any:
-        return torch.rand(numel, generator=gen)
-
-    return {
-        "state_dict": {f"layers.{i}.weight": rand() for i in range(layers)},
-        "optimizer_states": [{
-            "state": {i: {"exp_avg": rand(), "exp_avg_sq": rand()} for i in range(layers)},
-            "param_groups": [{"params": list(range(layers)), "lr": 1e-3, "betas": (0.9, 0.999)}],
-        }],
-        "epoch": 0,
-        "global_step": 0,
-    }
-
-
-def state_tensors(obj: Any) -> list:
-    """The state's tensors in a fixed order; a ``DTensor``'s local shard (the local tier restores one as a
-    ``LocalShard``, whose ``local`` it is)."""
-    import torch
-
-    if hasattr(obj, "to_local"):  # a DTensor
-        return [obj.to_local()]
-    if type(obj).__name__ == "LocalShard":
-        return [obj.local]
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in state_tensors(obj[k])]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in state_tensors(v)]
-    return []
-
-
-def same_state(restored: Any, live: dict[str, Any]) -> bool:
-    import torch
-
-    a, b = state_tensors(restored), state_tensors(live)
-    return (isinstance(restored, dict) and restored.get("global_step") == live["global_step"]
-            and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)))
-
-
-class Timers:
-    """Seconds spent in wrapped functions, summed per name (any thread)."""
-
-    def __init__(self) -> None:
-        self.total: dict[str, float] = defaultdict(float)
-        self._lock = threading.Lock()
-
-    def wrap(self, owner: Any, attr: str, name: str) -> None:
-        inner = getattr(owner, attr, None)
-        if inner is None:  # not in this version of the library: that part reads 0
-            return
-
-        @functools.wraps(inner)
-        def timed(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                with self._lock:
-                    self.total[name] += time.perf_counter() - t0
-
-        setattr(owner, attr, timed)
-
-    def mark(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self.total)
-
-    def since(self, mark: dict[str, float], names: list[str]) -> dict[str, float]:
-        now = self.mark()
-        return {n: now.get(n, 0.0) - mark.get(n, 0.0) for n in names}
 
 
 class Trainer:
@@ -153,6 +72,8 @@ class Trainer:
         if rank == 0 and not self.sharded:
             self.io.warmup(like=self.state)  # starts the worker and allocates its staging buffers
         self.persistent_path: Path | None = None
+        self.persistent_s3_path: str | None = None
+        self.s3_pid = int(os.environ.get("BENCH_S3_PID", "0"))  # moto's process: its CPU is reported apart
         self.timers = t = Timers()
         t.wrap(tier_run.packing, "copy_into", "copy_share")  # the save call's one copy, into mapped files
         t.wrap(self.tier.writer, "wait", "wait_previous")
@@ -219,7 +140,11 @@ class Trainer:
     def _watch(self, t: Any) -> list | None:
         return [t] if t.data_ptr() in self._state_ptrs else None
 
-    def persistent_save(self) -> float | None:
+    def persistent_save(self, s3: bool = False) -> float | None:
+        """(every rank) A persistent save of the current step: a DCP directory from every rank (sharded), or
+        rank 0's ``torch.save`` file on the disk, or with ``s3`` in the bucket of the S3-protocol server."""
+        if s3:
+            return self._persistent_s3_save()
         path = self.ckpt_dir / f"step-{self.step}.ckpt"
         if self.sharded:  # every rank writes its shards into one DCP directory
             t0 = time.perf_counter()
@@ -237,11 +162,34 @@ class Trainer:
         self.persistent_path = path
         return stall
 
+    def _persistent_s3_save(self) -> float | None:
+        if self.rank != 0:
+            return None
+        path = f"{S3_SAVES}/step-{self.step}.ckpt"
+        t0 = time.perf_counter()
+        self.io.save_checkpoint(self.state, path)
+        stall = time.perf_counter() - t0
+        if self.persistent_s3_path is not None:
+            self.io.remove_checkpoint(self.persistent_s3_path)
+        self.persistent_s3_path = path
+        return stall
+
+    def server_cpu_s(self) -> float:
+        """CPU seconds of the S3-protocol server (rank 0 reads it; 0 without one)."""
+        import psutil
+
+        if self.rank != 0 or not self.s3_pid:
+            return 0.0
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(self.s3_pid).cpu_times()
+            return t.user + t.system
+        return 0.0
+
     def drain(self, variant: str) -> None:
         if variant.startswith("local"):
             complete = self.tier.finish()
             assert complete == self.tier.saved_step, (complete, self.tier.saved_step)
-        elif variant == "persistent":
+        elif variant.startswith("persistent"):
             self.io.finalize(blocking=True)
 
     # overhead ---------------------------------------------------------------------------------------
@@ -249,41 +197,42 @@ class Trainer:
         """(all ranks) One timed period: a save (none for the baseline), ``--every`` steps, the drain."""
         history = len(self.io.history)
         self.dist.barrier()
-        mark, cpu0 = self.timers.mark(), self.cpu_s()
+        mark, cpu0, server0 = self.timers.mark(), self.cpu_s(), self.server_cpu_s()
         t0 = time.perf_counter()
         stall = None
         if variant.startswith("local"):
             stall = self.local_save(lazy=variant == "local_lazy")
-        elif variant == "persistent":
-            stall = self.persistent_save()
+        elif variant.startswith("persistent"):
+            stall = self.persistent_save(s3=variant == "persistent_s3")
         save_parts = self.timers.since(mark, SAVE_PARTS)
         for _ in range(self.args.every):
             self.train_step()
             if variant.startswith("local"):
                 self.tier.boundary()
-            elif variant == "persistent":
+            elif variant.startswith("persistent"):
                 self.io.finalize()
         t1 = time.perf_counter()
         self.drain(variant)
         self.dist.barrier()
         elapsed, drain = time.perf_counter() - t0, time.perf_counter() - t1
-        cpu = self.cpu_s() - cpu0
+        cpu, server_cpu = self.cpu_s() - cpu0, self.server_cpu_s() - server0
         thread_parts = self.timers.since(mark, THREAD_PARTS)
         background = None
         if variant.startswith("local"):
             background = self.tier.writer.last_write_s
-        elif variant == "persistent" and self.rank == 0:
+        elif variant.startswith("persistent") and self.rank == 0:
             background = self.io.history[-1].write_s if len(self.io.history) > history else None
         rows = self.gather({"stall": stall, "save_parts": save_parts, "background": background,
                             "thread_parts": thread_parts, "cpu": cpu})
         out: dict[str, Any] = {"variant": variant, "period_s": elapsed, "drain_s": drain, "steps": self.args.every,
-                               "cpu_s": sum(r["cpu"] for r in rows), "cpu_per_rank_s": [r["cpu"] for r in rows]}
+                               "cpu_s": sum(r["cpu"] for r in rows), "cpu_per_rank_s": [r["cpu"] for r in rows],
+                               "server_cpu_s": server_cpu if self.rank == 0 else None}
         if variant.startswith("local"):  # the slowest rank's, with its parts (the ranks wait for each other every step)
             slow = max(rows, key=lambda r: r["stall"])
             out.update(stall_s=slow["stall"], save_parts=slow["save_parts"])
             slow = max(rows, key=lambda r: r["background"])
             out.update(background_s=slow["background"], thread_parts=slow["thread_parts"])
-        elif variant == "persistent":  # sharded: every rank's save call, the slowest
+        elif variant.startswith("persistent"):  # sharded: every rank's save call, the slowest
             stall = max(r["stall"] for r in rows) if self.sharded else rows[0]["stall"]
             out.update(stall_s=stall, background_s=rows[0]["background"])
         return out
@@ -294,10 +243,10 @@ class Trainer:
         self.tier.prepare(self.state)  # as the Trainer and Fabric integrations do, at a boundary before the first save
         self.train_step()
         out = {}
-        for variant in ("local", "persistent"):
+        for variant in [v for v in variants_of(self.args) if v in ("local", "persistent", "persistent_s3")]:
             self.dist.barrier()
             t0 = time.perf_counter()
-            stall = self.local_save() if variant == "local" else self.persistent_save()
+            stall = self.local_save() if variant == "local" else self.persistent_save(s3=variant == "persistent_s3")
             self.drain(variant)
             self.dist.barrier()
             rows = self.gather(stall)
@@ -387,23 +336,15 @@ class Trainer:
         self.io.teardown()
 
 
+def variants_of(args: Any) -> list[str]:
+    """The overhead variants of this run: ``persistent_s3`` only with the S3-protocol server (replicated)."""
+    s3 = args.get("s3", False) if isinstance(args, dict) else args.s3
+    return [v for v in VARIANTS if s3 or v != "persistent_s3"]
+
+
 def recoveries_of(args: Any) -> list[str]:
     s3 = args.get("s3", False) if isinstance(args, dict) else args.s3
     return [k for k in RECOVERIES if s3 or k != "persistent_s3"]
-
-
-def rotations(kinds: list[str], reps: int, run_one: Any, talk: bool, line: Any) -> list[dict[str, Any]]:
-    """``reps`` rounds of ``run_one(kind)`` for every kind, each round's order rotated by one (so that no kind
-    always follows the same one); each row gets its round as ``rep``, and with ``talk`` a progress line."""
-    rows = []
-    for rep in range(reps):
-        for kind in kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]:
-            row = run_one(kind)
-            row["rep"] = rep
-            rows.append(row)
-            if talk:
-                print(line(rep, kind, row), file=sys.stderr, flush=True)
-    return rows
 
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_dir: Path, out: Path) -> None:
@@ -411,6 +352,11 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_d
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # 4 ranks on the machine's cores; the tiers' background work competes for them
+    if getattr(args, "pin_nodes", False):  # each simulated node on cores of its own; its writers inherit them
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // (WORLD // PER_NODE))
+        node = rank // PER_NODE
+        os.sched_setaffinity(0, set(cores[node * per:(node + 1) * per] or cores[-per:]))
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=args.timeout))
@@ -419,7 +365,7 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_d
                                   "tensors": len(trainer.tensors), "loadavg_start": os.getloadavg()}
         result["first"] = trainer.warmup()
         result["periods"] = rotations(
-            VARIANTS, args.reps, trainer.period, rank == 0,
+            variants_of(args), args.reps, trainer.period, rank == 0,
             lambda rep, v, p: f"rep {rep} {v:>10}: {p['period_s']:.2f} s, drain {p['drain_s']:.2f} s")
         result["recovery_step"] = trainer.prepare_recovery()
         result["recoveries"] = rotations(

@@ -23,7 +23,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     base_cpu = {p["rep"]: p["cpu_s"] for p in periods if p["variant"] == "baseline"}
     base_median = _median(list(base.values()))
     rows = []
-    for name in VARIANTS:
+    for name in [v for v in VARIANTS if any(p["variant"] == v for p in periods)]:
         mine = [p for p in periods if p["variant"] == name]
         paired = [p["period_s"] - base[p["rep"]] for p in mine if p["rep"] in base]
         median = _median([p["period_s"] for p in mine])
@@ -40,6 +40,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "stall_s": _median([p.get("stall_s") for p in mine]),
             "background_s": _median([p.get("background_s") for p in mine]),
             "drain_s": _median([p["drain_s"] for p in mine]),
+            "server_cpu_s": _median([p.get("server_cpu_s") for p in mine]),
         }
         if name.startswith("local"):
             row["save_parts"] = {k: _median([p["save_parts"].get(k, 0.0) for p in mine]) for k in SAVE_PARTS}
@@ -72,6 +73,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "overhead_local_lazy_vs_persistent": _ratio(by.get("local_lazy", {}).get("overhead_s"),
                                                     by["persistent"]["overhead_s"]),
         "stall_local_lazy_vs_persistent": _ratio(by.get("local_lazy", {}).get("stall_s"), by["persistent"]["stall_s"]),
+        "overhead_local_vs_persistent_s3": _ratio(by["local"]["overhead_s"],
+                                                  by.get("persistent_s3", {}).get("overhead_s")),
+        "overhead_local_lazy_vs_persistent_s3": _ratio(by.get("local_lazy", {}).get("overhead_s"),
+                                                       by.get("persistent_s3", {}).get("overhead_s")),
+        "stall_local_vs_persistent_s3": _ratio(by["local"]["stall_s"], by.get("persistent_s3", {}).get("stall_s")),
         "extra_cpu_local_vs_persistent": _ratio(by["local"]["extra_cpu_s"], by["persistent"]["extra_cpu_s"]),
         "recovery_replicas_vs_persistent_cold": _ratio(rec["local_replicas"]["seconds"], rec["persistent_cold"]["seconds"]),
         "recovery_replicas_vs_persistent_warm": _ratio(rec["local_replicas"]["seconds"], rec["persistent_warm"]["seconds"]),
@@ -99,14 +105,16 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
         f" {result['loadavg_start'][0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end. Medians.",
         "",
         f"| variant | periods | period: save + {every} steps + drain (s) | overhead per save (s) | of the medians (s) "
-        "| stall (s) | background (s) | drain (s) | CPU, all processes (s) | extra CPU per save (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| stall (s) | background (s) | drain (s) | CPU, all processes (s) | extra CPU per save (s) "
+        "| S3-protocol server's CPU (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["overhead"]:
         lines.append(
             f"| {r['variant']} | {r['periods']} | {f(r['period_s'], '.2f')} | {f(r['overhead_s'], '.3f')} "
             f"| {f(r['overhead_of_medians_s'], '.3f')} | {f(r['stall_s'], '.3f')} | {f(r['background_s'], '.2f')} "
-            f"| {f(r['drain_s'], '.2f')} | {f(r['cpu_s'], '.2f')} | {f(r['extra_cpu_s'], '.2f')} |")
+            f"| {f(r['drain_s'], '.2f')} | {f(r['cpu_s'], '.2f')} | {f(r['extra_cpu_s'], '.2f')} "
+            f"| {f(r.get('server_cpu_s'), '.2f')} |")
     local = next(r for r in summary["overhead"] if r["variant"] == "local")
     sp, tp = local["save_parts"], local["thread_parts"]
     lines += [
@@ -147,6 +155,9 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
         f"| stall per save, local / persistent | {f(ra['stall_local_vs_persistent'], '.2f')}× | |",
         f"| overhead per save, local with snapshot=\"lazy\" / persistent | {f(ra.get('overhead_local_lazy_vs_persistent'), '.2f')}× | |",
         f"| stall per save, local with snapshot=\"lazy\" / persistent | {f(ra.get('stall_local_lazy_vs_persistent'), '.2f')}× | |",
+        f"| overhead per save, local / persistent on the S3-protocol server | {f(ra.get('overhead_local_vs_persistent_s3'), '.2f')}× | |",
+        f"| overhead per save, local with snapshot=\"lazy\" / persistent on the S3-protocol server | {f(ra.get('overhead_local_lazy_vs_persistent_s3'), '.2f')}× | |",
+        f"| stall per save, local / persistent on the S3-protocol server | {f(ra.get('stall_local_vs_persistent_s3'), '.2f')}× | |",
         f"| extra CPU per save (all processes), local / persistent | {f(ra['extra_cpu_local_vs_persistent'], '.2f')}× | |",
         f"| recovery, replicas / persistent (page cache dropped) | {f(ra['recovery_replicas_vs_persistent_cold'], '.2f')}× | ≤ 0.5× |",
         f"| recovery, replicas / persistent (warm) | {f(ra['recovery_replicas_vs_persistent_warm'], '.2f')}× | |",

@@ -127,6 +127,12 @@ class S3Server:
         return self
 
     @property
+    def server_pid(self) -> int:
+        """moto's process (benchmarks read its CPU time: on a cluster the store's CPU is not a node's)."""
+        assert self._moto is not None
+        return self._moto.pid
+
+    @property
     def fail_writes(self) -> threading.Event:
         assert self._proxy is not None
         return self._proxy.fail_writes
