@@ -1,11 +1,15 @@
+import glob
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import combo_params, hold_write, mounted_tmpfs  # noqa: E402
+from lightning_asyncckpt.pipeline import scratch  # noqa: E402
 from processes import live_children, wait_no_children  # noqa: E402
 
 
@@ -35,6 +39,35 @@ def no_child_processes_left():
         except Exception:
             pass
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def _own_scratch_dirs() -> set[str]:
+    """This pytest process's run scratch directories (``Run.start``: ``asyncckpt-<pidns>-<pid>-<random>`` in
+    ``/dev/shm``, or the temporary directory where there is none): one glob, no stat of other entries."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return set(glob.glob(os.path.join(base, f"{scratch.PREFIX}{scratch.pidns()}-{os.getpid()}-*")))
+
+
+@pytest.fixture(autouse=True)
+def no_scratch_dir_left():
+    """Every test that opens an ``AsyncCheckpointIO`` (or a pipeline ``Run``) in this process must close it
+    (``io.teardown()``, ``Run.close``): else its scratch directory in ``/dev/shm`` (memory) and its worker
+    stay until pytest exits.
+
+    Only directories made during the test count: a module- or session-scoped fixture (``cli_checkpoints``'
+    ``ckpts``, ``test_cli_local``'s ``fitted``) is set up before this function-scoped fixture, so whatever
+    it keeps open across tests is in ``before``. A function-scoped fixture that tears its IO down is
+    set up after this one (autouse first) and so torn down before the check. Processes a test starts have
+    other pids, so their own directories (``run_ranks``, subprocess jobs) are not counted here."""
+    before = _own_scratch_dirs()
+    yield
+    left = sorted(_own_scratch_dirs() - before)
+    for d in left:  # the test fails anyway: do not leave its memory in /dev/shm for the rest of the session
+        shutil.rmtree(d, ignore_errors=True)
+    assert not left, (
+        f"scratch directories left behind: {left}; an AsyncCheckpointIO (or pipeline Run) opened by this "
+        "test was never closed: call io.teardown() (Run.close) in a finally or a fixture"
+    )
 
 
 @pytest.fixture

@@ -346,7 +346,8 @@ def test_teardown_inside_a_users_except_block_still_raises_a_failed_write(engine
 
 
 def test_abort_logs_what_goes_wrong_while_stopping(engine_worker, tmp_path, monkeypatch, caplog):
-    """``abort`` never raises (it runs beside the user's exception), but says what went wrong."""
+    """``abort`` never raises (it runs beside the user's exception), but says what went wrong; the run still
+    frees its buffers and scratch directory (the conftest guard fails a test that leaves one)."""
     engine, worker = engine_worker
     io = AsyncCheckpointIO(engine, worker=worker, timeout_s=60)
     io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")

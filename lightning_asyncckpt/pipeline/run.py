@@ -163,8 +163,14 @@ class Run:
             if not self.copying.ended and self.copying not in self.pending:
                 self.copying.to(SaveState.DROPPED)
             self.copying = None
-        if self.engine is not None:
-            self.engine.close(abort=abort)
+        try:
+            if self.engine is not None:
+                self.engine.close(abort=abort)
+        finally:  # a worker that would not stop cleanly still leaves no buffers or scratch files behind
+            self._release(rank, abort)
+
+    def _release(self, rank: int, abort: bool) -> None:
+        """The rest of :meth:`close`, once the engine is stopped (or failed to stop)."""
         dropped = self.pending.take_where(lambda s: True)
         for save in dropped:
             if not save.ended:
