@@ -14,6 +14,7 @@ from lightning_asyncckpt.integration.io import AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.integration.lightning_api import Callback, LightningModule, Trainer
 from lightning_asyncckpt.integration.logger_relay import LoggerRelay
 from lightning_asyncckpt.integration.patches import InstancePatches
+from lightning_asyncckpt.integration.tier_step_end import TierStepEnd
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ class AsyncFinalizerCallback(Callback):
       would otherwise change (a collective save's write is handed over then; a single writer's already
       runs behind the gate its copy opened).
     - ``on_train_batch_end`` (all ranks): a non-blocking ``finalize``; a failed write raises
-      :class:`~lightning_asyncckpt.CheckpointWriteError` here, within a step or two.
+      :class:`~lightning_asyncckpt.CheckpointWriteError` here, within a step or two. With a local tier, its
+      step end (agreement, local save, preemption) runs after every other callback's hook
+      (:mod:`~lightning_asyncckpt.integration.tier_step_end`).
     - ``on_train_end`` (all ranks): a blocking ``finalize``, after every checkpoint callback's last save
       (Lightning runs checkpoint callbacks last).
     - Lightning's SLURM auto-requeue save (``hpc_ckpt_<N>.ckpt``, made right before ``scontrol requeue``
@@ -73,6 +76,7 @@ class AsyncFinalizerCallback(Callback):
         self._local_dump = False  # building a checkpoint for the local tier (not a persistent save)
         self._patches = InstancePatches()  # the strategy's save_checkpoint, the checkpoint callbacks' file_exists
         self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
+        self._tier_step_end = TierStepEnd(self._local_step_end)  # the local tier's, after every other callback
 
     @property
     def state_key(self) -> str:
@@ -99,8 +103,8 @@ class AsyncFinalizerCallback(Callback):
         self._writes_everywhere = writes_everywhere
         # every rank is here: the exit group is made now, not inside the first save's stall
         io.begin_run(collective=writes_everywhere and stage == "fit")
-        if stage == "fit":
-            tier_trainer.start(trainer, io)  # collective: before any restore, which may ask it (tier_resume)
+        if stage == "fit" and tier_trainer.start(trainer, io) is not None:  # collective: before any restore
+            self._tier_step_end.attach(trainer)  # its saves built as ModelCheckpoint's are: after every callback
         self._watch_saves(trainer.strategy)
         self._watch_names(trainer)
         self._relay.attach(trainer.loggers, io)
@@ -175,6 +179,7 @@ class AsyncFinalizerCallback(Callback):
         own ``file_exists``, and the loggers their own ``after_save_checkpoint``."""
         self._relay.detach()
         self._patches.undo()
+        self._tier_step_end.detach(trainer)
         self._counted = None
 
     @override
@@ -189,9 +194,17 @@ class AsyncFinalizerCallback(Callback):
             like = {"state_dict": pl_module.state_dict(),
                     "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
             self._io.prepare(like, distributed=self._writes_everywhere)
-        preempted = self._io.tier is not None and tier_trainer.step_end(trainer, self._io, lambda: self._dump(trainer))
-        self._finalize(blocking=preempted)  # preempted: drain the persistent saves too, then training stops
+        self._finalize(blocking=False)
         self._log_committed(trainer)
+
+    def _local_step_end(self, trainer: Trainer) -> None:
+        """(all ranks, after every training batch, after every other callback: :class:`TierStepEnd`) The local
+        tier's agreement and save; on a preemption, the persistent saves drained too, then training stops."""
+        if self._io is None or self._io.tier is None:
+            return
+        if tier_trainer.step_end(trainer, self._io, lambda: self._dump(trainer)):
+            self._finalize(blocking=True)
+            self._log_committed(trainer)
 
     def _dump(self, trainer: Trainer) -> dict[str, Any]:
         """(all ranks) The checkpoint ``ModelCheckpoint`` would save now, for the local tier: not counted as a
@@ -242,6 +255,7 @@ class AsyncFinalizerCallback(Callback):
             self._io.abort()
             tier_trainer.stop(self._io, wait=False)
         self._relay.detach()
+        self._tier_step_end.detach(trainer)
 
 
 def external_callbacks() -> list[Callback]:

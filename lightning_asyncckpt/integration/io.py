@@ -32,6 +32,7 @@ from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.pipeline import SavePipeline
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.settings import Settings
+from lightning_asyncckpt.tiers import restore_key
 from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.run import TierRun
 
@@ -202,10 +203,14 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         ``path`` is raised here. With other ranks up, a save that another rank is still writing into that
         directory is waited for first (at most ``timeout_s``): Fabric's ``save`` returns on every rank once
         rank 0 has scheduled it, and its ``load`` then reads on every rank. A path that the local tier's
-        recovery returned (``TierRun.latest``) gives the checkpoint it fetched."""
+        recovery returned (``TierRun.latest``) gives the checkpoint it fetched, once; loaded again later it
+        raises ``FileNotFoundError`` saying what to load instead (:mod:`~lightning_asyncckpt.tiers.restore_key`)."""
         restored = self.tier.take(path) if self.tier is not None else None
         if restored is not None:
             return restored
+        step = restore_key.step_of(path)
+        if step is not None:  # trainer.ckpt_path after a resume from the local tier, loaded again
+            raise restore_key.not_held(path, step)
         path = paths.checkpoint_path(path)
         if self._run is not None:
             self.wait_for_snapshot()

@@ -33,6 +33,7 @@ from lightning_asyncckpt.tiers import (
     pinning,
     recovery,
     restore,
+    restore_key,
     shares,
 )
 from lightning_asyncckpt.tiers.config import LocalTier
@@ -268,7 +269,7 @@ class TierRun:
             more = f" (and {len(done.problems) - 3} more)" if len(done.problems) > 3 else ""
             why = f"step {plan.step} failed its checks: " + "; ".join(done.problems[:3]) + more
             return self._persistent(persistent, pstep, why)
-        key = str(self.config.root / f"restore-step-{plan.step}")
+        key = restore_key.key_for(self.config.root, plan.step)
         self._restored[key] = done.checkpoint
         self.complete = plan.step
         later = done.later
