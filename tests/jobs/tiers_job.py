@@ -40,13 +40,14 @@ LOCAL = "/dev/shm/local"
 
 
 class HoldAt10(L.Callback):
-    """(all ranks, after the finalizer) At step 10: the local save complete and replicated, the persistent
-    step-8 save committed; the states of steps 8 and 10 saved aside; then waits to be killed."""
+    """(all ranks, at the start of the batch after step 10: step 10's local save is made after every
+    callback's ``on_train_batch_end``) The local save complete and replicated, the persistent step-8 save
+    committed; the states of steps 8 and 10 saved aside; then waits to be killed."""
 
     def __init__(self, io, rec, out):
         self.io, self.rec, self.out = io, rec, out
 
-    def on_train_batch_end(self, trainer, *a):
+    def on_train_batch_start(self, trainer, *a):
         if trainer.global_step != 10:
             return
         assert self.io.tier.finish() == 10
