@@ -29,10 +29,6 @@ class TierStepEnd(Callback):
     def __init__(self, step_end: Callable[[Trainer], None]) -> None:
         self._step_end = step_end
 
-    @property
-    def state_key(self) -> str:
-        return f"{type(self).__qualname__}[{id(self):x}]"  # never two alike, though it saves no state
-
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
