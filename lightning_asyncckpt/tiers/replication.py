@@ -6,16 +6,25 @@ member's share: an all-gather of the hollow dicts, then one broadcast per member
 clique's own gloo group. Used for sharded (FSDP2) states, whose shares differ from rank to rank; a
 replicated state's replicas are copied locally (:mod:`lightning_asyncckpt.tiers.local_replicas`).
 
+What arrives lands where the caller says (:class:`LandingGroup`): a replica's flat buffer straight in its
+reserved mapped file. NVRx receives into fresh memory, which the writer then copied into that file: one
+more copy of every replica, and a share's size of memory allocated, faulted in and freed at every save.
+
 The only module of the tier that imports nvidia-resiliency-ext, and only when a local save replicates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import GroupWrapper
+
+Land = Callable[[int, int, torch.Size, torch.dtype], torch.Tensor]
+"""``land(owner, index, shape, dtype)``: the tensor that the ``index``-th tensor of ``owner``'s (global
+rank) share is received into."""
 
 
 class ShareStateDict(TensorAwareStateDict):
@@ -58,9 +67,40 @@ def head_tensor(head: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else torch.empty(0, dtype=torch.uint8)
 
 
-def replicate(share: ShareStateDict, group: dist.ProcessGroup) -> list[ShareStateDict]:
-    """(every member of the clique ``group``, together, in the writer thread) Every member's share."""
+class LandingGroup(GroupWrapper):
+    """NVRx's wrapper of the clique's group, receiving into tensors that ``land`` gives.
+
+    ``all_gather_batch`` is the loop of NVRx's own (0.4.1 to 0.7.0 alike): the members' tensor shapes
+    gathered, then each member broadcasts its tensors in turn. Only the receiving buffer differs: NVRx's
+    is ``torch.empty`` of the placeholder's shape. ``land`` must not raise (a member that left the loop
+    would leave its peers in a broadcast): where it cannot give a file, it gives memory and the caller
+    reports the failure after the exchange."""
+
+    def __init__(self, group: dist.ProcessGroup, land: Land) -> None:
+        super().__init__(group)
+        self.land = land
+
+    def all_gather_batch(self, my_tensors: list[torch.Tensor],
+                         target_device: object = None) -> list[list[torch.Tensor]]:
+        shapes = self.all_gather_object([(t.shape, t.dtype) for t in my_tensors])
+        me = self.my_group_rank
+        result = []
+        for member, member_shapes in enumerate(shapes):
+            owner = self.get_global_rank(member)
+            received = []
+            for i, (shape, dtype) in enumerate(member_shapes):
+                tensor = my_tensors[i] if member == me else self.land(owner, i, shape, dtype)
+                self.broadcast(tensor, src=owner)
+                received.append(tensor)
+            result.append(received)
+        return result
+
+
+def replicate(share: ShareStateDict, group: dist.ProcessGroup, land: Land) -> list[ShareStateDict]:
+    """(every member of the clique ``group``, together, in the writer thread) Every member's share, its
+    peers' received into the tensors ``land`` gives (see :class:`LandingGroup`)."""
     from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
 
-    shares, _ids = CliqueReplicationStrategy(group, target_device="cpu").replicate(share, (share.step, share.owner))
+    strategy = CliqueReplicationStrategy(LandingGroup(group, land), target_device="cpu")
+    shares, _ids = strategy.replicate(share, (share.step, share.owner))
     return list(shares)

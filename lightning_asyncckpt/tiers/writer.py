@@ -4,7 +4,7 @@ The save call has already copied the shares into their mapped files (:class:`Cop
 the replicas hold their owners' bytes and commits every share under its name. A replicated (DDP) state's
 replicas were copied from this rank's own memory (:mod:`lightning_asyncckpt.tiers.local_replicas`: only
 checksums cross the network); a sharded state's own share is replicated over the clique with NVRx's
-:mod:`lightning_asyncckpt.tiers.replication`, and what arrives is copied into mapped files here.
+:mod:`lightning_asyncckpt.tiers.replication`, and what arrives lands in mapped files reserved here.
 
 One save at a time: the next local save first waits for this one (:meth:`ShareWriter.wait`). The thread
 talks only over the clique's own gloo group, never the training's, so it runs beside training steps.
@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from lightning_asyncckpt.snapshot.lazy import BackgroundCopy
@@ -116,30 +117,41 @@ class ShareWriter:
             self.last_write_s = time.perf_counter() - start
 
     def _replicate(self, step: int, own: Copied, torn: bool = False) -> list[tuple]:
-        """A sharded share: NVRx's clique replication sends the own share; the peers' arrive in memory and
-        are copied into mapped files. Returns what to commit. ``torn``: this rank's lazy copy failed; it still
-        sends (the peers wait for it), marked :data:`TORN` so that no peer commits it."""
+        """A sharded share: NVRx's clique replication sends the own share; each peer's arrives straight in a
+        file reserved for it. Returns what to commit. ``torn``: this rank's lazy copy failed; it still sends
+        (the peers wait for it), marked :data:`TORN` so that no peer commits it."""
         from lightning_asyncckpt.tiers.replication import (  # nvidia-resiliency-ext
             ShareStateDict,
             head_tensor,
             replicate,
         )
 
+        landed: dict[int, MappedFile] = {}
+        refused: list[str] = []
+
+        def land(owner: int, index: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+            if index == 1 and dtype == torch.uint8 and len(shape) == 1 and shape[0]:  # the flat buffer
+                try:
+                    landed[owner] = self.store.reserve(step, owner, shape[0])
+                    return landed[owner].tensor
+                except OSError as e:  # received into memory all the same: the peers are in the broadcast
+                    refused.append(f"rank {owner}'s replica: {e}")
+            return torch.empty(shape, dtype=dtype)
+
         head_crc, flat_crc = TORN if torn else (crc32(own.head), crc32(own.file.tensor))
         sd = ShareStateDict(step, self.rank, (head_crc, flat_crc), [head_tensor(own.head), own.file.tensor])
+        got_all = replicate(sd, self.group, land)
+        if refused:
+            raise OSError(f"no room for the replicas of step {step}: " + "; ".join(refused))
         commits = []
-        for got in replicate(sd, self.group):
+        for got in got_all:
             head_t, flat = got.tensors
             if got.owner == self.rank:
                 commits.append((self.rank, own.file, own.head, head_crc, flat_crc))
-                continue
-            if tuple(got.crc32) == TORN:  # its owner reports the failure; its share has no copy: not complete
-                continue
-            mapped = self.store.reserve(step, got.owner, flat.numel())
-            if flat.numel():
-                mapped.tensor.copy_(flat)
-            # a replica keeps its owner's CRC32s, checked before any use (recovery): not computed again here
-            commits.append((got.owner, mapped, bytes(head_t.numpy()), *got.crc32))
+            elif tuple(got.crc32) != TORN:  # else its owner reports the failure; its file is never named
+                mapped = landed.get(got.owner) or self.store.reserve(step, got.owner, 0)  # an empty share
+                # a replica keeps its owner's CRC32s, checked before any use (recovery): not computed again here
+                commits.append((got.owner, mapped, bytes(head_t.numpy()), *got.crc32))
         return commits
 
     def _commit(self, step: int, mode: str, owner: int, file: MappedFile, head: bytes, head_crc: int,
