@@ -95,7 +95,9 @@ def _scenarios(tmp_path, extra):
     reports, logs = _resume(tmp_path, extra)
     assert [r["start_step"] for r in reports] == [8] * 4, logs
     assert all(r["ckpt_path"].endswith("last.ckpt") and r["resume_exact"] for r in reports)
-    assert "step 10 failed its checks: rank 2's share in the copy held by rank 0 has CRC32" in logs
+    # DDP: rank 0 reads that replica itself and checks it; FSDP2: only sends it, and rank 2 checks it on arrival
+    checked_by = "sent by rank 0" if "fsdp2" in extra else "held by rank 0"
+    assert f"step 10 failed its checks: rank 2's share in the copy {checked_by} has CRC32" in logs, logs
 
     # a lost clique: node 1 empty and node 0's copy of rank 2's share gone too, so it is nowhere
     _empty(tmp_path, 1)

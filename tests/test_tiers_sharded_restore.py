@@ -86,3 +86,48 @@ def test_a_node_back_empty_receives_only_its_own_share_first_and_the_replica_aft
                for line in got[0][1][1]), got[0][1][1]
     # node 0 lost next: its share comes back from the replica that node 1 received after the first restore
     assert any("resuming from the local tier at step 2" in line for line in got[0][2][1]), got[0][2][1]
+
+
+def _unused_replica_corrupt_rank(rank, root):
+    """Step 2 saved with replicas; rank 0's replica of rank 1's share is then corrupted (one byte). With both
+    nodes whole, no rank uses that replica, so both restore step 2 from their own shares. Then node 1 is
+    lost: now the replica is sent to rank 1, fails its check on arrival, and both fall back."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    w = distribute_tensor(torch.arange(100_000, dtype=torch.float32), init_device_mesh("cpu", (2,)), [Shard(0)])
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run.save(2, {"w": w, "global_step": 2})
+    assert run.finish() == 2
+    run.close()
+    if rank == 0:
+        replica = f"{root}/node0/asyncckpt-local/default/holder-0/step-0000000002.owner-1.pt"
+        with open(replica, "r+b") as f:
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    whole = _restore(tier, rank)
+    dist.barrier()
+    if rank == 1:
+        _lose(root, 1)
+    dist.barrier()
+    node1_lost = _restore(tier, rank)
+    return w.to_local().clone(), whole, node1_lost
+
+
+@pytest.mark.timeout(180)
+def test_a_corrupt_replica_is_checked_when_a_restore_uses_it_and_only_then(tmp_path):
+    pytest.importorskip("nvidia_resiliency_ext")
+    got = two_nodes(_unused_replica_corrupt_rank, tmp_path)
+    for rank in (0, 1):
+        live, whole, node1_lost = got[rank]
+        assert whole[0] is not None and torch.equal(whole[0], live), f"rank {rank} fell back: {whole[1]}"
+        assert node1_lost[0] is None, f"rank {rank} restored from the corrupt replica: {node1_lost[1]}"
+    why = " ".join(got[0][2][1])
+    assert "step 2 failed its checks: rank 1's share in the copy sent by rank 0 has CRC32" in why, why

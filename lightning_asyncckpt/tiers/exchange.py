@@ -1,6 +1,6 @@
-"""Recovery transfers between ranks: point-to-point sends over gloo of a share's header and tensors, in an
-order every rank computes alike (:mod:`lightning_asyncckpt.tiers.recovery`). NVRx's own retrieval sends
-every tensor through CUDA, and only within a clique; this is ours.
+"""Recovery transfers between ranks: point-to-point sends over gloo of a share's header and tensors, from a
+list of moves every rank computes alike (:mod:`lightning_asyncckpt.tiers.recovery`), all under way at once.
+NVRx's own retrieval sends every tensor through CUDA, and only within a clique; this is ours.
 
 A transfer has two halves so that a rank that cannot take part never leaves a peer waiting in a send or a
 receive: :func:`prepare` does everything that can fail on one rank (mapping the copies it sends, reserving
@@ -46,23 +46,31 @@ def prepare(moves: Sequence[Move], read: Callable[[Held], tuple[bytes, torch.Ten
 def transfer(moves: Sequence[Move], prepared: Prepared, me: int,
              group: dist.ProcessGroup | None) -> list[tuple[Held, bytes, torch.Tensor]]:
     """(every rank of ``group``, together, once every rank has prepared) Runs ``moves`` (the same list on
-    every rank, in order). Returns what this rank received: ``(manifest, header, bytes)``. Each move involves
-    two ranks and every rank runs them in the same order, so the first unfinished move always has both its
-    ranks at it: nothing waits on a peer that is not coming (and the group's timeout bounds each call)."""
-    got = []
+    every rank). Returns what this rank received: ``(manifest, header, bytes)``, in the moves' order.
+
+    Every rank posts all its sends and receives at once, each message tagged with its move, then waits for
+    them: the moves run side by side (a node back empty receives its ranks' shares from several senders at
+    once, not one after the other), and a message can only match its own move. No rank waits on a peer that
+    is not coming: every rank has prepared and agreed before any is posted, and the group's timeout bounds
+    each wait."""
+    works, got, sent = [], [], []  # sent: the headers' tensors, alive until their sends are done
     for i, (_owner, sender, receiver, manifest) in enumerate(moves):
         if sender == me:
             head, flat = prepared.sends[i]
-            if head:
-                dist.send(torch.frombuffer(bytearray(head), dtype=torch.uint8), dst=receiver, group=group)
-            if flat.numel():
-                dist.send(flat, dst=receiver, group=group)
+            sent.append(torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else None)
+            for tag, part in _parts(i, sent[-1], flat):
+                works.append(dist.isend(part, dst=receiver, group=group, tag=tag))
         elif receiver == me:
             head = torch.empty(manifest.head_nbytes, dtype=torch.uint8)
             flat = prepared.receives[i]
-            if head.numel():
-                dist.recv(head, src=sender, group=group)
-            if flat.numel():
-                dist.recv(flat, src=sender, group=group)
-            got.append((manifest, bytes(head.numpy()), flat))
-    return got
+            for tag, part in _parts(i, head, flat):
+                works.append(dist.irecv(part, src=sender, group=group, tag=tag))
+            got.append((manifest, head, flat))
+    for work in works:
+        work.wait()
+    return [(manifest, bytes(head.numpy()), flat) for manifest, head, flat in got]
+
+
+def _parts(move: int, head: torch.Tensor | None, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """The messages of one move, with their tags (two per move): the header and the bytes, where not empty."""
+    return [(2 * move + k, t) for k, t in enumerate((head, flat)) if t is not None and t.numel()]

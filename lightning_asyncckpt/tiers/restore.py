@@ -8,8 +8,10 @@ Three moves, each rank in the same order:
    replicas it holds for its peers are prepared with it and sent from the first step boundary on, in the
    writer's thread
    (:mod:`lightning_asyncckpt.tiers.deferred_refill`).
-2. **Check.** Every rank checks the CRC32 of every share in its own holder directory (and of what it was
-   sent); the ranks agree on the outcome (one gather), so that either all restore or all fall back.
+2. **Check.** Every rank checks the CRC32 of what it was sent, and of every share in its own holder
+   directory that it or its node's other ranks read in 3 (a share it only sends is checked by its receiver;
+   a replica no rank uses in this restore, by the restore that uses it); the ranks agree on the outcome (one
+   gather), so that either all restore or all fall back.
 3. **Read.** Each rank reads the shares it needs (sharded: its own; replicated: every owner's) from the
    holder directories of its own node, checked in 2; a share its node does not hold is sent from
    another node and checked on arrival.
@@ -126,9 +128,11 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         except OSError as e:
             bad.append(f"rank {me} could not map rank {owner}'s share it was sent: {e}")
 
-    # 2. check this rank's own holder directory (what it did not just receive and check)
+    # 2. check what is read from this rank's holder directory, by this rank or (in 3b) its node's others; a
+    # share it only sends is checked on arrival, and a replica this restore does not use, before any use
+    read_here = {owner for rows in fetch.reads.values() for owner, holder, _ in rows if holder == me}
     for h in ranks.store.holdings(ranks.topology):
-        if h.step != step or h.owner in refilled:
+        if h.step != step or h.owner in refilled or h.owner not in read_here:
             continue
         try:
             head, flat = mapped(h)
