@@ -43,31 +43,42 @@ def _restore(tier, rank):
     return local, lines, held, held_at_resume
 
 
-def _node_lost_twice_rank(rank, root):
-    """Step 2 saved with replicas; node 1 comes back empty and resumes; then node 0 is lost before any new
-    save: step 2 is still restorable, from the replica node 1 received after its resume."""
-    import torch.distributed as dist
+def _saved_step_2(rank, root):
+    """A sharded weight over both ranks, saved at step 2 with its replicas; returns it and the tier's config."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    w = distribute_tensor(torch.arange(100_000, dtype=torch.float32), init_device_mesh("cpu", (2,)), [Shard(0)])
-    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
     from lightning_asyncckpt.tiers.run import TierRun
 
+    w = distribute_tensor(torch.arange(100_000, dtype=torch.float32), init_device_mesh("cpu", (2,)), [Shard(0)])
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
     run = TierRun(tier, node_rank=rank, local_world_size=1)
     run.save(2, {"w": w, "global_step": 2})
     assert run.finish() == 2
     run.close()
+    return w, tier
+
+
+def _restore_lose_restore(tier, rank, root, node):
+    """Both ranks restore; then ``node`` loses its local directory, and both restore again."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    first = _restore(tier, rank)
+    dist.barrier()
+    if rank == node:
+        _lose(root, node)
+    dist.barrier()
+    return first, _restore(tier, rank)
+
+
+def _node_lost_twice_rank(rank, root):
+    """Step 2 saved with replicas; node 1 comes back empty and resumes; then node 0 is lost before any new
+    save: step 2 is still restorable, from the replica node 1 received after its resume."""
+    w, tier = _saved_step_2(rank, root)
     if rank == 1:
         _lose(root, 1)
-    dist.barrier()
-    after_first = _restore(tier, rank)
-    dist.barrier()
-    if rank == 0:
-        _lose(root, 0)
-    dist.barrier()
-    after_second = _restore(tier, rank)
-    return w.to_local().clone(), after_first, after_second
+    return (w.to_local().clone(), *_restore_lose_restore(tier, rank, root, node=0))
 
 
 @pytest.mark.timeout(180)
@@ -92,18 +103,7 @@ def _unused_replica_corrupt_rank(rank, root):
     """Step 2 saved with replicas; rank 0's replica of rank 1's share is then corrupted (one byte). With both
     nodes whole, no rank uses that replica, so both restore step 2 from their own shares. Then node 1 is
     lost: now the replica is sent to rank 1, fails its check on arrival, and both fall back."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from lightning_asyncckpt.tiers.run import TierRun
-
-    w = distribute_tensor(torch.arange(100_000, dtype=torch.float32), init_device_mesh("cpu", (2,)), [Shard(0)])
-    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
-    run.save(2, {"w": w, "global_step": 2})
-    assert run.finish() == 2
-    run.close()
+    w, tier = _saved_step_2(rank, root)
     if rank == 0:
         replica = f"{root}/node0/asyncckpt-local/default/holder-0/step-0000000002.owner-1.pt"
         with open(replica, "r+b") as f:
@@ -111,14 +111,7 @@ def _unused_replica_corrupt_rank(rank, root):
             byte = f.read(1)
             f.seek(1000)
             f.write(bytes([byte[0] ^ 0xFF]))
-    dist.barrier()
-    whole = _restore(tier, rank)
-    dist.barrier()
-    if rank == 1:
-        _lose(root, 1)
-    dist.barrier()
-    node1_lost = _restore(tier, rank)
-    return w.to_local().clone(), whole, node1_lost
+    return (w.to_local().clone(), *_restore_lose_restore(tier, rank, root, node=1))
 
 
 @pytest.mark.timeout(180)
