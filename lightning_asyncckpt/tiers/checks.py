@@ -106,6 +106,7 @@ def space(dir: Path, rank: int, node_of: list[int], share_bytes: int, held_bytes
                    f" {len(mine)} rank(s) need {human_bytes(total)}: each keeps its newest complete step while it"
                    f" writes the next, {factor} cop{'y' if factor == 1 else 'ies'} of its share each (its own"
                    f" and {factor - 1} replica(s)), 2 x {factor} x share; shares: {shares_txt}. Fix: a larger"
-                   " directory (e.g. a bigger /dev/shm or tmpfs size=), a local NVMe mount, or a smaller"
+                   " directory (a bigger /dev/shm: `docker run --shm-size=...`, a Kubernetes emptyDir with"
+                   " medium: Memory and a sizeLimit, or tmpfs size=), a local NVMe mount, or a smaller"
                    " replication_factor. Nothing was written.")
     agree(problem, gather)
