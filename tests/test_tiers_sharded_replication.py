@@ -120,3 +120,31 @@ def test_every_replica_holds_its_owners_bytes_save_after_save(tmp_path):
         mine = tmp_path / f"node{owner}/asyncckpt-local/default/holder-{owner}" / name
         replica = tmp_path / f"node{holder}/asyncckpt-local/default/holder-{holder}" / name
         assert mine.read_bytes() == replica.read_bytes() and len(mine.read_bytes()) >= 80_000
+
+
+def _empty_share_rank(rank, root):
+    """One element sharded over two ranks: rank 1's share holds no tensor bytes, yet is replicated,
+    committed and restored like any other."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
+    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    w = distribute_tensor(torch.full((1,), 7.0), init_device_mesh("cpu", (2,)), [Shard(0)])
+    run.save(2, {"w": w, "global_step": 2})
+    complete = run.finish()
+    run.close()
+    again = TierRun(tier, node_rank=rank, local_world_size=1)
+    restored = again.take(again.latest(None))
+    again.close()
+    return complete, None if restored is None else restored["w"].local.tolist()
+
+
+def test_an_empty_share_is_replicated_and_restored(tmp_path):
+    got = two_nodes(_empty_share_rank, tmp_path)
+    assert got[0] == (2, [7.0]) and got[1] == (2, []), got
+    name = "step-0000000002.owner-1.pt"  # rank 1's share and its replica on node 0: no bytes
+    assert (tmp_path / "node1/asyncckpt-local/default/holder-1" / name).stat().st_size == 0
+    assert (tmp_path / "node0/asyncckpt-local/default/holder-0" / name).stat().st_size == 0

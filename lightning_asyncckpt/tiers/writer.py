@@ -149,7 +149,8 @@ class ShareWriter:
             if got.owner == self.rank:
                 commits.append((self.rank, own.file, own.head, head_crc, flat_crc))
             elif tuple(got.crc32) != TORN:  # else its owner reports the failure; its file is never named
-                mapped = landed.get(got.owner) or self.store.reserve(step, got.owner, 0)  # an empty share
+                # an empty share lands nowhere: its file, of no bytes, is made here
+                mapped = landed[got.owner] if got.owner in landed else self.store.reserve(step, got.owner, 0)
                 # a replica keeps its owner's CRC32s, checked before any use (recovery): not computed again here
                 commits.append((got.owner, mapped, bytes(head_t.numpy()), *got.crc32))
         return commits
