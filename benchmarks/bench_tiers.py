@@ -19,7 +19,7 @@ all-reduce (a DDP gradient bucket's stand-in, which keeps the ranks in step as D
 ``add_(1)`` on every state tensor (an optimizer step writes all of it).
 
 **Overhead.** A *period* is one save and the ``--every`` training steps after it, timed on rank 0 from a
-barrier to a barrier, in four variants interleaved in the same processes, their order rotated per
+barrier to a barrier, in the variants below, interleaved in the same processes, their order rotated per
 repetition (``--reps``):
 
 - ``baseline``: ``--every`` steps, no save;
@@ -28,6 +28,8 @@ repetition (``--reps``):
 - ``local_lazy``: the same with ``snapshot="lazy"``'s rule (every state tensor left to the background copy;
   each step waits for it, ``TierRun.wait_copy()``, before its ``add_``, as the Trainer does before the
   optimizer step);
+- ``local_overlap``: ``local`` with ``LocalTier(overlap_agreement=True)``: each boundary's all-reduce is
+  posted and read at the next boundary (``finish()`` reads the last one);
 - ``persistent``: rank 0 ``save_checkpoint`` (the previous file removed as ``ModelCheckpoint(save_top_k=1)``
   does), the steps with ``finalize()`` on every rank after each, then ``finalize(blocking=True)``;
 - ``persistent_s3`` (unless ``--no-s3``; replicated layout): the same into ``s3://`` on the S3-protocol

@@ -20,7 +20,7 @@ import tiers_sharded
 from page_cache import drop_cache, warm_cache
 from tiers_parts import Timers, make_state, rotations, same_state, state_tensors
 
-VARIANTS = ["baseline", "local", "local_lazy", "persistent", "persistent_s3"]  # local_lazy: snapshot="lazy"
+VARIANTS = ["baseline", "local", "local_lazy", "local_overlap", "persistent", "persistent_s3"]  # see bench_tiers.py
 RECOVERIES = ["local_replicas", "persistent_cold", "persistent_warm", "persistent_s3"]
 S3_PATH = "s3://bench-tiers/last.ckpt"
 S3_SAVES = "s3://bench-tiers/saves"  # the persistent_s3 variant's checkpoints
@@ -201,6 +201,7 @@ class Trainer:
         t0 = time.perf_counter()
         stall = None
         if variant.startswith("local"):
+            self.tier.agreement.overlapped = variant == "local_overlap"  # LocalTier(overlap_agreement=True)
             stall = self.local_save(lazy=variant == "local_lazy")
         elif variant.startswith("persistent"):
             stall = self.persistent_save(s3=variant == "persistent_s3")

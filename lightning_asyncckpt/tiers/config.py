@@ -28,6 +28,10 @@ class LocalTier:
         timeout_s: a replication or recovery exchange that takes longer fails (never hangs).
         emergency_signals: signal names that request an emergency save: the next step boundary, all ranks
             agree, save to the local tier, drain and stop training. ``()`` leaves signals alone.
+        overlap_agreement: the tier's one small all-reduce per step is posted at a step boundary and read at
+            the next, so that it runs beside the next step's compute instead of on its critical path; what
+            it agrees on (a preemption, a failed local save, old steps to remove) then takes effect one step
+            later on every rank. For large jobs, where the all-reduce's latency grows with the world size.
 
     Made on every rank with the same values; ``AsyncCheckpointIO(local=LocalTier(...))`` uses it.
     """
@@ -39,6 +43,7 @@ class LocalTier:
     session: str = "default"
     timeout_s: float = 600.0
     emergency_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    overlap_agreement: bool = False
 
     def __post_init__(self) -> None:
         import importlib.util
@@ -61,6 +66,8 @@ class LocalTier:
             raise ValueError(f"LocalTier(session=...) must be 1 to 64 of [A-Za-z0-9_.-]; got {self.session!r}.")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"LocalTier(timeout_s=...) must be a number of seconds > 0; got {self.timeout_s!r}.")
+        if not isinstance(self.overlap_agreement, bool):
+            raise ValueError(f"LocalTier(overlap_agreement=...) must be True or False; got {self.overlap_agreement!r}.")
         names = (self.emergency_signals,) if isinstance(self.emergency_signals, str) else self.emergency_signals
         object.__setattr__(self, "emergency_signals", tuple(names))
         for name in self.emergency_signals:

@@ -40,6 +40,7 @@ from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.persistent import global_step
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
+from lightning_asyncckpt.tiers.step_agreement import StepAgreement
 from lightning_asyncckpt.tiers.store import LocalStore
 from lightning_asyncckpt.tiers.writer import Copied, ShareWriter
 
@@ -76,6 +77,7 @@ class TierRun:
             if factor > 1:  # every rank makes every clique's group, in the same order
                 groups = [dist.new_group(c, backend="gloo", timeout=timeout) for c in self.cliques]
                 self.clique_group = groups[self.cliques.index(self.clique)]
+        self.agreement = StepAgreement(self.group if self.world > 1 else None, config.overlap_agreement)
         checks.agree(checks.directory(Path(config.dir), self.rank, node_rank), self.gather)
         self.node_of = self.gather(node_rank)
         checks.cliques_span_nodes(self.cliques, self.node_of, self.jump)
@@ -188,15 +190,19 @@ class TierRun:
         """(every rank, after every optimizer step) One all-reduce: a preemption request on any rank (and whether
         every rank received the same signal, and has the handler it replaced to pass it on to), a failed
         local save on any rank (raised here on every rank), and the newest step complete everywhere, whose
-        older steps this rank then removes from its own holder directory."""
+        older steps this rank then removes from its own holder directory. With ``overlap_agreement`` the
+        round is posted here and what the previous boundary posted is returned (nothing at the first):
+        :mod:`lightning_asyncckpt.tiers.step_agreement`."""
         self._start_refill()
+        agreed = self.agreement.round(self._values())
+        return Boundary(False, self.complete) if agreed is None else self._agreed(agreed)
+
+    def _values(self) -> list[int]:
         signum = self.flag.received_number
         handler = int(signum > 0 and self.flag.replaced_handler() is not None)
-        values = [signum, -signum, -handler, int(self.writer.error is not None), -self.writer.newest_done]
-        if self.distributed and self.world > 1:
-            t = torch.tensor(values, dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            values = [int(v) for v in t.tolist()]
+        return [signum, -signum, -handler, int(self.writer.error is not None), -self.writer.newest_done]
+
+    def _agreed(self, values: list[int]) -> Boundary:
         highest, lowest, handlers, failed, complete = values[0], -values[1], -values[2], bool(values[3]), -values[4]
         if failed:
             self._raise_failed(force=True)
@@ -210,7 +216,10 @@ class TierRun:
         """(every rank) Waits for the local save in flight, then agrees; returns the newest complete step."""
         self._start_refill()
         self.writer.wait(self.config.timeout_s)
-        return self.boundary().complete
+        posted = self.agreement.settle()  # an overlapped round: read (its failure raised), not lost
+        if posted is not None:
+            self._agreed(posted)
+        return self._agreed(self.agreement.now(self._values())).complete
 
     def _raise_failed(self, force: bool = False) -> None:
         errors = self.gather(self.writer.error) if (force or self.world == 1) else None
@@ -306,6 +315,7 @@ class TierRun:
         ``wait``: its thread is a daemon) and gives the signals back."""
         if not wait:
             self._refill = None  # a peer may be gone: nothing more is sent
+            self.agreement.drop()
         self._start_refill()
         if wait and self.writer.wait(self.config.timeout_s):
             self.store.close()  # its spare files: the next run makes its own
