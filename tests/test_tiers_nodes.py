@@ -128,11 +128,13 @@ def test_ddp_node_lost_resumes_from_replicas_then_persistent_with_mcore(tmp_path
     _scenarios(tmp_path, ["--engine", "mcore", "--strategy", "ddp"])
 
 
-def test_sigterm_on_one_rank_saves_the_agreed_step_locally_stops_every_rank_and_resumes_there(tmp_path):
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_sigterm_on_one_rank_saves_the_agreed_step_locally_stops_every_rank_and_resumes_there(tmp_path, overlap):
     """SIGTERM to global rank 3 only (node 1) in the middle of training: the handler only sets a flag; at
     the next step boundary all four ranks agree, save that step to the local tier with its replicas, drain
-    and stop training without an error; the next launch resumes exactly there."""
-    extra = ["--engine", "mcore", "--strategy", "ddp"]
+    and stop training without an error; the next launch resumes exactly there. With
+    ``overlap_agreement=True`` the ranks agree one boundary later, all at the same step."""
+    extra = ["--engine", "mcore", "--strategy", "ddp", "--overlap", overlap]
     with launch_nodes(JOB, ["--case", "preempt", *extra], tmp_path, timeout=300, node_local=True) as cluster:
         _wait_for(cluster, ["at-step-5-rank3"])
         os.kill(int((cluster.out / "at-step-5-rank3").read_text()), signal.SIGTERM)

@@ -85,7 +85,8 @@ class MarkStep(L.Callback):
 
 
 def _trainer(args, max_steps, callbacks, save_last=True):
-    io = AsyncCheckpointIO(args.engine, local=LocalTier(LOCAL, every_n_train_steps=2, timeout_s=60))
+    io = AsyncCheckpointIO(args.engine, local=LocalTier(LOCAL, every_n_train_steps=2, timeout_s=60,
+                                                        overlap_agreement=args.overlap == "1"))
     # a resume that only checks where it starts leaves the persistent tier as it is (no last.ckpt at its end)
     ck = ModelCheckpoint(dirpath=os.path.join(args.out, "c"), every_n_train_steps=8, save_top_k=-1,
                          save_last=save_last)
@@ -134,7 +135,7 @@ def case_preempt(args, report):
 
 
 def main():
-    args = node_job_args(strategy="ddp", tp="1")
+    args = node_job_args(strategy="ddp", tp="1", overlap="0")
     run_and_report(args.out, args.devices, lambda report: globals()[f"case_{args.case}"](args, report))
 
 
