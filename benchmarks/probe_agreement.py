@@ -87,7 +87,8 @@ def main() -> None:
         q = ctx.SimpleQueue()
         mp.spawn(_after_step, args=(_port(), args.steps, args.matmuls, q), nprocs=4)
         rows = sorted(q.get() for _ in range(4))
-        print("\n| rank (after a 4 MiB gradient all-reduce, 2 ranks per core) | median (ms) | max (ms) |\n|---|---|---|")
+        print("\n| rank (after a 4 MiB gradient all-reduce, 2 ranks per core) | median (ms) | max (ms) |")
+        print("|---|---|---|")
         for rank, med, top in rows:
             print(f"| {rank} | {med * 1e3:.3f} | {top * 1e3:.3f} |")
 

@@ -3,10 +3,11 @@ over the tier's own gloo group (:meth:`TierRun.boundary` says what they mean).
 
 Waited for at once, it sits on every step's critical path: a gloo all-reduce of a few bytes took 3 to 5 ms
 per rank here (4 ranks on 2 cores, right after a 4 MiB gradient all-reduce had put them in step;
-``benchmarks/probe_agreement.py``), and its latency grows with the world size. ``overlapped`` posts each boundary's round and reads it at the
-next boundary, so that it runs in gloo's thread beside the next step's compute. What it agrees on then
-takes effect one step later on every rank alike: an emergency save happens at the boundary after the
-signal's, a failed save is raised one step later, and old steps are removed one step later.
+``benchmarks/probe_agreement.py``), and its latency grows with the world size. ``overlapped`` posts each
+boundary's round and reads it at the next boundary, so that it runs in gloo's thread beside the next step's
+compute. What it agrees on then takes effect one step later on every rank alike: an emergency save happens
+at the boundary after the signal's, a failed save is raised one step later, and old steps are removed one
+step later.
 """
 
 from __future__ import annotations
