@@ -163,11 +163,13 @@ def test_fsdp2_node_lost_resumes_from_replicas_then_persistent(tmp_path, engine)
 FABRIC_JOB = job_script("tiers_fabric_job.py")
 
 
-@pytest.mark.parametrize("engine", ["mcore", pytest.param("nvrx", marks=pytest.mark.slow)])
-def test_fabric_node_lost_resumes_from_the_replica_then_persistent(tmp_path, engine):
-    """Fabric, DDP over 2 nodes x 1 rank: node 1 lost after local step 10 and back empty resumes at 10
-    from node 0's replica; with both local tiers lost, at 8 from the persistent file."""
-    args = ["--engine", engine]
+@pytest.mark.parametrize("engine,strategy", [("mcore", "ddp"), pytest.param("nvrx", "ddp", marks=pytest.mark.slow),
+                                             ("nvrx", "fsdp2"), pytest.param("mcore", "fsdp2", marks=pytest.mark.slow)])
+def test_fabric_node_lost_resumes_from_the_replica_then_persistent(tmp_path, engine, strategy):
+    """Fabric over 2 nodes x 1 rank, DDP or FSDP2 (``AsyncFabricModelParallelStrategy``: each rank's own
+    DTensor shards, replicated by NVRx's clique replication): node 1 lost after local step 10 and back empty
+    resumes at 10 from node 0's replica; with both local tiers lost, at 8 from the persistent checkpoint."""
+    args = ["--engine", engine, "--strategy", strategy]
     with launch_nodes(FABRIC_JOB, ["--case", "train", *args], tmp_path, nodes=2, devices=1, timeout=240,
                       node_local=True) as cluster:
         _wait_for(cluster, ["held-rank0", "held-rank1"])

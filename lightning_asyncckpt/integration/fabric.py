@@ -15,10 +15,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_asyncckpt.format import paths
-from lightning_asyncckpt.integration import lightning_api
+from lightning_asyncckpt.integration import lightning_api, tier_fabric_load
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO
 from lightning_asyncckpt.integration.lightning_api import FabricModelParallelStrategy as ModelParallelStrategy
+from lightning_asyncckpt.tiers import restore_key
 
 
 class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
@@ -84,8 +85,17 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """(all ranks) Commits or fails every pending save first, then loads as Fabric does."""
-        self.checkpoint_io.settle()
+        """(all ranks) Commits or fails every pending save first, then loads as Fabric does; the key that
+        ``FabricTiers.resume`` got for a local-tier step loads this rank's shards of it
+        (:mod:`~lightning_asyncckpt.integration.tier_fabric_load`)."""
+        io = self.checkpoint_io
+        io.settle()
+        restored = io.tier.take(path) if io.tier is not None else None
+        if restored is not None:
+            return tier_fabric_load.load_shards(restored, state or {}, strict, self.root_device)
+        step = restore_key.step_of(path)
+        if step is not None:  # a local step's key loaded again: it is not a file
+            raise restore_key.not_held(path, step)
         return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 

@@ -183,12 +183,9 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
             set_model_state_dict,
             set_optimizer_state_dict,
         )
-        from torch.distributed.tensor import DTensor
 
         assert self.model is not None and self.lightning_module is not None
-        meshes = {(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
-                  for p in self.model.parameters() if isinstance(p, DTensor)}
-        checkpoint = shares.rebuild(state, meshes, self.root_device)
+        checkpoint = shares.rebuild(state, shares.meshes_of(self.model), self.root_device)
         options = StateDictOptions(strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
         for optimizer, saved in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):

@@ -15,6 +15,10 @@ Fabric has no hooks, so the loop calls two methods, on every rank, in the same o
 With ``AsyncCheckpointIO(snapshot="lazy")``, ``io.track_optimizers([optimizer])`` once and
 ``io.wait_for_snapshot()`` right before each ``optimizer.step()``, as for the persistent saves: the local
 saves' optimizer tensors are then copied while the next forward and backward run.
+
+Strategies: a single device, DDP (``plugins=[io]``), and FSDP2 or tensor parallel with
+``AsyncFabricModelParallelStrategy(..., checkpoint_io=io)`` (or ``plugins=[io]``): each rank then saves its own
+``DTensor`` shards, and ``resume`` loads them back onto the model's mesh.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 from typing import Any
 
 from lightning_asyncckpt.integration import lightning_api, replaced_handlers
+from lightning_asyncckpt.integration.fabric import sharded_state
 from lightning_asyncckpt.integration.io import find_async_io
 from lightning_asyncckpt.tiers.run import TierRun
 
@@ -80,8 +85,12 @@ class FabricTiers:
         return True
 
     def _convert(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` as ``fabric.save`` would write it: modules and optimizers as their state dicts."""
+        """``state`` as ``fabric.save`` would write it: modules and optimizers as their state dicts (FSDP2,
+        tensor parallel: their sharded ones, each rank's ``DTensor`` shards, as a sharded ``fabric.save``)."""
         unwrap = lightning_api.fabric_module("wrappers")._unwrap_objects
+        if isinstance(self.fabric.strategy, lightning_api.FabricModelParallelStrategy):
+            converted, meta = sharded_state(unwrap(state))
+            return {**converted, **meta}
         return self.fabric.strategy._convert_stateful_objects_in_state(unwrap(state), filter={})
 
     def close(self) -> None:

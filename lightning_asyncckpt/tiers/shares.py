@@ -92,6 +92,15 @@ def _placeholder_names(skeleton: Any) -> dict[str, torch.Tensor]:
     return found
 
 
+def meshes_of(module: torch.nn.Module) -> dict[tuple, Any]:
+    """The device meshes of ``module``'s ``DTensor`` parameters, by dimension names and ranks: what
+    :func:`rebuild` puts each saved shard back on."""
+    from torch.distributed.tensor import DTensor
+
+    return {(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
+            for p in module.parameters() if isinstance(p, DTensor)}
+
+
 def rebuild(state: Any, meshes: dict[tuple, Any], device: torch.device) -> Any:
     """A sharded share's state with each :class:`LocalShard` made a ``DTensor`` again, on the mesh of the
     same dimension names and ranks in ``meshes`` (the model's own), its local shard on ``device``."""

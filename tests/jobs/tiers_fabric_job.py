@@ -1,5 +1,7 @@
-"""Fabric with the local tier on simulated nodes (tests/test_tiers_nodes.py): 2 nodes x 1 rank, DDP, local
-saves every 2 steps through ``FabricTiers``, a persistent ``fabric.save`` at step 8.
+"""Fabric with the local tier on simulated nodes (tests/test_tiers_nodes.py): 2 nodes x 1 rank, DDP
+(``--strategy ddp``) or FSDP2 (``--strategy fsdp2``: ``AsyncFabricModelParallelStrategy``, each rank's
+shards), local saves every 2 steps through ``FabricTiers``, a persistent ``fabric.save`` at step 8 (FSDP2: a
+sharded directory written by both ranks).
 
 Cases: ``train`` (until step 10 is complete locally; the states of steps 8 and 10 go aside; then waits to be
 killed) and ``resume`` (``FabricTiers.resume`` with the persistent step-8 file; reports the step and whether
@@ -24,26 +26,57 @@ from lightning_asyncckpt import AsyncCheckpointIO, FabricTiers, LocalTier  # noq
 
 
 def _state_of(state):
-    return copy.deepcopy({"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()["state"],
-                          "step": state["step"]})
+    """This rank's model and optimizer state, copied (a DTensor: its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(obj):
+        if isinstance(obj, dict):
+            return {k: local(v) for k, v in obj.items()}
+        return obj.to_local().clone() if isinstance(obj, DTensor) else copy.deepcopy(obj)
+
+    return local({"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()["state"],
+                  "step": state["step"]})
+
+
+def _parallelize(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["data_parallel"])
+    return fully_shard(model, mesh=mesh["data_parallel"])
+
+
+def _fabric(args, io):
+    if args.strategy == "fsdp2":
+        from lightning_asyncckpt import AsyncFabricModelParallelStrategy
+
+        world = args.nodes * args.devices
+        strategy = AsyncFabricModelParallelStrategy(_parallelize, data_parallel_size=world, tensor_parallel_size=1,
+                                                    checkpoint_io=io)
+        return L.Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy)
+    return L.Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy="ddp", plugins=[io])
 
 
 def main():
-    args = node_job_args()
+    args = node_job_args(strategy="ddp")
     run_and_report(args.out, args.devices, lambda report: run(args, report))
 
 
 def run(args, report):
     io = AsyncCheckpointIO(args.engine, local=LocalTier("/dev/shm/local", every_n_train_steps=2, timeout_s=60))
-    fabric = L.Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy="ddp", plugins=[io])
+    fabric = _fabric(args, io)
     fabric.launch()
     L.seed_everything(1)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, optimizer = fabric.setup(model, optimizer)
+    if args.strategy == "fsdp2":  # the optimizer over the sharded parameters
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    else:
+        model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     tiers = FabricTiers(fabric)
-    persistent = os.path.join(args.out, "c", "step-8.ckpt")
+    persistent = os.path.join(args.out, "c", "step-8.ckpt")  # FSDP2: a directory of that name
     with io:
         if args.case == "resume":
             report["resumed"] = tiers.resume(state, persistent=persistent)
