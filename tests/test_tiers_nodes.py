@@ -189,3 +189,26 @@ def test_fabric_node_lost_resumes_from_the_replica_then_persistent(tmp_path, eng
         assert [r["start_step"] for r in reports] == [expect] * 2, logs
         assert all(r["resumed"] and r["resume_exact"] for r in reports)
     assert "resuming from the persistent tier" in logs and "every local directory is empty" in logs
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_fabric_tiers_resume_takes_keys_as_fabric_load_does(tmp_path, strategy):
+    """``FabricTiers.resume(state, strict=...)`` of a local step: a key the step lacks raises under ``strict``
+    (Fabric's own error) and is left alone without it; the step's name loaded again says what it is."""
+    args = ["--engine", "nvrx", "--strategy", strategy]
+    with launch_nodes(FABRIC_JOB, ["--case", "train", *args], tmp_path, nodes=2, devices=1, timeout=240,
+                      node_local=True) as cluster:
+        _wait_for(cluster, ["held-rank0", "held-rank1"])
+        cluster.nodes[1].kill()
+        cluster.nodes[0].kill()
+        cluster.wait()
+    for f in cluster.out.glob("rank*.json"):
+        f.unlink()
+    with launch_nodes(FABRIC_JOB, ["--case", "keys", *args], tmp_path, nodes=2, devices=1, timeout=240,
+                      node_local=True) as cluster:
+        cluster.wait()
+        reports = read_reports(cluster, 2)
+    for r in reports:
+        assert "'extra'" in r["strict_error"]
+        assert r["resumed"] and r["start_step"] == 10 and r["extra"] == 1
+        assert "names step 10 of the local tier" in r["again_error"]

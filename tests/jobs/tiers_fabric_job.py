@@ -4,8 +4,8 @@ shards), local saves every 2 steps through ``FabricTiers``, a persistent ``fabri
 sharded directory written by both ranks).
 
 Cases: ``train`` (until step 10 is complete locally; the states of steps 8 and 10 go aside; then waits to be
-killed) and ``resume`` (``FabricTiers.resume`` with the persistent step-8 file; reports the step and whether
-the state equals the saved one exactly).
+killed), ``resume`` (``FabricTiers.resume`` with the persistent step-8 file; reports the step and whether
+the state equals the saved one exactly) and ``keys`` (``strict``, and the resumed step's name loaded again).
 """
 
 from __future__ import annotations
@@ -58,6 +58,22 @@ def _fabric(args, io):
     return L.Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy="ddp", plugins=[io])
 
 
+def _case_keys(fabric, tiers, state, report):
+    """``FabricTiers.resume`` with keys as ``fabric.load`` takes them: a requested key the local step lacks
+    raises under ``strict``, is left as it is without; the step's name loaded again says what it is."""
+    try:
+        tiers.resume({**state, "extra": 1})
+    except KeyError as e:
+        report["strict_error"] = str(e)
+    wanted = {**state, "extra": 1}
+    report["resumed"] = tiers.resume(wanted, strict=False)
+    report["start_step"], report["extra"] = wanted["step"], wanted["extra"]
+    try:
+        fabric.load("/dev/shm/local/asyncckpt-local/default/restore-step-10", state)
+    except FileNotFoundError as e:
+        report["again_error"] = str(e)
+
+
 def main():
     args = node_job_args(strategy="ddp")
     run_and_report(args.out, args.devices, lambda report: run(args, report))
@@ -85,6 +101,9 @@ def run(args, report):
                                weights_only=False)
             assert_tree_equal(_state_of(state), saved, "state at resume")
             report["resume_exact"] = True
+            return
+        if args.case == "keys":
+            _case_keys(fabric, tiers, state, report)
             return
         copies = {}
         g = torch.Generator().manual_seed(fabric.global_rank)
