@@ -21,10 +21,11 @@ def _state_of(state):
                        "step": state["step"]})
 
 
-def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None, sigterm_at=None):
+def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None, sigterm_at=None, persist_at=None):
     """Trains to ``steps`` (or resumes, and returns the step and state it resumed at); ``edit_after``: once the
     local save of that step returned, changes a weight in place before the next optimizer step;
-    ``sigterm_at``: this process sends itself SIGTERM after that step (the tier then holds SIGTERM)."""
+    ``sigterm_at``: this process sends itself SIGTERM after that step (the tier then holds SIGTERM);
+    ``persist_at``: ``fabric.save`` of that step to ``tmp_path/persistent.ckpt`` (a resume is offered it)."""
     (tmp_path / "local").mkdir(exist_ok=True)
     io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(
         tmp_path / "local", every_n_train_steps=2, replication_factor=1, timeout_s=60,
@@ -44,7 +45,8 @@ def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None, s
     with io:
         try:
             if resume:
-                assert tiers.resume(state)
+                persistent = tmp_path / "persistent.ckpt"
+                assert tiers.resume(state, persistent=persistent if persistent.exists() else None)
                 return state["step"], _state_of(state)
             g = torch.Generator().manual_seed(0)
             while state["step"] < steps:
@@ -60,6 +62,8 @@ def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None, s
                 optimizer.step()
                 state["step"] += 1
                 saved[state["step"]] = _state_of(state)
+                if state["step"] == persist_at:
+                    fabric.save(tmp_path / "persistent.ckpt", state)
                 if state["step"] == sigterm_at:
                     os.kill(os.getpid(), signal.SIGTERM)  # only a flag is set; step_end acts on it
                 if tiers.step_end(state["step"], state):
@@ -105,3 +109,14 @@ def test_a_sigterm_handler_of_the_users_runs_after_the_emergency_save_and_may_ex
     assert seen == [(signal.SIGTERM, ["step-0000000003.owner-0.json"])]  # once, the emergency save complete
     step, _ = _loop(tmp_path, 0, "eager", resume=True)
     assert step == 3
+
+
+def test_a_persistent_fabric_checkpoint_newer_than_the_local_tier_wins(tmp_path, caplog):
+    """A Fabric state has ``step``, not ``global_step``: the resume reads it from the persistent file and
+    takes that file when it is newer than the local tier's newest step (10 here, the file 11)."""
+    saved = _loop(tmp_path, 11, "eager", persist_at=11)
+    with caplog.at_level("WARNING"):
+        step, state = _loop(tmp_path, 0, "eager", resume=True)
+    assert step == 11
+    assert_tree_equal(state, saved[11], "resume from the persistent file")
+    assert "its step 11 is newer than the local tier's 10" in caplog.text
