@@ -47,7 +47,7 @@ clique's exchange, commits; the slowest rank), and the persistent save's from th
 writer) and its children (the persistent worker) over the period, summed over the ranks; the extra CPU
 per save is the period's minus the same repetition's baseline's. Parts of the save call, its thread and
 the recovery are timed by wrapping the tier's functions (``packing.copy_into``, ``ShareWriter.wait``,
-``local_replicas.settle``, ``replication.replicate``, ``LocalStore.commit``, ``exchange.transfer``,
+``local_replicas.settle``, ``replication.replicate``, ``LocalStore.commit``, ``exchange.Posted.wait``,
 ``store.map_share``, ``shares.assemble``, and the load below) in this process; nothing else changes. One untimed save of each
 tier, drained, comes first (the worker start, the staging buffers, the files, the space check).
 

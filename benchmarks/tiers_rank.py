@@ -80,7 +80,7 @@ class Trainer:
         t.wrap(tier_writer.local_replicas, "settle", "replicate")  # replicated state: CRC32s gathered, repairs
         t.wrap(tier_replication, "replicate", "replicate")  # sharded state: NVRx's clique exchange
         t.wrap(self.tier.store, "commit", "write")  # header, manifest, renames
-        t.wrap(tier_restore.exchange, "transfer", "transfer")  # recovery: shares sent between ranks
+        t.wrap(tier_restore.exchange.Posted, "wait", "transfer")  # recovery: the wait for shares sent between ranks
         t.wrap(LocalStore, "read", "read")  # recovery: shares read from node-local files (before mapping)
         t.wrap(tier_store, "map_share", "read")  # recovery: another holder's shares on this node, mapped
         t.wrap(tier_restore.shares, "assemble", "assemble")

@@ -144,7 +144,8 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
     ra = summary["ratios"]
     lines += [
         "",
-        f"Local recovery (slowest rank): shares sent between ranks {f(rp['transfer'], '.2f')} s, read (or mapped) from"
+        f"Local recovery (slowest rank): waiting for the shares sent between ranks {f(rp['transfer'], '.2f')} s,"
+        " read (or mapped) from"
         f" node-local files {f(rp['read'], '.2f')} s, the full checkpoint assembled {f(rp['assemble'], '.2f')} s,"
         f" loaded into the model {f(rp.get('load'), '.2f')} s, CRC32 checks {f(rp.get('crc32'), '.2f')} s, gathers and"
         f" agreements {f(rp.get('agree'), '.2f')} s, headers unpacked {f(rp.get('unpack'), '.2f')} s, manifests listed"

@@ -4,8 +4,8 @@ NVRx's own retrieval sends every tensor through CUDA, and only within a clique; 
 
 A transfer has two halves so that a rank that cannot take part never leaves a peer waiting in a send or a
 receive: :func:`prepare` does everything that can fail on one rank (mapping the copies it sends, reserving
-the files or memory it receives into), the ranks agree on the outcome, and only then :func:`transfer` moves
-the bytes.
+the files or memory it receives into), the ranks agree on the outcome, and only then :func:`post` starts
+moving the bytes (:func:`transfer`: and waits for them).
 """
 
 from __future__ import annotations
@@ -43,32 +43,52 @@ def prepare(moves: Sequence[Move], read: Callable[[Held], tuple[bytes, torch.Ten
     return out
 
 
-def transfer(moves: Sequence[Move], prepared: Prepared, me: int,
-             group: dist.ProcessGroup | None) -> list[tuple[Held, bytes, torch.Tensor]]:
-    """(every rank of ``group``, together, once every rank has prepared) Runs ``moves`` (the same list on
-    every rank). Returns what this rank received: ``(manifest, header, bytes)``, in the moves' order.
+@dataclass
+class Posted:
+    """The sends and receives of one :func:`post`, under way; :meth:`wait` ends them."""
 
-    Every rank posts all its sends and receives at once, each message tagged with its move, then waits for
-    them: the moves run side by side (a node back empty receives its ranks' shares from several senders at
-    once, not one after the other), and a message can only match its own move. No rank waits on a peer that
-    is not coming: every rank has prepared and agreed before any is posted, and the group's timeout bounds
-    each wait."""
-    works, got, sent = [], [], []  # sent: the headers' tensors, alive until their sends are done
+    works: list = field(default_factory=list)
+    got: list[tuple[Held, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    sent: list = field(default_factory=list)  # the headers' tensors, alive until their sends are done
+
+    def wait(self) -> list[tuple[Held, bytes, torch.Tensor]]:
+        """(the rank that posted) Waits for every message (each wait bounded by the group's timeout);
+        returns what this rank received: ``(manifest, header, bytes)``, in the moves' order."""
+        for work in self.works:
+            work.wait()
+        self.works, self.sent = [], []
+        return [(manifest, bytes(head.numpy()), flat) for manifest, head, flat in self.got]
+
+
+def post(moves: Sequence[Move], prepared: Prepared, me: int, group: dist.ProcessGroup | None) -> Posted:
+    """(every rank of ``group``, together, once every rank has prepared) Starts ``moves`` (the same list on
+    every rank) and returns at once: the rank may work on other things (checksums) while the bytes move,
+    then must :meth:`Posted.wait`.
+
+    Every rank posts all its sends and receives at once, each message tagged with its move: the moves run
+    side by side (a node back empty receives its ranks' shares from several senders at once, not one after
+    the other), and a message can only match its own move. No rank waits on a peer that is not coming: every
+    rank has prepared and agreed before any is posted, and the group's timeout bounds each wait."""
+    out = Posted()
     for i, (_owner, sender, receiver, manifest) in enumerate(moves):
         if sender == me:
             head, flat = prepared.sends[i]
-            sent.append(torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else None)
-            for tag, part in _parts(i, sent[-1], flat):
-                works.append(dist.isend(part, dst=receiver, group=group, tag=tag))
+            out.sent.append(torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else None)
+            for tag, part in _parts(i, out.sent[-1], flat):
+                out.works.append(dist.isend(part, dst=receiver, group=group, tag=tag))
         elif receiver == me:
             head = torch.empty(manifest.head_nbytes, dtype=torch.uint8)
             flat = prepared.receives[i]
             for tag, part in _parts(i, head, flat):
-                works.append(dist.irecv(part, src=sender, group=group, tag=tag))
-            got.append((manifest, head, flat))
-    for work in works:
-        work.wait()
-    return [(manifest, bytes(head.numpy()), flat) for manifest, head, flat in got]
+                out.works.append(dist.irecv(part, src=sender, group=group, tag=tag))
+            out.got.append((manifest, head, flat))
+    return out
+
+
+def transfer(moves: Sequence[Move], prepared: Prepared, me: int,
+             group: dist.ProcessGroup | None) -> list[tuple[Held, bytes, torch.Tensor]]:
+    """:func:`post`, then :meth:`Posted.wait`: runs ``moves`` and returns what this rank received."""
+    return post(moves, prepared, me, group).wait()
 
 
 def _parts(move: int, head: torch.Tensor | None, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:

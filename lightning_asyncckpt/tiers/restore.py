@@ -8,10 +8,10 @@ Three moves, each rank in the same order:
    replicas it holds for its peers are prepared with it and sent from the first step boundary on, in the
    writer's thread
    (:mod:`lightning_asyncckpt.tiers.deferred_refill`).
-2. **Check.** Every rank checks the CRC32 of what it was sent, and of every share in its own holder
-   directory that it or its node's other ranks read in 3 (a share it only sends is checked by its receiver;
-   a replica no rank uses in this restore, by the restore that uses it); the ranks agree on the outcome (one
-   gather), so that either all restore or all fall back.
+2. **Check.** Every rank checks the CRC32 of every share in its own holder directory that it or its node's
+   other ranks read in 3, while the refill's bytes move, and of what it was sent, once it is there (a share
+   it only sends is checked by its receiver; a replica no rank uses in this restore, by the restore that uses
+   it); the ranks agree on the outcome (one gather), so that either all restore or all fall back.
 3. **Read.** Each rank reads the shares it needs (sharded: its own; replicated: every owner's) from the
    holder directories of its own node, checked in 2; a share its node does not hold is sent from
    another node and checked on arrival.
@@ -111,8 +111,27 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         return Restored(None, problems, sent, read)
     deferred.reserved = {m[0]: reserved[m[0]] for m in later if m[2] == me}
     senders = {(o, r): s for o, s, r, _ in refill}
+    incoming = {o for o, _s, r, _ in refill if r == me}
+    posted = exchange.post(refill, ready, me, ranks.group)
+    try:
+        # 2. while the refill's bytes move: check what is read from this rank's holder directory, by this rank
+        # or (in 3b) its node's others (what it receives is checked on arrival, and so is a share it only
+        # sends; a replica this restore does not use is checked by the restore that uses it)
+        read_here = {owner for rows in fetch.reads.values() for owner, holder, _ in rows if holder == me}
+        for h in ranks.store.holdings(ranks.topology):
+            if h.step != step or h.owner in incoming or h.owner not in read_here:
+                continue
+            try:
+                head, flat = mapped(h)
+            except OSError as e:
+                bad.append(f"rank {me} could not read rank {h.owner}'s share it holds: {e}")
+                continue
+            if _checked(h, head, flat, f"held by rank {me}", bad) and h.owner in mine:
+                got[h.owner] = (head, flat)
+    finally:  # whatever happened above, this rank's peers are in the transfers: they are ended
+        received = posted.wait()
     refilled: dict[int, Held] = {}
-    for m, head, flat in exchange.transfer(refill, ready, me, ranks.group):
+    for m, head, flat in received:
         if not _checked(m, head, flat, f"sent by rank {senders[(m.owner, me)]}", bad):
             continue
         try:
@@ -127,20 +146,6 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
             got[owner] = ranks.store.map(refilled[owner])  # the bytes just received: in the page cache
         except OSError as e:
             bad.append(f"rank {me} could not map rank {owner}'s share it was sent: {e}")
-
-    # 2. check what is read from this rank's holder directory, by this rank or (in 3b) its node's others; a
-    # share it only sends is checked on arrival, and a replica this restore does not use, before any use
-    read_here = {owner for rows in fetch.reads.values() for owner, holder, _ in rows if holder == me}
-    for h in ranks.store.holdings(ranks.topology):
-        if h.step != step or h.owner in refilled or h.owner not in read_here:
-            continue
-        try:
-            head, flat = mapped(h)
-        except OSError as e:
-            bad.append(f"rank {me} could not read rank {h.owner}'s share it holds: {e}")
-            continue
-        if _checked(h, head, flat, f"held by rank {me}", bad) and h.owner in mine:
-            got[h.owner] = (head, flat)
 
     # 3a. what this rank's node does not hold: sent from another node, checked on arrival
     def fresh(m: Held) -> torch.Tensor:
