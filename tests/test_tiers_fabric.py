@@ -4,6 +4,7 @@ each optimizer step, as the Fabric docs of both tiers say); a lazy save torn by 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -12,8 +13,11 @@ import lightning as L
 import pytest
 import torch
 
+from test_distributions import PL_PYTHON
+
 from helpers import assert_tree_equal, clone_tree
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, FabricTiers, LocalTier, testing
+from processes import job_script, launch
 
 
 def _state_of(state):
@@ -120,3 +124,23 @@ def test_a_persistent_fabric_checkpoint_newer_than_the_local_tier_wins(tmp_path,
     assert step == 11
     assert_tree_equal(state, saved[11], "resume from the persistent file")
     assert "its step 11 is newer than the local tier's 10" in caplog.text
+
+
+def test_pytorch_lightning_fabric_fsdp2_local_tier_resumes_each_ranks_shards(tmp_path):
+    """Under ``.venv-pl`` (``lightning_fabric`` alone): ``FabricTiers`` with ``AsyncFabricModelParallelStrategy``
+    over 2 CPU ranks saves each rank's FSDP2 shards to the local tier, and ``resume`` loads them back onto the
+    model's mesh bit for bit (``tests/jobs/pl_fabric_tier_job.py``)."""
+    if not PL_PYTHON.exists():
+        pytest.skip(f"{PL_PYTHON} is missing: `make test` builds it (the pytorch-lightning environment)")
+    out = tmp_path / "out"
+    (out / "local").mkdir(parents=True)
+    with launch([PL_PYTHON, job_script("pl_fabric_tier_job.py"), "--out", str(out)], out, 120, cwd=tmp_path) as job:
+        job.wait()
+    for rank in (0, 1):
+        path = out / f"report-rank{rank}.json"
+        assert path.exists(), f"no report of rank {rank}; log:\n{(out / 'log.txt').read_text()[-4000:]}"
+        report = json.loads(path.read_text())
+        assert "crash" not in report, report["crash"]
+        assert report["lightning_importable"] is False
+        assert report["complete"] == 6 and report["resumed"] and report["step"] == 6, report
+        assert report["tensors"] == 16 and report["exact"] is True, report

@@ -1,0 +1,95 @@
+"""``FabricTiers`` under the standalone ``pytorch_lightning`` distribution (``lightning_fabric``, no
+``lightning`` package), with FSDP2 over 2 CPU ranks (``AsyncFabricModelParallelStrategy``): local saves every
+2 steps to step 6, the model and optimizer then overwritten, and ``FabricTiers.resume`` loads each rank's
+shards of step 6 back, bit for bit.
+
+Runs in ``.venv-pl`` (``tests/test_tiers_fabric.py``); Fabric's launcher runs this script again for rank 1.
+Each rank writes ``<out>/report-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import traceback
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    report: dict = {}
+    try:
+        run(args.out, report)
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        report["crash"] = traceback.format_exc()
+    rank = os.environ.get("LOCAL_RANK", "0")
+    with open(os.path.join(args.out, f"report-rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def _parallelize(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer, mesh=mesh["data_parallel"])
+    return fully_shard(model, mesh=mesh["data_parallel"])
+
+
+def _local(state) -> list:
+    """Every tensor of this rank's model and optimizer state (a ``DTensor``: its local shard), copied."""
+    from torch.distributed.tensor import DTensor
+
+    model = [t.to_local().clone() if isinstance(t, DTensor) else t.clone() for t in state["model"].state_dict().values()]
+    moments = [t.to_local().clone() if isinstance(t, DTensor) else t.clone()
+               for s in state["optimizer"].state_dict()["state"].values() for t in s.values()]
+    return model + moments
+
+
+def run(out: str, report: dict) -> None:
+    report["lightning_importable"] = importlib.util.find_spec("lightning") is not None
+    import torch
+    from lightning_fabric import Fabric
+
+    from lightning_asyncckpt import AsyncCheckpointIO, AsyncFabricModelParallelStrategy, FabricTiers, LocalTier
+
+    io = AsyncCheckpointIO("nvrx", local=LocalTier(os.path.join(out, "local"), every_n_train_steps=2,
+                                                   replication_factor=1, timeout_s=60, emergency_signals=()))
+    strategy = AsyncFabricModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1,
+                                                checkpoint_io=io)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    tiers = FabricTiers(fabric)
+    g = torch.Generator().manual_seed(fabric.global_rank)
+    with io:
+        while state["step"] < 6:
+            loss = model(torch.randn(4, 16, generator=g)).pow(2).mean()
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+            state["step"] += 1
+            tiers.step_end(state["step"], state)
+        report["complete"] = tiers.tier.finish()
+        saved = _local(state)
+        with torch.no_grad():  # what a resume must overwrite
+            for p in model.parameters():
+                p.zero_()
+            for moments in optimizer.state.values():
+                for t in moments.values():
+                    t.zero_()
+        state["step"] = 0
+        report["resumed"] = tiers.resume(state)
+        report["step"] = state["step"]
+        report["tensors"] = len(saved)
+        report["exact"] = all(torch.equal(a, b) for a, b in zip(_local(state), saved))
+        tiers.close()
+
+
+if __name__ == "__main__":
+    main()
