@@ -12,7 +12,6 @@ import sys
 import lightning as L
 import pytest
 import torch
-
 from test_distributions import PL_PYTHON
 
 from helpers import assert_tree_equal, clone_tree

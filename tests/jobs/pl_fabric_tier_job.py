@@ -53,7 +53,12 @@ def run(out: str, report: dict) -> None:
     import torch
     from lightning_fabric import Fabric
 
-    from lightning_asyncckpt import AsyncCheckpointIO, AsyncFabricModelParallelStrategy, FabricTiers, LocalTier
+    from lightning_asyncckpt import (
+        AsyncCheckpointIO,
+        AsyncFabricModelParallelStrategy,
+        FabricTiers,
+        LocalTier,
+    )
 
     io = AsyncCheckpointIO("nvrx", local=LocalTier(os.path.join(out, "local"), every_n_train_steps=2,
                                                    replication_factor=1, timeout_s=60, emergency_signals=()))
