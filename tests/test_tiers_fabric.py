@@ -143,3 +143,15 @@ def test_pytorch_lightning_fabric_fsdp2_local_tier_resumes_each_ranks_shards(tmp
         assert report["lightning_importable"] is False
         assert report["complete"] == 6 and report["resumed"] and report["step"] == 6, report
         assert report["tensors"] == 16 and report["exact"] is True, report
+
+
+def test_fabric_tiers_with_a_strategy_that_takes_no_local_tier_says_what_to_give(tmp_path):
+    """Fabric's own ``ModelParallelStrategy`` takes no checkpoint plugin: the error names the strategy to use."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(lambda m, _mesh: m))
+    with pytest.raises(ValueError, match="AsyncFabricModelParallelStrategy"):
+        FabricTiers(fabric)
+    io = AsyncCheckpointIO("nvrx")
+    with pytest.raises(ValueError, match=r"plugins need an AsyncCheckpointIO\(local=LocalTier"):
+        FabricTiers(L.Fabric(accelerator="cpu", devices=1, plugins=[io]))

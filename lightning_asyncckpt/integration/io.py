@@ -282,8 +282,12 @@ def _from_trainer(checkpoint: Any) -> bool:
 lightning_api.register_with_the_other(AsyncCheckpointIO)  # either distribution's Trainer takes it as a plugin
 
 def find_async_io(strategy: Any) -> AsyncCheckpointIO | None:
-    """The ``AsyncCheckpointIO`` behind a strategy's (possibly wrapped) checkpoint IO, if any."""
-    io = getattr(strategy, "_checkpoint_io", None) or getattr(strategy, "checkpoint_io", None)
+    """The ``AsyncCheckpointIO`` behind a strategy's (possibly wrapped) checkpoint IO, if any (None for a
+    strategy that has no checkpoint IO: Fabric's ``ModelParallelStrategy`` raises when asked for it)."""
+    try:
+        io = getattr(strategy, "_checkpoint_io", None) or getattr(strategy, "checkpoint_io", None)
+    except NotImplementedError:
+        return None
     for _ in range(8):
         if io is None or isinstance(io, AsyncCheckpointIO):
             return io

@@ -42,8 +42,11 @@ class FabricTiers:
         self.fabric = fabric
         self.io = io if io is not None else find_async_io(fabric.strategy)
         if self.io is None or getattr(self.io, "local", None) is None:
-            raise ValueError("FabricTiers(fabric): the Fabric's plugins need an AsyncCheckpointIO(local=LocalTier(...));"
-                             f" found {self.io!r}.")
+            sharded = isinstance(fabric.strategy, lightning_api.FabricModelParallelStrategy)
+            where = ("give `AsyncFabricModelParallelStrategy(..., checkpoint_io=AsyncCheckpointIO(local=LocalTier(...)))`"
+                     " as the strategy (Fabric's own ModelParallelStrategy takes no checkpoint plugin)" if sharded
+                     else "the Fabric's plugins need an AsyncCheckpointIO(local=LocalTier(...))")
+            raise ValueError(f"FabricTiers(fabric): {where}; found {self.io!r}.")
         if self.io.tier is None:
             nodes = max(int(getattr(fabric.strategy, "num_nodes", 1) or 1), 1)
             self.io.tier = TierRun(self.io.local, node_rank=fabric.node_rank,
