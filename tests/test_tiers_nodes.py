@@ -163,6 +163,22 @@ def test_fsdp2_node_lost_resumes_from_replicas_then_persistent(tmp_path, engine)
 FABRIC_JOB = job_script("tiers_fabric_job.py")
 
 
+def _fabric_case(tmp_path, case, args):
+    """One launch of the Fabric job on 2 nodes x 1 rank: ``train`` (until local step 10 is complete, then both
+    nodes SIGKILLed) returns nothing; any other case returns every rank's report and the logs."""
+    with launch_nodes(FABRIC_JOB, ["--case", case, *args], tmp_path, nodes=2, devices=1, timeout=240,
+                      node_local=True) as cluster:
+        if case == "train":
+            _wait_for(cluster, ["held-rank0", "held-rank1"])
+            cluster.nodes[1].kill()
+            cluster.nodes[0].kill()
+        cluster.wait()
+        got = None if case == "train" else (read_reports(cluster, 2), cluster.logs())
+    for f in cluster.out.glob("rank*.json"):
+        f.unlink()
+    return got
+
+
 @pytest.mark.parametrize("engine,strategy", [("mcore", "ddp"), pytest.param("nvrx", "ddp", marks=pytest.mark.slow),
                                              ("nvrx", "fsdp2"), pytest.param("mcore", "fsdp2", marks=pytest.mark.slow)])
 def test_fabric_node_lost_resumes_from_the_replica_then_persistent(tmp_path, engine, strategy):
@@ -170,22 +186,11 @@ def test_fabric_node_lost_resumes_from_the_replica_then_persistent(tmp_path, eng
     DTensor shards, replicated by NVRx's clique replication): node 1 lost after local step 10 and back empty
     resumes at 10 from node 0's replica; with both local tiers lost, at 8 from the persistent checkpoint."""
     args = ["--engine", engine, "--strategy", strategy]
-    with launch_nodes(FABRIC_JOB, ["--case", "train", *args], tmp_path, nodes=2, devices=1, timeout=240,
-                      node_local=True) as cluster:
-        _wait_for(cluster, ["held-rank0", "held-rank1"])
-        cluster.nodes[1].kill()
-        cluster.nodes[0].kill()
-        cluster.wait()
+    _fabric_case(tmp_path, "train", args)
     for expect, lost in ((10, [1]), (8, [0, 1])):
         for node in lost:
             _empty(tmp_path, node)
-        with launch_nodes(FABRIC_JOB, ["--case", "resume", *args], tmp_path, nodes=2, devices=1, timeout=240,
-                          node_local=True) as cluster:
-            cluster.wait()
-            reports = read_reports(cluster, 2)
-            logs = cluster.logs()
-        for f in cluster.out.glob("rank*.json"):
-            f.unlink()
+        reports, logs = _fabric_case(tmp_path, "resume", args)
         assert [r["start_step"] for r in reports] == [expect] * 2, logs
         assert all(r["resumed"] and r["resume_exact"] for r in reports)
     assert "resuming from the persistent tier" in logs and "every local directory is empty" in logs
@@ -196,18 +201,8 @@ def test_fabric_tiers_resume_takes_keys_as_fabric_load_does(tmp_path, strategy):
     """``FabricTiers.resume(state, strict=...)`` of a local step: a key the step lacks raises under ``strict``
     (Fabric's own error) and is left alone without it; the step's name loaded again says what it is."""
     args = ["--engine", "nvrx", "--strategy", strategy]
-    with launch_nodes(FABRIC_JOB, ["--case", "train", *args], tmp_path, nodes=2, devices=1, timeout=240,
-                      node_local=True) as cluster:
-        _wait_for(cluster, ["held-rank0", "held-rank1"])
-        cluster.nodes[1].kill()
-        cluster.nodes[0].kill()
-        cluster.wait()
-    for f in cluster.out.glob("rank*.json"):
-        f.unlink()
-    with launch_nodes(FABRIC_JOB, ["--case", "keys", *args], tmp_path, nodes=2, devices=1, timeout=240,
-                      node_local=True) as cluster:
-        cluster.wait()
-        reports = read_reports(cluster, 2)
+    _fabric_case(tmp_path, "train", args)
+    reports, _logs = _fabric_case(tmp_path, "keys", args)
     for r in reports:
         assert "'extra'" in r["strict_error"]
         assert r["resumed"] and r["start_step"] == 10 and r["extra"] == 1

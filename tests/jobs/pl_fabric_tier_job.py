@@ -9,25 +9,14 @@ Each rank writes ``<out>/report-rank<r>.json``.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
-import traceback
+
+from pl_report import report_main
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    report: dict = {}
-    try:
-        run(args.out, report)
-    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-        report["crash"] = traceback.format_exc()
-    rank = os.environ.get("LOCAL_RANK", "0")
-    with open(os.path.join(args.out, f"report-rank{rank}.json"), "w") as f:
-        json.dump(report, f)
+    report_main(run, lambda: f"report-rank{os.environ.get('LOCAL_RANK', '0')}.json")
 
 
 def _parallelize(model, mesh):

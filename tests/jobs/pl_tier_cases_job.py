@@ -9,24 +9,14 @@ Runs in ``.venv-pl`` (``tests/test_tiers_trainer_cases.py``); imports nothing of
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
-import traceback
+
+from pl_report import report_main
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    report: dict = {}
-    try:
-        run(args.out, report)
-    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-        report["crash"] = traceback.format_exc()
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f)
+    report_main(run)
 
 
 def run(out: str, report: dict) -> None:
