@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -125,24 +126,29 @@ def test_a_persistent_fabric_checkpoint_newer_than_the_local_tier_wins(tmp_path,
     assert "its step 11 is newer than the local tier's 10" in caplog.text
 
 
-def test_pytorch_lightning_fabric_fsdp2_local_tier_resumes_each_ranks_shards(tmp_path):
-    """Under ``.venv-pl`` (``lightning_fabric`` alone): ``FabricTiers`` with ``AsyncFabricModelParallelStrategy``
-    over 2 CPU ranks saves each rank's FSDP2 shards to the local tier, and ``resume`` loads them back onto the
-    model's mesh bit for bit (``tests/jobs/pl_fabric_tier_job.py``)."""
-    if not PL_PYTHON.exists():
-        pytest.skip(f"{PL_PYTHON} is missing: `make test` builds it (the pytorch-lightning environment)")
+@pytest.mark.parametrize("distribution,snapshot", [("pytorch_lightning", "eager"), ("lightning", "lazy")])
+def test_fabric_fsdp2_local_tier_resumes_each_ranks_shards(tmp_path, distribution, snapshot):
+    """``FabricTiers`` with ``AsyncFabricModelParallelStrategy`` over 2 CPU ranks saves each rank's FSDP2
+    shards to the local tier (lazy: the optimizer's shards copied while the next step runs), and ``resume``
+    loads them back onto the model's mesh bit for bit; under ``.venv-pl`` with ``lightning_fabric`` alone
+    (``tests/jobs/pl_fabric_tier_job.py``)."""
+    python = PL_PYTHON if distribution == "pytorch_lightning" else Path(sys.executable)
+    if not python.exists():
+        pytest.skip(f"{python} is missing: `make test` builds it (the pytorch-lightning environment)")
     out = tmp_path / "out"
     (out / "local").mkdir(parents=True)
-    with launch([PL_PYTHON, job_script("pl_fabric_tier_job.py"), "--out", str(out)], out, 120, cwd=tmp_path) as job:
+    with launch([python, job_script("pl_fabric_tier_job.py"), "--out", str(out)], out, 120, cwd=tmp_path,
+                env={"JOB_SNAPSHOT": snapshot}) as job:
         job.wait()
     for rank in (0, 1):
         path = out / f"report-rank{rank}.json"
         assert path.exists(), f"no report of rank {rank}; log:\n{(out / 'log.txt').read_text()[-4000:]}"
         report = json.loads(path.read_text())
         assert "crash" not in report, report["crash"]
-        assert report["lightning_importable"] is False
+        assert report["lightning_importable"] is (distribution == "lightning")
         assert report["complete"] == 6 and report["resumed"] and report["step"] == 6, report
         assert report["tensors"] == 16 and report["exact"] is True, report
+        assert report.get("deferred", False) is (snapshot == "lazy")
 
 
 def test_fabric_tiers_with_a_strategy_that_takes_no_local_tier_says_what_to_give(tmp_path):

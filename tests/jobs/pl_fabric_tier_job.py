@@ -1,10 +1,12 @@
-"""``FabricTiers`` under the standalone ``pytorch_lightning`` distribution (``lightning_fabric``, no
-``lightning`` package), with FSDP2 over 2 CPU ranks (``AsyncFabricModelParallelStrategy``): local saves every
-2 steps to step 6, the model and optimizer then overwritten, and ``FabricTiers.resume`` loads each rank's
-shards of step 6 back, bit for bit.
+"""``FabricTiers`` with FSDP2 over 2 CPU ranks (``AsyncFabricModelParallelStrategy``), under either
+distribution (``lightning.fabric``, or ``lightning_fabric`` where ``pytorch_lightning`` is installed alone):
+local saves every 2 steps to step 6 (``--snapshot lazy``: the optimizer's shards copied while the next step
+runs, the loop waiting before each optimizer step), the model and optimizer then overwritten, and
+``FabricTiers.resume`` loads each rank's shards of step 6 back, bit for bit.
 
-Runs in ``.venv-pl`` (``tests/test_tiers_fabric.py``); Fabric's launcher runs this script again for rank 1.
-Each rank writes ``<out>/report-rank<r>.json``.
+Run by ``tests/test_tiers_fabric.py`` in ``.venv`` and ``.venv-pl``; imports nothing of the test helpers (they
+import ``lightning``). Fabric's launcher runs this script again for rank 1. Each rank writes
+``<out>/report-rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pl_report import report_main
 
 
 def main() -> None:
-    report_main(run, lambda: f"report-rank{os.environ.get('LOCAL_RANK', '0')}.json")
+    snapshot = os.environ.get("JOB_SNAPSHOT", "eager")
+    report_main(lambda out, report: run(out, report, snapshot),
+                lambda: f"report-rank{os.environ.get('LOCAL_RANK', '0')}.json")
 
 
 def _parallelize(model, mesh):
@@ -37,38 +41,51 @@ def _local(state) -> list:
     return model + moments
 
 
-def run(out: str, report: dict) -> None:
+def run(out: str, report: dict, snapshot: str) -> None:
     report["lightning_importable"] = importlib.util.find_spec("lightning") is not None
     import torch
-    from lightning_fabric import Fabric
+
+    if report["lightning_importable"]:
+        from lightning.fabric import Fabric
+    else:
+        from lightning_fabric import Fabric
 
     from lightning_asyncckpt import (
         AsyncCheckpointIO,
         AsyncFabricModelParallelStrategy,
         FabricTiers,
         LocalTier,
+        testing,
     )
 
-    io = AsyncCheckpointIO("nvrx", local=LocalTier(os.path.join(out, "local"), every_n_train_steps=2,
+    io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(os.path.join(out, "local"), every_n_train_steps=2,
                                                    replication_factor=1, timeout_s=60, emergency_signals=()))
     strategy = AsyncFabricModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1,
                                                 checkpoint_io=io)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
-    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)))
+    # 256 wide: each rank's shard of a weight or moment is 128 KiB, over the least a lazy snapshot defers
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 1)))
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    io.track_optimizers([optimizer])
+    hold = io.copy_hook = testing.HoldCopy(timeout_s=60)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     tiers = FabricTiers(fabric)
     g = torch.Generator().manual_seed(fabric.global_rank)
     with io:
         while state["step"] < 6:
-            loss = model(torch.randn(4, 16, generator=g)).pow(2).mean()
+            loss = model(torch.randn(4, 256, generator=g)).pow(2).mean()
             optimizer.zero_grad()
             fabric.backward(loss)
+            io.wait_for_snapshot()
             optimizer.step()
             state["step"] += 1
             tiers.step_end(state["step"], state)
+            if state["step"] == 2 and snapshot == "lazy":  # the save's copy of the shards was left to a thread
+                hold.wait_started(timeout_s=30)
+                report["deferred"] = True
+                hold.release()
         report["complete"] = tiers.tier.finish()
         saved = _local(state)
         with torch.no_grad():  # what a resume must overwrite
