@@ -126,19 +126,20 @@ def test_a_persistent_fabric_checkpoint_newer_than_the_local_tier_wins(tmp_path,
     assert "its step 11 is newer than the local tier's 10" in caplog.text
 
 
-@pytest.mark.parametrize("distribution,snapshot", [("pytorch_lightning", "eager"), ("lightning", "lazy")])
-def test_fabric_fsdp2_local_tier_resumes_each_ranks_shards(tmp_path, distribution, snapshot):
-    """``FabricTiers`` with ``AsyncFabricModelParallelStrategy`` over 2 CPU ranks saves each rank's FSDP2
-    shards to the local tier (lazy: the optimizer's shards copied while the next step runs), and ``resume``
-    loads them back onto the model's mesh bit for bit; under ``.venv-pl`` with ``lightning_fabric`` alone
-    (``tests/jobs/pl_fabric_tier_job.py``)."""
+@pytest.mark.parametrize("distribution,snapshot,layout", [("pytorch_lightning", "eager", "fsdp2"),
+                                                           ("lightning", "lazy", "fsdp2"), ("lightning", "eager", "tp")])
+def test_fabric_sharded_local_tier_resumes_each_ranks_shards(tmp_path, distribution, snapshot, layout):
+    """``FabricTiers`` with ``AsyncFabricModelParallelStrategy`` over 2 CPU ranks (FSDP2, or 2-way tensor
+    parallel) saves each rank's shards to the local tier (lazy: the optimizer's shards copied while the next
+    step runs), and ``resume`` loads them back onto the model's mesh bit for bit; under ``.venv-pl`` with
+    ``lightning_fabric`` alone too (``tests/jobs/pl_fabric_tier_job.py``)."""
     python = PL_PYTHON if distribution == "pytorch_lightning" else Path(sys.executable)
     if not python.exists():
         pytest.skip(f"{python} is missing: `make test` builds it (the pytorch-lightning environment)")
     out = tmp_path / "out"
     (out / "local").mkdir(parents=True)
     with launch([python, job_script("pl_fabric_tier_job.py"), "--out", str(out)], out, 120, cwd=tmp_path,
-                env={"JOB_SNAPSHOT": snapshot}) as job:
+                env={"JOB_SNAPSHOT": snapshot, "JOB_LAYOUT": layout}) as job:
         job.wait()
     for rank in (0, 1):
         path = out / f"report-rank{rank}.json"

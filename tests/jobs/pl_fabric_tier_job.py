@@ -1,6 +1,7 @@
-"""``FabricTiers`` with FSDP2 over 2 CPU ranks (``AsyncFabricModelParallelStrategy``), under either
+"""``FabricTiers`` with FSDP2 (or, ``JOB_LAYOUT=tp``, 2-way tensor parallel) over 2 CPU ranks
+(``AsyncFabricModelParallelStrategy``), under either
 distribution (``lightning.fabric``, or ``lightning_fabric`` where ``pytorch_lightning`` is installed alone):
-local saves every 2 steps to step 6 (``--snapshot lazy``: the optimizer's shards copied while the next step
+local saves every 2 steps to step 6 (``JOB_SNAPSHOT=lazy``: the optimizer's shards copied while the next step
 runs, the loop waiting before each optimizer step), the model and optimizer then overwritten, and
 ``FabricTiers.resume`` loads each rank's shards of step 6 back, bit for bit.
 
@@ -18,17 +19,24 @@ from pl_report import report_main
 
 
 def main() -> None:
-    snapshot = os.environ.get("JOB_SNAPSHOT", "eager")
-    report_main(lambda out, report: run(out, report, snapshot),
+    snapshot, layout = os.environ.get("JOB_SNAPSHOT", "eager"), os.environ.get("JOB_LAYOUT", "fsdp2")
+    report_main(lambda out, report: run(out, report, snapshot, layout),
                 lambda: f"report-rank{os.environ.get('LOCAL_RANK', '0')}.json")
 
 
-def _parallelize(model, mesh):
+def _fsdp2(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
     for layer in model:
         fully_shard(layer, mesh=mesh["data_parallel"])
     return fully_shard(model, mesh=mesh["data_parallel"])
+
+
+def _tensor_parallel(model, mesh):
+    """2-way tensor parallel: the first layer column-wise, the second row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh["tensor_parallel"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
 
 
 def _local(state) -> list:
@@ -41,7 +49,7 @@ def _local(state) -> list:
     return model + moments
 
 
-def run(out: str, report: dict, snapshot: str) -> None:
+def run(out: str, report: dict, snapshot: str, layout: str) -> None:
     report["lightning_importable"] = importlib.util.find_spec("lightning") is not None
     import torch
 
@@ -60,8 +68,9 @@ def run(out: str, report: dict, snapshot: str) -> None:
 
     io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(os.path.join(out, "local"), every_n_train_steps=2,
                                                    replication_factor=1, timeout_s=60, emergency_signals=()))
-    strategy = AsyncFabricModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1,
-                                                checkpoint_io=io)
+    tp = 2 if layout == "tp" else 1
+    strategy = AsyncFabricModelParallelStrategy(_tensor_parallel if tp > 1 else _fsdp2, data_parallel_size=2 // tp,
+                                                tensor_parallel_size=tp, checkpoint_io=io)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
