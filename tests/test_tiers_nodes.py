@@ -207,3 +207,12 @@ def test_fabric_tiers_resume_takes_keys_as_fabric_load_does(tmp_path, strategy):
         assert "'extra'" in r["strict_error"]
         assert r["resumed"] and r["start_step"] == 10 and r["extra"] == 1
         assert "names step 10 of the local tier" in r["again_error"]
+
+
+def test_fsdp2_with_full_persistent_checkpoints_keeps_each_ranks_shards_locally(tmp_path):
+    """``AsyncModelParallelStrategy(save_distributed_checkpoint=False)``: the persistent checkpoints are full
+    states gathered on rank 0, but the local tier still keeps each rank's own shards (a gathered state exists
+    on rank 0 alone; the local save's collectives failed on it before). Every scenario of the others holds:
+    node 1 back empty resumes at 10 from the replicas, a corrupt replica or a lost clique at 8 from the
+    persistent full file."""
+    _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "fsdp2", "--full", "1"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -202,7 +203,11 @@ class AsyncFinalizerCallback(Callback):
         tier's agreement and save; on a preemption, the persistent saves drained too, then training stops."""
         if self._io is None or self._io.tier is None:
             return
-        if tier_trainer.step_end(trainer, self._io, lambda: self._dump(trainer)):
+        # AsyncModelParallelStrategy: each rank's shards, even where the persistent saves gather a full state
+        sharded = getattr(trainer.strategy, "sharded_state_dicts", contextlib.nullcontext)
+        with sharded():
+            preempted = tier_trainer.step_end(trainer, self._io, lambda: self._dump(trainer))
+        if preempted:
             self._finalize(blocking=True)
             self._log_committed(trainer)
 

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +102,28 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
     def __init__(self, *args: Any, checkpoint_io: CheckpointIO | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._checkpoint_io = checkpoint_io
+        self._sharded_for_local_tier = False
+
+    @contextlib.contextmanager
+    def sharded_state_dicts(self) -> Iterator[None]:
+        """(all ranks, while ``AsyncFinalizerCallback`` builds a local-tier checkpoint) The model's and the
+        optimizers' states are each rank's own shards, even with ``save_distributed_checkpoint=False``: the
+        local tier keeps every rank's shards, never a full state gathered on rank 0 (which the other ranks
+        would not hold)."""
+        self._sharded_for_local_tier = True
+        try:
+            yield
+        finally:
+            self._sharded_for_local_tier = False
+
+    def _sharded(self) -> bool:
+        return self._save_distributed_checkpoint or self._sharded_for_local_tier
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The sharded model state, left on its device: the stager copies it into reused (pinned) host buffers
         instead of the stock strategy's synchronous CPU offload."""
-        if not self._save_distributed_checkpoint:
+        if not self._sharded():
             return super().lightning_module_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -116,7 +134,7 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """(all ranks, when Lightning builds a checkpoint) The optimizer's sharded state, left on its device
         for the stager (``cpu_offload=False``)."""
-        if not self._save_distributed_checkpoint:
+        if not self._sharded():
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 

@@ -92,7 +92,8 @@ def _trainer(args, max_steps, callbacks, save_last=True):
                          save_last=save_last)
     if args.strategy == "fsdp2":
         strategy = AsyncModelParallelStrategy(data_parallel_size=args.nodes * args.devices // int(args.tp),
-                                              tensor_parallel_size=int(args.tp), timeout=timedelta(seconds=60))
+                                              tensor_parallel_size=int(args.tp), timeout=timedelta(seconds=60),
+                                              save_distributed_checkpoint=args.full != "1")
     else:
         strategy = "ddp"
     rec = Recorder(args.strategy == "fsdp2")
@@ -135,7 +136,7 @@ def case_preempt(args, report):
 
 
 def main():
-    args = node_job_args(strategy="ddp", tp="1", overlap="0")
+    args = node_job_args(strategy="ddp", tp="1", overlap="0", full="0")
     run_and_report(args.out, args.devices, lambda report: globals()[f"case_{args.case}"](args, report))
 
 
