@@ -252,3 +252,16 @@ def test_only_the_users_own_handlers_are_passed_on_never_lightnings():
     assert replaced_handlers.users_own(signal.SIG_DFL) == replaced_handlers.users_own(None) == []
     assert replaced_handlers.is_lightnings_requeue(_HandlersCompose([connector._slurm_sigusr_handler_fn]))
     assert not replaced_handlers.is_lightnings_requeue(sigterm) and not replaced_handlers.is_lightnings_requeue(mine)
+
+
+def test_a_stock_sharded_strategy_with_the_local_tier_is_refused_at_setup_naming_the_one_to_use(tmp_path, local_dir):
+    """Lightning's own ``ModelParallelStrategy`` loads its checkpoints without the plugin, so it could save to
+    the local tier but never resume from it: fit refuses it before the first step, and nothing is saved.
+    (``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused alike; Lightning runs them on GPUs only.)"""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_asyncckpt.tiers.cliques import TierConfigError
+
+    with pytest.raises(TierConfigError, match="use `lightning_asyncckpt.AsyncModelParallelStrategy"):
+        _fit(tmp_path, 4, strategy=ModelParallelStrategy())
+    assert not list(local_dir.rglob("*.pt"))

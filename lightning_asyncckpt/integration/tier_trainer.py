@@ -11,7 +11,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from lightning_asyncckpt.integration import replaced_handlers
+from lightning_asyncckpt.integration import lightning_api, replaced_handlers
+from lightning_asyncckpt.tiers.cliques import TierConfigError
 from lightning_asyncckpt.tiers.run import TierRun
 
 log = logging.getLogger(__name__)
@@ -22,9 +23,27 @@ def start(trainer: Any, io: Any) -> TierRun | None:
     groups and setup checks), unless there is none or it exists already."""
     if io is None or io.local is None:
         return None
+    _refuse_stock_sharded(trainer.strategy)
     if io.tier is None:
         io.tier = TierRun(io.local, node_rank=trainer.node_rank, local_world_size=trainer.num_devices)
     return io.tier
+
+
+def _refuse_stock_sharded(strategy: Any) -> None:
+    """(every rank alike, before anything collective) A strategy that loads its checkpoints without the plugin
+    (Lightning's own ``ModelParallelStrategy``, ``FSDPStrategy``, ``DeepSpeedStrategy``) could save to the
+    local tier but never resume from it: refused, with the strategy to use."""
+    if getattr(strategy, "_asyncckpt_sharded", False):  # AsyncModelParallelStrategy
+        return
+    strategies = lightning_api.trainer_module("strategies")
+    stock = tuple(getattr(strategies, name) for name in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+                  if hasattr(strategies, name))
+    if isinstance(strategy, stock):
+        raise TierConfigError(
+            f"AsyncCheckpointIO(local=LocalTier(...)) with `{type(strategy).__name__}`: that strategy saves and"
+            " loads its sharded checkpoints without the plugin, so it could never resume from the local tier."
+            " Fix: for FSDP2 or tensor parallelism use `lightning_asyncckpt.AsyncModelParallelStrategy(...)`"
+            " (the same arguments as `ModelParallelStrategy`); FSDP1 and DeepSpeed are not covered.")
 
 
 def arm(trainer: Any, io: Any) -> None:
