@@ -38,6 +38,8 @@ def test_cliques_are_nvrx_layout_and_a_world_that_does_not_divide_is_refused():
     assert cliques.layout(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     with pytest.raises(TierConfigError, match=r"world size 6 does not divide by replication_jump x replication_factor = 2 x 2 = 4"):
         cliques.layout(6, 2, 2)
+    with pytest.raises(TierConfigError, match=r"replication_factor=2 in a job of one node .* Fix: replication_factor=1"):
+        cliques.layout(2, 2, 2)  # one node of two ranks: the default factor has no other node
 
 
 def test_cliques_within_one_node_are_refused_on_several_nodes():

@@ -13,6 +13,13 @@ class TierConfigError(ValueError):
 
 def layout(world_size: int, jump: int, factor: int) -> list[list[int]]:
     """The cliques, sorted; refuses a world size that does not divide by ``jump * factor``."""
+    if factor > 1 and world_size == jump:
+        raise TierConfigError(
+            f"LocalTier: replication_factor={factor} in a job of one node ({world_size} rank(s), replication_jump"
+            f" = {jump} ranks per node): no other node can hold a replica. Fix: replication_factor=1 (each rank"
+            " keeps its own share on its node: that survives a crashed or restarted process, not a lost node),"
+            " or run on several nodes."
+        )
     if world_size % (jump * factor):
         raise TierConfigError(
             f"LocalTier: the world size {world_size} does not divide by replication_jump x replication_factor"
