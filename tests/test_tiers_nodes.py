@@ -123,6 +123,12 @@ def test_ddp_node_lost_resumes_from_replicas_then_persistent(tmp_path):
     _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "ddp"])
 
 
+def test_async_ddp_strategy_node_lost_resumes_from_replicas_then_persistent(tmp_path):
+    """``AsyncDDPStrategy`` (every rank writes a share of each persistent checkpoint, a directory) with the
+    local tier: the same scenarios, the persistent fallback read from those directories."""
+    _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "async_ddp"])
+
+
 @pytest.mark.slow
 def test_ddp_node_lost_resumes_from_replicas_then_persistent_with_mcore(tmp_path):
     _scenarios(tmp_path, ["--engine", "mcore", "--strategy", "ddp"])

@@ -31,6 +31,7 @@ from nodes_job import WIDTH, Recorder, TPModel  # noqa: E402
 from helpers import ShardedModel, TinyModel, assert_tree_equal, loader  # noqa: E402
 from lightning_asyncckpt import (  # noqa: E402
     AsyncCheckpointIO,
+    AsyncDDPStrategy,
     AsyncFinalizerCallback,
     AsyncModelParallelStrategy,
     LocalTier,
@@ -94,8 +95,8 @@ def _trainer(args, max_steps, callbacks, save_last=True):
         strategy = AsyncModelParallelStrategy(data_parallel_size=args.nodes * args.devices // int(args.tp),
                                               tensor_parallel_size=int(args.tp), timeout=timedelta(seconds=60),
                                               save_distributed_checkpoint=args.full != "1")
-    else:
-        strategy = "ddp"
+    else:  # async_ddp: every rank writes a share of each persistent checkpoint
+        strategy = AsyncDDPStrategy(timeout=timedelta(seconds=60)) if args.strategy == "async_ddp" else "ddp"
     rec = Recorder(args.strategy == "fsdp2")
     t = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy, plugins=[io],
                   callbacks=[TierState(io), AsyncFinalizerCallback(), rec, *[c(io, rec) for c in callbacks], ck],
