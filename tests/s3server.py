@@ -59,6 +59,8 @@ class _Proxy(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
+            if self.command == "GET":
+                srv.served(len(data))
         conn.close()
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
@@ -74,7 +76,12 @@ class _ProxyServer(ThreadingHTTPServer):
         self.hold_suffix: str | None = None  # a PUT to a key ending so waits for ``release``
         self.held, self.release = threading.Event(), threading.Event()
         self.requests: list[tuple[str, str, int | None]] = []  # (method, path, pid of the sender)
+        self.get_bytes = 0  # the bodies of every GET answered
         self._lock = threading.Lock()
+
+    def served(self, nbytes: int) -> None:
+        with self._lock:
+            self.get_bytes += nbytes
 
     def record(self, method: str, path: str, client_port: int) -> None:
         pid = None
@@ -147,6 +154,11 @@ class S3Server:
     def requests(self) -> list[tuple[str, str, int | None]]:
         assert self._proxy is not None
         return list(self._proxy.requests)
+
+    def get_bytes(self) -> int:
+        """The bytes of every GET's body answered so far (what clients downloaded)."""
+        assert self._proxy is not None
+        return self._proxy.get_bytes
 
     def __exit__(self, *exc: object) -> None:
         if self._proxy is not None:

@@ -31,12 +31,12 @@ class States(L.Callback):
 
 
 def _fit(tmp_path, max_steps, ckpt_path=None, every=8, callbacks=(), local_every=2, snapshot="eager", hold=None,
-         width=16, **kw):
+         width=16, dirpath=None, **kw):
     io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(tmp_path / "local", every_n_train_steps=local_every,
                                                                        replication_factor=1))
     io.copy_hook = hold
     states = States()
-    ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=every, save_top_k=-1, save_last=True)
+    ck = ModelCheckpoint(dirpath=dirpath or tmp_path / "c", every_n_train_steps=every, save_top_k=-1, save_last=True)
     t = trainer(tmp_path, [io], [states, *callbacks, ck], max_steps=max_steps, **kw)
     L.seed_everything(0)
     t.fit(TinyModel(width=width), loader(width=width, n=512, batch_size=4), ckpt_path=ckpt_path)
@@ -121,6 +121,17 @@ def test_last_resumes_from_the_persistent_step_when_it_is_newer(tmp_path, local_
     t, again = _fit(tmp_path, 9, ckpt_path="last", local_every=3)
     assert again.start_step == 8 and t.ckpt_path.endswith("last.ckpt")
     assert_tree_equal(again.start, first.saved[8], "resume from the persistent tier")
+
+
+def test_last_resumes_from_a_newer_persistent_step_on_s3(tmp_path, local_dir, s3, caplog):
+    """The persistent tier on an S3-protocol server (moto on loopback), as in the README: its step is read
+    from the object's pickle (a few range reads), so a persistent step newer than the local tier's wins."""
+    _, first = _fit(tmp_path, 8, local_every=3, dirpath="s3://ckpt/run1")  # local at 3 and 6, persistent at 8
+    with caplog.at_level("WARNING"):
+        t, again = _fit(tmp_path, 9, ckpt_path="last", local_every=3, dirpath="s3://ckpt/run1")
+    assert again.start_step == 8 and str(t.ckpt_path).endswith("last.ckpt")
+    assert_tree_equal(again.start, first.saved[8], "resume from the persistent tier on S3")
+    assert "its step 8 is newer than the local tier's 6" in caplog.text
 
 
 class SigtermAt(L.Callback):
@@ -258,10 +269,20 @@ def test_a_stock_sharded_strategy_with_the_local_tier_is_refused_at_setup_naming
     """Lightning's own ``ModelParallelStrategy`` loads its checkpoints without the plugin, so it could save to
     the local tier but never resume from it: fit refuses it before the first step, and nothing is saved.
     (``FSDPStrategy`` and ``DeepSpeedStrategy`` are refused alike; Lightning runs them on GPUs only.)"""
+    import torch.distributed as dist
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_asyncckpt.tiers.cliques import TierConfigError
 
-    with pytest.raises(TierConfigError, match="use `lightning_asyncckpt.AsyncModelParallelStrategy"):
-        _fit(tmp_path, 4, strategy=ModelParallelStrategy())
+    # the strategy's launcher sets LOCAL_RANK, WORLD_SIZE, ... in this process and starts a process group of
+    # one: both undone after, or a later job started from here would take itself for an already launched rank
+    saved = dict(os.environ)
+    try:
+        with pytest.raises(TierConfigError, match="use `lightning_asyncckpt.AsyncModelParallelStrategy"):
+            _fit(tmp_path, 4, strategy=ModelParallelStrategy())
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if dist.is_initialized():
+            dist.destroy_process_group()
     assert not list(local_dir.rglob("*.pt"))
