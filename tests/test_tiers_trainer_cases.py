@@ -251,3 +251,28 @@ def test_pytorch_lightning_one_line_local_tier_resumes_mid_epoch_exactly(tmp_pat
     assert report["resumed_step"] == 10 and report["ckpt_path"].endswith("restore-step-10"), report
     assert report["start_equal_stock"] is True  # the same start as stock's resume from its step-10 file
     assert report["final_equal"] is True and report["stock_final_equal"] is True
+
+
+# 7. strategy="ddp_spawn" ---------------------------------------------------------------------------------------
+
+def test_ddp_spawn_resumes_from_the_newer_local_step(tmp_path):
+    """``ddp_spawn`` pickles the trainer with its callbacks into the processes it spawns, where nothing of this
+    package's ``__init__`` runs: ``ckpt_path="last"`` there still consults the local tier and resumes from its
+    step 4, not from the persistent ``last.ckpt`` of step 3 (``tests/jobs/spawn_tier_job.py``)."""
+    import sys
+
+    out = tmp_path / "out"
+    with launch([sys.executable, job_script("spawn_tier_job.py"), str(out)], out, 180, cwd=tmp_path) as job:
+        job.wait()
+    log = (out / "log.txt").read_text()
+    starts = {}
+    for fit in (1, 2):
+        for rank in (0, 1):
+            path = out / f"start-{fit}-rank{rank}.json"
+            assert path.exists(), f"fit {fit}, rank {rank} never started; log:\n{log[-4000:]}"
+            starts[fit, rank] = json.loads(path.read_text())
+    assert starts[1, 0]["step"] == 0
+    for rank in (0, 1):
+        assert starts[2, rank]["step"] == 4, (starts, log[-4000:])
+        assert starts[2, rank]["ckpt_path"].endswith("restore-step-4")
+    assert "resuming from the local tier at step 4" in log

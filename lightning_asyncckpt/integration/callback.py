@@ -79,6 +79,14 @@ class AsyncFinalizerCallback(Callback):
         self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
         self._tier_step_end = TierStepEnd(self._local_step_end)  # the local tier's, after every other callback
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled in a process of its own (``strategy="ddp_spawn"`` pickles the trainer with its callbacks):
+        ``__init__`` does not run there, so what it installs is installed here, before that process's fit
+        resolves ``ckpt_path="last"``."""
+        self.__dict__.update(state)
+        resume.install()
+        tier_resume.install()
+
     @property
     def state_key(self) -> str:
         return f"{type(self).__qualname__}{'[auto]' if self._auto else ''}"
