@@ -266,11 +266,11 @@ def test_ddp_spawn_resumes_from_the_newer_local_step(tmp_path):
         job.wait()
     log = (out / "log.txt").read_text()
     starts = {}
-    for fit in (1, 2):
+    for n in (1, 2):
         for rank in (0, 1):
-            path = out / f"start-{fit}-rank{rank}.json"
-            assert path.exists(), f"fit {fit}, rank {rank} never started; log:\n{log[-4000:]}"
-            starts[fit, rank] = json.loads(path.read_text())
+            path = out / f"start-{n}-rank{rank}.json"
+            assert path.exists(), f"fit {n}, rank {rank} never started; log:\n{log[-4000:]}"
+            starts[n, rank] = json.loads(path.read_text())
     assert starts[1, 0]["step"] == 0
     for rank in (0, 1):
         assert starts[2, rank]["step"] == 4, (starts, log[-4000:])
