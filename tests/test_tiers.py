@@ -291,6 +291,29 @@ def test_replicated_share_packed_and_unpacked_on_one_rank():
     assert back["flag"].dtype == torch.bool and back["state_dict"]["b"].dtype == torch.int64
 
 
+def test_a_share_gives_back_what_torch_load_would_parameters_sparse_quantized_nested_and_views():
+    """The kinds of tensor a stock checkpoint can hold come back from a local share as ``torch.load`` gives them
+    back: an ``nn.Parameter`` (with its ``requires_grad``) as one; sparse, quantized and nested tensors whole
+    (they travel in the header); a strided view with its values. A share written before parameters were
+    recorded (5 fields an entry) still unpacks."""
+    base = torch.randn(10, 10)
+    ck = {"p": torch.nn.Parameter(torch.randn(3)), "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False),
+          "sparse": torch.randn(4, 4).to_sparse(), "q": torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8),
+          "nested": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), "view": base[::2, 1:5]}
+    lay, tensors = packing.layout({"mode": shares.REPLICATED, **ck})
+    flat = torch.empty(lay.nbytes, dtype=torch.uint8)
+    packing.copy_into(lay, tensors, flat)
+    back = packing.unpack(lay.header(), flat)
+    assert type(back["p"]) is torch.nn.Parameter and back["p"].requires_grad and torch.equal(back["p"], ck["p"])
+    assert type(back["frozen"]) is torch.nn.Parameter and not back["frozen"].requires_grad
+    assert torch.equal(back["sparse"].to_dense(), ck["sparse"].to_dense()) and back["sparse"].is_sparse
+    assert torch.equal(back["q"].int_repr(), ck["q"].int_repr()) and back["q"].q_scale() == ck["q"].q_scale()
+    assert [t.tolist() for t in back["nested"].unbind()] == [t.tolist() for t in ck["nested"].unbind()]
+    assert torch.equal(back["view"], ck["view"])
+    old = packing.Layout(lay.skeleton, [e[:5] for e in lay.entries], lay.nbytes, lay.mode)  # the older format
+    assert type(packing.unpack(old.header(), flat)["p"]) is torch.Tensor
+
+
 def test_crc32_is_zlibs():
     import zlib
 

@@ -34,10 +34,11 @@ def _align(n: int) -> int:
 @dataclass
 class Layout:
     """Where each tensor of a share goes in its flat buffer: ``entries`` (name, dtype, shape, offset,
-    nbytes), ``nbytes`` in all; ``skeleton`` is the share with placeholders for its tensors."""
+    nbytes, parameter: ``requires_grad`` of an ``nn.Parameter``, else None), ``nbytes`` in all; ``skeleton``
+    is the share with placeholders for its tensors."""
 
     skeleton: Any
-    entries: list[tuple[str, torch.dtype, tuple, int, int]]
+    entries: list[tuple[str, torch.dtype, tuple, int, int, bool | None]]
     nbytes: int
     mode: str
 
@@ -50,12 +51,28 @@ class Layout:
 def layout(share: dict[str, Any]) -> tuple[Layout, dict[str, torch.Tensor]]:
     """(the training thread) The share's layout, and its tensors by name (the live ones: not copied)."""
     skeleton, tensors = tree.split(share, objects=True)
+    parameters = _parameters(share)
     entries, offset = [], 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        entries.append((name, t.dtype, tuple(t.shape), offset, n))
+        entries.append((name, t.dtype, tuple(t.shape), offset, n, parameters.get(name)))
         offset = _align(offset + n)
     return Layout(skeleton, entries, offset, share["mode"]), tensors
+
+
+def _parameters(share: dict[str, Any]) -> dict[str, bool]:
+    """``requires_grad`` of each ``nn.Parameter`` of the share, by the name :func:`tree.split` gives it (which
+    hands out detached tensors): unpacked as a ``Parameter`` again, as ``torch.load`` gives one back."""
+    namer, found = tree.FqnNamer(), {}
+
+    def see(path: tuple, t: torch.Tensor) -> torch.Tensor:
+        name = namer(path)
+        if isinstance(t, torch.nn.Parameter):
+            found[name] = t.requires_grad
+        return t
+
+    tree.walk(share, (), see, objects=True)
+    return found
 
 
 def copy_into(lay: Layout, tensors: dict[str, torch.Tensor], flat: torch.Tensor,
@@ -64,7 +81,7 @@ def copy_into(lay: Layout, tensors: dict[str, torch.Tensor], flat: torch.Tensor,
     ``defer`` (a lazy snapshot's rule), the tensors it watches are left out and returned, each with its place,
     for a :class:`~lightning_asyncckpt.snapshot.lazy.BackgroundCopy`."""
     deferred = []
-    for name, dtype, shape, off, n in lay.entries:
+    for name, dtype, shape, off, n, _parameter in lay.entries:
         if n:
             place = flat[off:off + n].view(dtype).view(shape)
             watch = defer(tensors[name]) if defer is not None else None
@@ -89,6 +106,10 @@ def unpack(head: bytes, flat: torch.Tensor) -> Any:
     if head[:len(MAGIC)] != MAGIC:
         raise ValueError("not a local-tier share (bad magic)")
     skeleton, entries = torch.load(io.BytesIO(head[len(MAGIC):]), map_location="cpu", weights_only=False)
-    tensors = {name: flat[off:off + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
-               for name, dtype, shape, off, n in entries}
+    tensors = {}
+    for name, dtype, shape, off, n, *parameter in entries:  # shares written before 2026-12-06: 5 fields
+        t = flat[off:off + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
+        if parameter and parameter[0] is not None:
+            t = torch.nn.Parameter(t, requires_grad=parameter[0])
+        tensors[name] = t
     return tree.join(skeleton, tensors, objects=True)
