@@ -123,6 +123,7 @@ def test_ddp_node_lost_resumes_from_replicas_then_persistent(tmp_path):
     _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "ddp"])
 
 
+@pytest.mark.slow
 def test_async_ddp_strategy_node_lost_resumes_from_replicas_then_persistent(tmp_path):
     """``AsyncDDPStrategy`` (every rank writes a share of each persistent checkpoint, a directory) with the
     local tier: the same scenarios, the persistent fallback read from those directories."""
@@ -218,7 +219,15 @@ def test_fabric_tiers_resume_takes_keys_as_fabric_load_does(tmp_path, strategy):
 def test_fsdp2_with_full_persistent_checkpoints_keeps_each_ranks_shards_locally(tmp_path):
     """``AsyncModelParallelStrategy(save_distributed_checkpoint=False)``: the persistent checkpoints are full
     states gathered on rank 0, but the local tier still keeps each rank's own shards (a gathered state exists
-    on rank 0 alone; the local save's collectives failed on it before). Every scenario of the others holds:
-    node 1 back empty resumes at 10 from the replicas, a corrupt replica or a lost clique at 8 from the
-    persistent full file."""
-    _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "fsdp2", "--full", "1"])
+    on rank 0 alone; the local save's collectives failed on it before). Node 1 back empty resumes at 10 from
+    the replicas; with both local tiers lost, at 8 from the persistent full file."""
+    extra = ["--engine", "nvrx", "--strategy", "fsdp2", "--full", "1"]
+    out = _train_and_lose_node_1(tmp_path, extra)
+    assert sorted(p.name for p in (out / "c").iterdir()) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    assert (out / "c" / "last.ckpt").is_file()  # a full checkpoint, not a directory of shards
+    for expect, lost in ((10, [1]), (8, [0, 1])):
+        for node in lost:
+            _empty(tmp_path, node)
+        reports, logs = _resume(tmp_path, extra)
+        assert [r["start_step"] for r in reports] == [expect] * 4, logs
+        assert all(r["resume_exact"] for r in reports)
