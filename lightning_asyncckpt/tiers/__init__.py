@@ -6,16 +6,22 @@ One concern per module, lowest first:
 - ``config``: :class:`LocalTier`, the user's settings, checked when made.
 - ``cliques``: which ranks hold each other's shares (NVRx's clique layout).
 - ``mapped``: files mapped into memory and reused from save to save (the save's copy is the write).
+- ``pinning``: those files registered with CUDA, so that a GPU state's copy runs at pinned speed.
 - ``store``: one rank's files in the node-local directory: a share, its header, its manifest (CRC32s).
 - ``shares``: a checkpoint as this rank's share, and back.
+- ``packing``: a share's tensors in one flat buffer and its header; CRC32s.
 - ``local_replicas``: a replicated (DDP) state's replicas, copied locally and proven by checksums.
 - ``replication``: a sharded share as NVRx's ``TensorAwareStateDict``, replicated within its clique (NVRx's).
 - ``exchange``: recovery transfers between nodes, point to point over gloo.
 - ``checks``: refusing a missing, shared or too small directory at setup.
 - ``recovery``: which step is complete in the local tier, and who sends each share (pure).
+- ``persistent``: a persistent checkpoint's step, read from its pickle alone (local or on an object store).
 - ``preemption``: SIGTERM/SIGUSR1 set a flag, nothing more.
+- ``step_agreement``: the one all-reduce per step boundary (optionally overlapped with the next step).
 - ``writer``: the background thread that settles the replicas and commits a save.
 - ``restore``: refill, check and read the newest complete step on every rank.
+- ``deferred_refill``: the replicas a sharded restore leaves for later, sent from the writer's thread.
+- ``restore_key``: the name a resume from the local tier goes by (``restore-step-N``).
 - ``run``: :class:`TierRun`, one run's local tier on one rank.
 
 No Lightning here: ``integration`` connects it to the Trainer and to Fabric.
