@@ -255,14 +255,20 @@ def test_pytorch_lightning_one_line_local_tier_resumes_mid_epoch_exactly(tmp_pat
 
 # 7. strategy="ddp_spawn" ---------------------------------------------------------------------------------------
 
-def test_ddp_spawn_resumes_from_the_newer_local_step(tmp_path):
+@pytest.mark.parametrize("distribution", ["lightning", "pytorch_lightning"])
+def test_ddp_spawn_resumes_from_the_newer_local_step(tmp_path, distribution):
     """``ddp_spawn`` pickles the trainer with its callbacks into the processes it spawns, where nothing of this
     package's ``__init__`` runs: ``ckpt_path="last"`` there still consults the local tier and resumes from its
-    step 4, not from the persistent ``last.ckpt`` of step 3 (``tests/jobs/spawn_tier_job.py``)."""
+    step 4, not from the persistent ``last.ckpt`` of step 3 (``tests/jobs/spawn_tier_job.py``); under either
+    distribution."""
     import sys
+    from pathlib import Path
 
+    python = PL_PYTHON if distribution == "pytorch_lightning" else Path(sys.executable)
+    if not python.exists():
+        pytest.skip(f"{python} is missing: `make test` builds it (the pytorch-lightning environment)")
     out = tmp_path / "out"
-    with launch([sys.executable, job_script("spawn_tier_job.py"), str(out)], out, 180, cwd=tmp_path) as job:
+    with launch([python, job_script("spawn_tier_job.py"), str(out)], out, 180, cwd=tmp_path) as job:
         job.wait()
     log = (out / "log.txt").read_text()
     starts = {}

@@ -1,7 +1,8 @@
 """The local tier under ``strategy="ddp_spawn"`` (2 CPU ranks): Lightning pickles the trainer, its plugin and
 callbacks into processes it spawns, where nothing of this package's ``__init__`` runs again. A first fit saves
 locally every 2 steps (to step 4) and persistently at step 3; a second fit with ``ckpt_path="last"`` must
-resume from local step 4, the newer. Each rank of each fit writes ``<out>/start-<fit>-rank<r>.json``."""
+resume from local step 4, the newer. Each rank of each fit writes ``<out>/start-<fit>-rank<r>.json``. Imports
+nothing of the test helpers (they import ``lightning``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import json
 import os
 import sys
 
-import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.demos.boring_classes import BoringModel
+try:  # either distribution: this runs in .venv and in .venv-pl (pytorch_lightning alone)
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+except ImportError:
+    import pytorch_lightning as L
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.demos.boring_classes import BoringModel
 
 from lightning_asyncckpt import AsyncCheckpointIO, LocalTier
 
