@@ -104,7 +104,7 @@ def _renice(pid: int, nice: int) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    base = Path(f"/dev/shm/bench-tiers-{os.getpid()}")
+    base = Path(args.local_dir) / f"bench-tiers-{os.getpid()}"
     tmp = Path(tempfile.mkdtemp(prefix="bench-tiers-", dir=args.dir))
     procs: list = []
     stack = contextlib.ExitStack()  # the S3-protocol server, stopped at the end whatever happens
@@ -166,6 +166,8 @@ def main() -> None:
     p.add_argument("--grad-mib", type=float, default=4.0, help="the all-reduce per step, in MiB")
     p.add_argument("--timeout", type=float, default=420.0, help="hard deadline of the whole run, in seconds")
     p.add_argument("--dir", default=None, help="where the persistent tier writes (default: the system's temp dir)")
+    p.add_argument("--local-dir", default="/dev/shm",
+                   help="where the simulated nodes' local directories go (a tmpfs; e.g. one mounted huge=within_size)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--no-s3", dest="s3", action="store_false",
                    help="skip the recovery from the same file on an S3-protocol server (moto, loopback)")
@@ -185,6 +187,9 @@ def main() -> None:
         return
     t0 = time.monotonic()
     result = run(args)
+    from lightning_asyncckpt.tiers.huge_pages import tmpfs_huge
+
+    result["local_dir_huge"] = tmpfs_huge(Path(args.local_dir))  # None: not a tmpfs
     summary = summarize(result)
     table = markdown(summary, result, vars(args))
     print(table)

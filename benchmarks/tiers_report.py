@@ -104,7 +104,8 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
         f"{held}; 4 ranks on 2 simulated"
         f" nodes; a save every {every} steps; baseline step {f(base_step, '.3f')} s ({result['matmuls_per_step']}"
         f" matmuls, a {args['grad_mib']:g} MiB all-reduce, add_ on the state); load average"
-        f" {result['loadavg_start'][0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end. Medians.",
+        f" {result['loadavg_start'][0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end. Medians."
+        + _local_dirs(result, args),
         "",
         f"| variant | periods | period: save + {every} steps + drain (s) | overhead per save (s) | of the medians (s) "
         "| stall (s) | background (s) | drain (s) | CPU, all processes (s) | extra CPU per save (s) "
@@ -137,7 +138,7 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
                   if r["cached_bytes"] is not None and r["file_bytes"] else "n/a")
         lines.append(
             f"| {r['how']} | {r['reps']} | {f(r['seconds'], '.3f')} | {f(r['min_s'], '.3f')} | {f(r['max_s'], '.3f')} "
-            f"| {r['exact']} | {r['cache'] or 'n/a (/dev/shm is RAM)'} | {cached} |")
+            f"| {r['exact']} | {r['cache'] or 'n/a (a tmpfs is RAM)'} | {cached} |")
     rp = next(r for r in summary["recovery"] if r["how"] == "local_replicas")["parts"]
     rest = next(r for r in summary["recovery"] if r["how"] == "local_replicas")["seconds"]
     rest = rest - sum(v for v in rp.values() if v is not None) if rest is not None else None
@@ -170,3 +171,10 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
     return "\n".join(lines)
 
 
+def _local_dirs(result: dict[str, Any], args: dict[str, Any]) -> str:
+    """Where the simulated nodes' local directories were, and their tmpfs's huge pages (runs since 2026-12-06)."""
+    if "local_dir_huge" not in result:
+        return ""
+    huge = result["local_dir_huge"]
+    where = f"a tmpfs with huge={huge}" if huge else "not a tmpfs"
+    return f" The nodes' local directories: under {args.get('local_dir', '/dev/shm')}, {where}."

@@ -204,14 +204,14 @@ def dir_entries(path: Any) -> list[str]:
 
 
 @contextlib.contextmanager
-def mounted_tmpfs(path: Any, size: str) -> Iterator[Path]:
-    """A real tmpfs of ``size`` (``"4m"``) mounted at ``path`` (made here), for real ENOSPC; skips the test
-    where mounting is refused. Unmounted after."""
+def mounted_tmpfs(path: Any, size: str, options: str = "") -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``"4m"``) mounted at ``path`` (made here), for real ENOSPC; ``options``: more
+    mount options (``"huge=within_size"``). Skips the test where mounting is refused. Unmounted after."""
     import pytest
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(filter(None, (f"size={size}", options))), "tmpfs", str(path)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:

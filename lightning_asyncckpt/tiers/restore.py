@@ -152,16 +152,20 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         return torch.empty(m.nbytes, dtype=torch.uint8)
 
     ready = _prepare(fetch.moves, mapped, fresh, me, bad, "fetch")
-    # also the barrier after the refill: 3b reads files that this node's other ranks have just received
-    if problems := agreed():
+    # also the barrier after the refill: 3b reads files that this node's other ranks have just received. Where
+    # nothing moves in 3a and every rank reads only its own directory (a sharded restore), the ranks have no
+    # transfer to enter together and nothing to wait for: the agreement before unpacking is the only one
+    alone = not fetch.moves and all(holder == r for r, rows in fetch.reads.items() for _, holder, _ in rows)
+    if not alone and (problems := agreed()):
         return Restored(None, problems, sent, read)
     movers = {(o, r): s for o, s, r, _ in fetch.moves}
     for m, head, flat in exchange.transfer(fetch.moves, ready, me, ranks.group):
         if _checked(m, head, flat, f"sent by rank {movers[(m.owner, me)]}", bad):
             got[m.owner] = (head, flat)
 
-    # 3b. the rest from the other holder directories of this node, checked by their holders in 2
-    for owner, holder, manifest in fetch.reads.get(me, []):
+    # 3b. the rest from the other holder directories of this node, checked by their holders in 2 (not where
+    # this rank has failed already: it falls back with its peers at the next agreement, for that reason alone)
+    for owner, holder, manifest in [] if bad else fetch.reads.get(me, []):
         if owner not in got:
             try:
                 got[owner] = store.map_share(store.holder_dir(ranks.root, holder), manifest)
