@@ -141,3 +141,23 @@ def test_a_node_holding_part_of_a_step_says_whose_shares_are_elsewhere(capsys, t
     code, out, err = run(capsys, "local", tmp_path, "--verify")
     assert code == 0, err
     assert "step 6: shares of 3 of 4 ranks (holder-0: 0, 2; holder-1: 1); rank 3: on other nodes only" in out, out
+
+
+def test_says_whether_the_tmpfs_it_is_on_has_huge_pages(capsys, fitted, tmp_path):
+    """The same files copied onto a real tmpfs without huge pages, then onto one mounted huge=within_size."""
+    from helpers import mounted_tmpfs
+    from lightning_asyncckpt.tiers import huge_pages
+
+    if any(f"[{k}]" in huge_pages.SHMEM_ENABLED.read_text() for k in ("deny", "force")):
+        pytest.skip("this kernel decides huge pages for every tmpfs, whatever the mount says")
+    code, out, _ = run(capsys, "local", fitted)
+    if huge_pages.tmpfs_huge(fitted) is None:
+        assert code == 0 and "huge" not in out, out  # not on a tmpfs: nothing said
+    for options, line in (("", "on a tmpfs without huge pages: a recovery moves and checks these files about twice"),
+                          ("huge=within_size", "on a tmpfs with huge=within_size")):
+        with mounted_tmpfs(tmp_path / f"m{len(options)}", "16m", options) as mnt:
+            shutil.copytree(fitted, mnt / "local")
+            code, out, err = run(capsys, "local", mnt / "local")
+            assert code == 0 and line in out, (err, out)
+            code, out, _ = run(capsys, "local", mnt / "local", "--json")
+            assert json.loads(out)[0]["tmpfs_huge"] == (options.removeprefix("huge=") or "never")

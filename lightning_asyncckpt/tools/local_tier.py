@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lightning_asyncckpt.tiers import mapped, store
+from lightning_asyncckpt.tiers.huge_pages import tmpfs_huge
 from lightning_asyncckpt.tiers.store import Held
 from lightning_asyncckpt.units import human_bytes
 
@@ -168,6 +169,7 @@ def as_dict(session: Session) -> dict:
     d["path"] = str(session.path)
     d["spares"] = [str(p) for p in session.spares]
     d["other"] = [str(p) for p in session.other]
+    d["tmpfs_huge"] = tmpfs_huge(session.path)  # None: not on a tmpfs
     return d
 
 
@@ -194,4 +196,10 @@ def format_session(session: Session) -> str:
     if session.other:
         lines.append(f"  not part of a complete share (an unfinished save or transfer): {len(session.other)} file(s),"
                      f" {human_bytes(sum(_size(p) for p in session.other))}")
+    huge = tmpfs_huge(session.path)
+    if huge == "never":  # a recovery is twice as fast with huge pages (tiers/huge_pages.py)
+        lines.append("  on a tmpfs without huge pages: a recovery moves and checks these files about twice as fast on a"
+                     " tmpfs mounted huge=within_size (README, \"Two tiers\")")
+    elif huge is not None:
+        lines.append(f"  on a tmpfs with huge={huge}")
     return "\n".join(lines)
