@@ -7,13 +7,13 @@ comes back with an empty local directory. Every launch has a hard timeout; every
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
 import pytest
 from nodes import launch_nodes, node_local_dir, read_reports, skip_without_namespaces
 
+from lightning_asyncckpt.testing import local_tier
 from processes import job_script
 
 JOB = job_script("tiers_job.py")
@@ -57,9 +57,8 @@ def _resume(tmp_path, extra):
 
 
 def _empty(tmp_path, node):
-    d = node_local_dir(tmp_path, node)
-    shutil.rmtree(d)
-    d.mkdir()
+    """The node comes back with an empty local directory (refused if a process of the job still held it)."""
+    local_tier.lose_node(node_local_dir(tmp_path, node))
 
 
 def _scenarios(tmp_path, extra):
@@ -88,10 +87,8 @@ def _scenarios(tmp_path, extra):
 
     # a replica corrupted (one byte): its CRC check fails, and the job resumes at 8 from the persistent tier
     _empty(tmp_path, 1)
-    replica = node0 / "holder-0" / "step-0000000010.owner-2.pt"
-    data = bytearray(replica.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    replica.write_bytes(bytes(data))
+    replica = local_tier.corrupt_share(node_local_dir(tmp_path, 0), owner=2)
+    assert replica == node0 / "holder-0" / "step-0000000010.owner-2.pt"
     reports, logs = _resume(tmp_path, extra)
     assert [r["start_step"] for r in reports] == [8] * 4, logs
     assert all(r["ckpt_path"].endswith("last.ckpt") and r["resume_exact"] for r in reports)
@@ -101,8 +98,7 @@ def _scenarios(tmp_path, extra):
 
     # a lost clique: node 1 empty and node 0's copy of rank 2's share gone too, so it is nowhere
     _empty(tmp_path, 1)
-    replica.unlink()
-    replica.with_suffix(".json").unlink()
+    local_tier.drop_share(node_local_dir(tmp_path, 0), owner=2)
     reports, logs = _resume(tmp_path, extra)
     assert [r["start_step"] for r in reports] == [8] * 4, logs
     assert all(r["ckpt_path"].endswith("last.ckpt") and r["resume_exact"] for r in reports)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_asyncckpt import LocalTier
+from lightning_asyncckpt.testing import local_tier
 from processes import two_nodes
 
 
@@ -104,13 +105,8 @@ def _unused_replica_corrupt_rank(rank, root):
     nodes whole, no rank uses that replica, so both restore step 2 from their own shares. Then node 1 is
     lost: now the replica is sent to rank 1, fails its check on arrival, and both fall back."""
     w, tier = _saved_step_2(rank, root)
-    if rank == 0:
-        replica = f"{root}/node0/asyncckpt-local/default/holder-0/step-0000000002.owner-1.pt"
-        with open(replica, "r+b") as f:
-            f.seek(1000)
-            byte = f.read(1)
-            f.seek(1000)
-            f.write(bytes([byte[0] ^ 0xFF]))
+    if rank == 0:  # while this job runs: a bit flip in memory, under the tier
+        local_tier.corrupt_share(f"{root}/node0", owner=1, step=2)
     return (w.to_local().clone(), *_restore_lose_restore(tier, rank, root, node=1))
 
 
