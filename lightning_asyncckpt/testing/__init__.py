@@ -43,6 +43,9 @@ on that rank, counting from 1; default every save), ``engine`` (``nvrx``/``mcore
 (``persistent``/``fork``); default any. In the environment: ``kind[:key=value,...]`` with keys ``rank``,
 ``save`` (several values separated by ``+``, e.g. ``rank=0+1``), ``engine``, ``worker``, ``delay``;
 several faults separated by ``;``.
+
+The local tier's files (:class:`~lightning_asyncckpt.LocalTier`) between two runs of a job: a node lost, a share's
+copy corrupted or gone, in :mod:`lightning_asyncckpt.testing.local_tier`.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ resumes from the right tier, without knowing the tier's file layout::
 
     from lightning_asyncckpt.testing import local_tier
 
-    trainer.fit(model, ckpt_path="last")                # run 1: local saves every 2 steps, persistent every 8
-    local_tier.corrupt_share(node0_dir, owner=2)          # a bit flip in node 0's copy of rank 2's newest share
-    local_tier.lose_node(node1_dir)                       # node 1 replaced: its local directory is empty
-    trainer.fit(model, ckpt_path="last")                # run 2: rank 2's share only in the bad copy -> persistent
+    trainer.fit(model, ckpt_path="last")          # run 1: local saves every 2 steps, persistent every 8
+    local_tier.corrupt_share(node0_dir, owner=2)  # a bit flip in node 0's copy of rank 2's newest share
+    local_tier.lose_node(node1_dir)               # node 1 replaced: its local directory is empty
+    trainer.fit(model, ckpt_path="last")          # run 2: rank 2's share is only in the bad copy: persistent
 
 Each function acts on one node's ``LocalTier(dir=...)`` (its own files only: ``<dir>/asyncckpt-local/<session>/``)
 and is called between two runs of the job, on the node (or in the test) that owns the directory. The
