@@ -29,12 +29,17 @@ __all__ = ["HeldShare", "corrupt_share", "drop_share", "held", "lose_node"]
 @dataclass(frozen=True)
 class HeldShare:
     """One complete copy of a rank's share on this node: ``owner``'s share of ``step``, kept by ``holder``
-    (the owner itself, or a clique peer that keeps a replica), in ``path`` (its tensor bytes)."""
+    (the owner itself, or a clique peer that keeps a replica), in ``files`` (its tensor bytes, header and
+    manifest; ``path`` is the first)."""
 
     step: int
     owner: int
     holder: int
-    path: Path
+    files: tuple[Path, Path, Path]
+
+    @property
+    def path(self) -> Path:
+        return self.files[0]
 
 
 def held(dir: str | os.PathLike, session: str = "default") -> list[HeldShare]:
@@ -47,7 +52,7 @@ def held(dir: str | os.PathLike, session: str = "default") -> list[HeldShare]:
     except listing.NoLocalTier:
         return []
     rows = [HeldShare(s.manifest.step, s.manifest.owner, s.holder,
-                      store.share_files(store.holder_dir(found.path, s.holder), s.manifest)[0])
+                      store.share_files(store.holder_dir(found.path, s.holder), s.manifest))
             for s in found.shares]
     return sorted(rows, key=lambda r: (-r.step, r.owner, r.holder))
 
@@ -76,7 +81,7 @@ def corrupt_share(dir: str | os.PathLike, owner: int, step: int | None = None, h
     the copy ``holder`` keeps (default: the only one on this node), as a memory or disk error would; its
     manifest still holds the old CRC32. Returns the file changed."""
     share = _one(dir, owner, step, holder, session, "corrupt_share")
-    path = share.path if share.path.stat().st_size else share.path.with_suffix(".head")  # an empty share: its header
+    path = share.path if share.path.stat().st_size else share.files[1]  # an empty share: its header
     with open(path, "r+b") as f:
         middle = os.fstat(f.fileno()).st_size // 2
         f.seek(middle)
@@ -92,7 +97,7 @@ def drop_share(dir: str | os.PathLike, owner: int, step: int | None = None, hold
     ``holder`` keeps (default: the only one on this node): its tensor bytes, header and manifest. Returns
     the files removed."""
     share = _one(dir, owner, step, holder, session, "drop_share")
-    files = [share.path, share.path.with_suffix(".head"), share.path.with_suffix(".json")]
+    files = list(share.files)
     for path in files:
         path.unlink()
     return files
