@@ -52,7 +52,7 @@ test-faults: $(STAMP)
 test-scale: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m scale $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+test-all: environments
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # nvidia-resiliency-ext 0.5 to 0.7 (manylinux_2_39 only): downloaded, unpacked, run beside 0.4.1 (needs network)

@@ -101,6 +101,12 @@ def skip_without_namespaces() -> None:
         pytest.skip(reason)
 
 
+def _alive(p: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return p.status() != psutil.STATUS_ZOMBIE
+    return False
+
+
 class Node:
     """One simulated node: its leader process (local rank 0, the leader of its own session), its directory
     (``tmp``, ``scratch``, ``log.txt``) and everything it started."""
@@ -123,7 +129,7 @@ class Node:
             with contextlib.suppress(psutil.Error, OSError):
                 if p.pid not in found and os.getpgid(p.pid) == self.proc.pid:
                     found[p.pid] = p
-        return list(found.values())
+        return [p for p in found.values() if _alive(p)]
 
     def kill(self) -> list[int]:
         """SIGKILLs every process of the node at once (a node lost); returns their pids."""
@@ -147,14 +153,20 @@ class Cluster:
         self.deadline = time.monotonic() + timeout
 
     def wait(self, nodes: list[Node] | None = None) -> list[int]:
-        """Exit statuses of ``nodes`` (all by default); a node still running at the hard timeout fails the
-        test with every node's log and every stack."""
+        """Exit statuses of the leaders of ``nodes`` (all by default), once every process of each has exited:
+        Lightning's launcher does not wait for the local ranks it started, so a leader can exit while another
+        rank of its node still writes its report. A node still running at the hard timeout fails the test
+        with every node's log and every stack."""
         import pytest
 
         codes = []
         for node in nodes or self.nodes:
             try:
                 codes.append(node.proc.wait(timeout=max(self.deadline - time.monotonic(), 0)))
+                while node.processes():  # the leader's orphans: reparented and reaped, or still running
+                    if time.monotonic() > self.deadline:
+                        raise subprocess.TimeoutExpired(node.proc.args, self.timeout)
+                    time.sleep(0.05)
             except subprocess.TimeoutExpired:
                 reports = [f"=== node {n.rank} ===\n{hang_report(n.proc.pid, self.script, self.out, n.log)}"
                            for n in self.nodes]

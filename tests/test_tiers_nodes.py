@@ -18,7 +18,10 @@ from processes import job_script
 
 JOB = job_script("tiers_job.py")
 
-pytestmark = [pytest.mark.scale]
+# a test here is up to five 4-rank launches, each under its own hard deadline (launch_nodes' timeout, which
+# kills every process); the whole test gets their sum's worth, not the suite's 240 s: two of them side by side
+# (pytest -n 2 on 2 cores) took 157 s and over 240 s for the FSDP2 scenarios
+pytestmark = [pytest.mark.scale, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(autouse=True)
