@@ -12,9 +12,9 @@ and the resume from the newest complete tier.
 4. Lists what this node holds (``lightning-asyncckpt local``), then removes it (``--remove --yes``): files
    in ``/dev/shm`` are memory, and they outlive the job on purpose, for the next launch.
 
-On one machine there is no other node to hold a replica, so ``replication_factor=1``. On several nodes
-keep the default, 2: each share then has a copy on another node, and a node that comes back empty is
-refilled from it (README, "Two tiers").
+``replication_factor`` keeps its default: on one machine that is 1 (no other node could hold a replica),
+and the same script on several nodes gets 2: each share then has a copy on another node, and a node that
+comes back empty is refilled from it (README, "Two tiers").
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def data(width: int) -> DataLoader:
 
 
 def fit(args: argparse.Namespace, local_dir: str, max_steps: int, callbacks: list, ckpt_path: str | None) -> L.Trainer:
-    io = AsyncCheckpointIO(local=LocalTier(local_dir, every_n_train_steps=args.local_every, replication_factor=1))
+    io = AsyncCheckpointIO(local=LocalTier(local_dir, every_n_train_steps=args.local_every))
     persistent = ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), every_n_train_steps=args.every,
                                  save_top_k=-1, save_last=True)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,

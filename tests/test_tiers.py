@@ -33,6 +33,28 @@ def test_the_tier_writes_only_under_its_own_root():
     assert LocalTier("/dev/shm/ck", session="run1").root.as_posix() == "/dev/shm/ck/asyncckpt-local/run1"
 
 
+def test_the_default_factor_is_two_on_several_nodes_and_one_on_one():
+    tier = LocalTier("/x")
+    assert tier.factor_for(16, 8) == 2 and tier.factor_for(8, 8) == 1 and tier.factor_for(1, 1) == 1
+    assert LocalTier("/x", replication_factor=2).factor_for(8, 8) == 2  # asked for: refused later, on one node
+    assert LocalTier("/x", replication_factor=1).factor_for(16, 8) == 1
+
+
+def test_one_process_without_a_factor_keeps_no_replicas_and_says_so(tmp_path, caplog):
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    with caplog.at_level("INFO"):
+        run = TierRun(LocalTier(tmp_path, emergency_signals=()), node_rank=0, local_world_size=1)
+    run.close()
+    assert run.factor == 1 and run.clique == [0]
+    assert "the local tier keeps no replicas: this job runs on one node" in caplog.text
+
+
+def test_a_home_relative_directory_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert LocalTier("~/ckpt").dir == tmp_path / "ckpt"
+
+
 def test_cliques_are_nvrx_layout_and_a_world_that_does_not_divide_is_refused():
     assert cliques.layout(4, 2, 2) == [[0, 2], [1, 3]]
     assert cliques.layout(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -36,6 +36,26 @@ def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the probes are gone
 
 
+def _default_factor_rank(rank, root):
+    """Without ``replication_factor``: two ranks of one node, then the same two as two nodes."""
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    got = []
+    for node_rank, per_node in ((0, 2), (rank, 1)):
+        run = TierRun(LocalTier(f"{root}/node{node_rank}", timeout_s=30, emergency_signals=()),
+                      node_rank=node_rank, local_world_size=per_node)
+        got.append((run.factor, run.clique))
+        run.close()
+    return tuple(got)
+
+
+def test_without_a_factor_one_node_keeps_no_replica_and_two_nodes_keep_one(tmp_path):
+    """The same script on a workstation and on a cluster: the default factor follows the job's nodes."""
+    got = two_nodes(_default_factor_rank, tmp_path)
+    for rank in (0, 1):
+        assert got[rank] == ((1, [rank]), (2, [0, 1])), got
+
+
 def _replicas_rank(rank, root):
     """Two ranks on two "nodes" (each its own directory), a DDP-like state of which one tensor differs
     between the ranks: each rank copies both shares from its own memory; the replica of the differing one

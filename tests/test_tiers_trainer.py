@@ -32,8 +32,8 @@ class States(L.Callback):
 
 def _fit(tmp_path, max_steps, ckpt_path=None, every=8, callbacks=(), local_every=2, snapshot="eager", hold=None,
          width=16, dirpath=None, **kw):
-    io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(tmp_path / "local", every_n_train_steps=local_every,
-                                                                       replication_factor=1))
+    # no replication_factor: on one device the default keeps no replica (nothing to give it)
+    io = AsyncCheckpointIO("nvrx", snapshot=snapshot, local=LocalTier(tmp_path / "local", every_n_train_steps=local_every))
     io.copy_hook = hold
     states = States()
     ck = ModelCheckpoint(dirpath=dirpath or tmp_path / "c", every_n_train_steps=every, save_top_k=-1, save_last=True)

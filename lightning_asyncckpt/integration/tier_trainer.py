@@ -92,7 +92,7 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
         log.warning("lightning-asyncckpt: global rank %d received %s", trainer.global_rank, tier.preemption_signal)
     if trainer.is_global_zero:
         log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier%s; stopping training",
-                    complete, " with its replicas" if io.local.replication_factor > 1 else "")
+                    complete, " with its replicas" if tier.factor > 1 else "")
     replaced_handlers.pass_on(tier, boundary.handlers_everywhere)
     return True
 

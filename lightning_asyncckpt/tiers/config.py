@@ -21,7 +21,9 @@ class LocalTier:
         every_n_train_steps: save to the local tier after every this many optimizer steps (global step).
         replication_factor: ``F``, how many ranks hold each share, its own rank included (NVRx's
             meaning): 1 keeps no replica, 2 one replica on a peer. Each clique of ``F`` ranks
-            (``n, n + J, ..., n + (F-1)J``) exchanges its shares.
+            (``n, n + J, ..., n + (F-1)J``) exchanges its shares. ``None`` (the default) is 2 where the job
+            spans several nodes (the world size is more than ``J``) and 1 on one node, where no other node
+            could hold a replica: the same script then runs on a workstation and on a cluster.
         replication_jump: ``J``, the rank distance between a share's holders; ``None`` is the ranks per
             node, so that each replica is on another node. The world size must divide by ``J * F``.
         session: a name for this job's files, so that jobs sharing a directory do not mix.
@@ -38,7 +40,7 @@ class LocalTier:
 
     dir: str | os.PathLike
     every_n_train_steps: int = 100
-    replication_factor: int = 2
+    replication_factor: int | None = None
     replication_jump: int | None = None
     session: str = "default"
     timeout_s: float = 600.0
@@ -57,9 +59,10 @@ class LocalTier:
                 " use either engine).")
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
             raise TypeError(f"LocalTier(dir=...) must be a path to a node-local directory; got {self.dir!r}.")
-        object.__setattr__(self, "dir", Path(self.dir))
+        object.__setattr__(self, "dir", Path(self.dir).expanduser())
         _positive_int("every_n_train_steps", self.every_n_train_steps)
-        _positive_int("replication_factor", self.replication_factor)
+        if self.replication_factor is not None:
+            _positive_int("replication_factor", self.replication_factor)
         if self.replication_jump is not None:
             _positive_int("replication_jump", self.replication_jump)
         if not isinstance(self.session, str) or not _SESSION.fullmatch(self.session):
@@ -73,6 +76,13 @@ class LocalTier:
         for name in self.emergency_signals:
             if not isinstance(getattr(signal, str(name), None), signal.Signals):
                 raise ValueError(f"LocalTier(emergency_signals=...): {name!r} is not a signal name (e.g. 'SIGTERM').")
+
+    def factor_for(self, world_size: int, jump: int) -> int:
+        """(every rank, at setup) ``F`` for a job of ``world_size`` ranks and replication jump ``jump``:
+        ``replication_factor``, or where that is None, 2 on several nodes and 1 on one."""
+        if self.replication_factor is not None:
+            return self.replication_factor
+        return 2 if world_size > jump else 1
 
     @property
     def root(self) -> Path:

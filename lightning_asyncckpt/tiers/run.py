@@ -68,7 +68,7 @@ class TierRun:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.jump = config.replication_jump or max(local_world_size, 1)
-        factor = config.replication_factor
+        self.factor = factor = config.factor_for(self.world, self.jump)  # F; by default it follows the nodes
         self.cliques = cliques.layout(self.world, self.jump, factor)
         self.clique = cliques.clique_of(self.rank, self.cliques)
         self.group = self.clique_group = None
@@ -80,6 +80,9 @@ class TierRun:
                 self.clique_group = groups[self.cliques.index(self.clique)]
         self.agreement = StepAgreement(self.group if self.world > 1 else None, config.overlap_agreement)
         checks.agree(checks.directory(Path(config.dir), self.rank, node_rank), self.gather)
+        if self.rank == 0 and config.replication_factor is None and factor == 1:
+            log.info("lightning-asyncckpt: the local tier keeps no replicas: this job runs on one node, so each rank"
+                     " keeps its own share there (replication_factor=None is 1 on one node, 2 on several)")
         if self.rank == 0 and (line := huge_pages.hint(Path(config.dir))):
             log.info(line)  # a recovery is twice as fast on a tmpfs with huge pages (huge_pages' docstring)
         self.node_of = self.gather(node_rank)
@@ -186,7 +189,7 @@ class TierRun:
         """(every rank, together, at the first save) Refuses a directory too small for the shares (collective)."""
         if not self._space_checked:
             checks.space(Path(self.config.dir), self.rank, self.node_of, laid[self.rank][0].nbytes,
-                         self.store.used_bytes(), self.config.replication_factor, self.gather)
+                         self.store.used_bytes(), self.factor, self.gather)
             self._space_checked = True
 
     def boundary(self) -> Boundary:
@@ -275,7 +278,7 @@ class TierRun:
         if pstep is not None and pstep > plan.step:
             return self._persistent(persistent, pstep, f"its step {pstep} is newer than the local tier's {plan.step}")
         ranks = restore.Ranks(self.rank, self.world, self.config.root, self.store, self.group, self.node_of,
-                              self.cliques, self.config.replication_factor, self.topology, self.gather)
+                              self.cliques, self.factor, self.topology, self.gather)
         done = restore.restore(plan, holdings, ranks)
         if done.problems:
             more = f" (and {len(done.problems) - 3} more)" if len(done.problems) > 3 else ""
