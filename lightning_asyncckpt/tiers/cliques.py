@@ -16,9 +16,9 @@ def layout(world_size: int, jump: int, factor: int) -> list[list[int]]:
     if factor > 1 and world_size == jump:
         raise TierConfigError(
             f"LocalTier: replication_factor={factor} in a job of one node ({world_size} rank(s), replication_jump"
-            f" = {jump} ranks per node): no other node can hold a replica. Fix: replication_factor=1 (each rank"
-            " keeps its own share on its node: that survives a crashed or restarted process, not a lost node),"
-            " or run on several nodes."
+            f" = {jump} ranks per node): no other node can hold a replica. Fix: replication_factor=1, or leave it"
+            " out (the default is 1 on one node and 2 on several): each rank then keeps its own share on its"
+            " node, which survives a crashed or restarted process, not a lost node. Or run on several nodes."
         )
     if world_size % (jump * factor):
         raise TierConfigError(
