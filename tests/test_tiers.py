@@ -23,6 +23,9 @@ TOPO = (4, 2, 2)
     ({"dir": "/x", "session": "a/b"}, r"session"),
     ({"dir": "/x", "timeout_s": 0}, r"timeout_s"),
     ({"dir": "/x", "emergency_signals": ("SIGNOPE",)}, r"'SIGNOPE' is not a signal name"),
+    ({"dir": "/x", "timeout_s": float("inf")}, r"timeout_s=\.\.\.\) must be .* at most 31536000.*got inf"),
+    ({"dir": "/x", "timeout_s": float("nan")}, r"timeout_s"),
+    ({"dir": "/x", "emergency_signals": ("SIGTERM", "SIGKILL")}, r"SIGKILL cannot be caught"),
 ])
 def test_bad_settings_are_refused_naming_the_argument(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -35,9 +38,9 @@ def test_the_tier_writes_only_under_its_own_root():
 
 def test_the_default_factor_is_two_on_several_nodes_and_one_on_one():
     tier = LocalTier("/x")
-    assert tier.factor_for(16, 8) == 2 and tier.factor_for(8, 8) == 1 and tier.factor_for(1, 1) == 1
-    assert LocalTier("/x", replication_factor=2).factor_for(8, 8) == 2  # asked for: refused later, on one node
-    assert LocalTier("/x", replication_factor=1).factor_for(16, 8) == 1
+    assert tier.factor_for(2) == 2 and tier.factor_for(16) == 2 and tier.factor_for(1) == 1
+    assert LocalTier("/x", replication_factor=2).factor_for(1) == 2  # asked for: refused later, on one node
+    assert LocalTier("/x", replication_factor=1).factor_for(16) == 1
 
 
 def test_one_process_without_a_factor_keeps_no_replicas_and_says_so(tmp_path, caplog):
@@ -48,6 +51,31 @@ def test_one_process_without_a_factor_keeps_no_replicas_and_says_so(tmp_path, ca
     run.close()
     assert run.factor == 1 and run.clique == [0]
     assert "the local tier keeps no replicas: this job runs on one node" in caplog.text
+
+
+def test_emergency_signals_may_be_given_as_signals():
+    import signal
+
+    assert LocalTier("/x", emergency_signals=(signal.SIGTERM, "SIGUSR1")).emergency_signals == ("SIGTERM", "SIGUSR1")
+    assert LocalTier("/x", emergency_signals=signal.SIGUSR2).emergency_signals == ("SIGUSR2",)
+
+
+def test_signals_that_cannot_be_handled_off_the_main_thread_are_named_in_a_warning(tmp_path, caplog):
+    import threading
+
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    run = TierRun(LocalTier(tmp_path, emergency_signals=("SIGUSR2",)), node_rank=0, local_world_size=1)
+    armed = []
+    try:
+        with caplog.at_level("WARNING"):
+            t = threading.Thread(target=lambda: armed.append(run.arm()))
+            t.start()
+            t.join(30)
+    finally:
+        run.close()
+    assert armed == [False]
+    assert "LocalTier(emergency_signals=('SIGUSR2',)) are not handled on global rank 0" in caplog.text
 
 
 def test_a_home_relative_directory_is_expanded(monkeypatch, tmp_path):
@@ -62,6 +90,9 @@ def test_cliques_are_nvrx_layout_and_a_world_that_does_not_divide_is_refused():
         cliques.layout(6, 2, 2)
     with pytest.raises(TierConfigError, match=r"replication_factor=2 in a job of one node .* Fix: replication_factor=1"):
         cliques.layout(2, 2, 2)  # one node of two ranks: the default factor has no other node
+    with pytest.raises(TierConfigError, match=r"world size 8 does not divide by .* 8 x 2 = 16") as e:
+        cliques.layout(8, 8, 2, nodes=2)  # two nodes of 4 with replication_jump=8: not "one node"
+    assert "one node" not in str(e.value)
 
 
 def test_cliques_within_one_node_are_refused_on_several_nodes():

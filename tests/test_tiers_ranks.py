@@ -37,24 +37,33 @@ def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
 
 
 def _default_factor_rank(rank, root):
-    """Without ``replication_factor``: two ranks of one node, then the same two as two nodes."""
+    """Without ``replication_factor``: two ranks of one node, the same with ``replication_jump=1`` (which
+    does not say how many nodes there are), then the same two as two nodes. Then two nodes with
+    ``replication_jump=2``, which would put a clique's ranks two nodes apart in a job of two: refused."""
+    from lightning_asyncckpt.tiers.cliques import TierConfigError
     from lightning_asyncckpt.tiers.run import TierRun
 
     got = []
-    for node_rank, per_node in ((0, 2), (rank, 1)):
-        run = TierRun(LocalTier(f"{root}/node{node_rank}", timeout_s=30, emergency_signals=()),
-                      node_rank=node_rank, local_world_size=per_node)
+    for node_rank, per_node, jump in ((0, 2, None), (0, 2, 1), (rank, 1, None), (rank, 1, 2)):
+        tier = LocalTier(f"{root}/node{node_rank}", replication_jump=jump, timeout_s=30, emergency_signals=())
+        try:
+            run = TierRun(tier, node_rank=node_rank, local_world_size=per_node)
+        except TierConfigError as e:
+            got.append(str(e))
+            continue
         got.append((run.factor, run.clique))
         run.close()
     return tuple(got)
 
 
 def test_without_a_factor_one_node_keeps_no_replica_and_two_nodes_keep_one(tmp_path):
-    """The same script on a workstation and on a cluster: the default factor follows the job's nodes."""
+    """The same script on a workstation and on a cluster: the default factor follows the job's nodes (as
+    the node ranks say, whatever ``replication_jump`` is)."""
     got = two_nodes(_default_factor_rank, tmp_path)
     for rank in (0, 1):
-        assert got[rank] == ((1, [rank]), (2, [0, 1])), got
-
+        assert got[rank][:3] == ((1, [rank]), (1, [rank]), (2, [0, 1])), got
+        assert "world size 2 does not divide by replication_jump x replication_factor = 2 x 2" in got[rank][3], got
+        assert "one node" not in got[rank][3], got
 
 def _replicas_rank(rank, root):
     """Two ranks on two "nodes" (each its own directory), a DDP-like state of which one tensor differs

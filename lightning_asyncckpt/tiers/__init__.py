@@ -7,6 +7,7 @@ One concern per module, lowest first:
 - ``cliques``: which ranks hold each other's shares (NVRx's clique layout).
 - ``mapped``: files mapped into memory and reused from save to save (the save's copy is the write).
 - ``pinning``: those files registered with CUDA, so that a GPU state's copy runs at pinned speed.
+- ``huge_pages``: whether the directory is a tmpfs with huge pages, and the hint to use one.
 - ``store``: one rank's files in the node-local directory: a share, its header, its manifest (CRC32s).
 - ``shares``: a checkpoint as this rank's share, and back.
 - ``packing``: a share's tensors in one flat buffer and its header; CRC32s.
@@ -19,10 +20,10 @@ One concern per module, lowest first:
 - ``preemption``: SIGTERM/SIGUSR1 set a flag, nothing more.
 - ``step_agreement``: the one all-reduce per step boundary (optionally overlapped with the next step).
 - ``writer``: the background thread that settles the replicas and commits a save.
-- ``restore``: refill, check and read the newest complete step on every rank.
+- ``restore``: refill, check and read the newest complete step on every rank (one try).
 - ``deferred_refill``: the replicas a sharded restore leaves for later, sent from the writer's thread.
 - ``restore_key``: the name a resume from the local tier goes by (``restore-step-N``).
-- ``run``: :class:`TierRun`, one run's local tier on one rank.
+- ``run``: :class:`TierRun`, one run's local tier on one rank (a restore tried again without a bad copy).
 
 No Lightning here: ``integration`` connects it to the Trainer and to Fabric.
 """

@@ -11,9 +11,10 @@ class TierConfigError(ValueError):
     """The local tier cannot run with this configuration (raised at setup, on every rank, before any save)."""
 
 
-def layout(world_size: int, jump: int, factor: int) -> list[list[int]]:
-    """The cliques, sorted; refuses a world size that does not divide by ``jump * factor``."""
-    if factor > 1 and world_size == jump:
+def layout(world_size: int, jump: int, factor: int, nodes: int = 1) -> list[list[int]]:
+    """The cliques, sorted; refuses a world size that does not divide by ``jump * factor`` (on one of
+    ``nodes`` nodes with ``jump`` its ranks, saying that no other node could hold a replica)."""
+    if factor > 1 and world_size == jump and nodes == 1:
         raise TierConfigError(
             f"LocalTier: replication_factor={factor} in a job of one node ({world_size} rank(s), replication_jump"
             f" = {jump} ranks per node): no other node can hold a replica. Fix: replication_factor=1, or leave it"

@@ -9,6 +9,8 @@ import signal
 from pathlib import Path
 
 _SESSION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_LONGEST_S = 365 * 86400.0
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,14 +24,16 @@ class LocalTier:
         replication_factor: ``F``, how many ranks hold each share, its own rank included (NVRx's
             meaning): 1 keeps no replica, 2 one replica on a peer. Each clique of ``F`` ranks
             (``n, n + J, ..., n + (F-1)J``) exchanges its shares. ``None`` (the default) is 2 where the job
-            spans several nodes (the world size is more than ``J``) and 1 on one node, where no other node
-            could hold a replica: the same script then runs on a workstation and on a cluster.
+            spans several nodes (the node ranks that Lightning's cluster environment gives) and 1 on one
+            node, where no other node could hold a replica: the same script then runs on a workstation and
+            on a cluster.
         replication_jump: ``J``, the rank distance between a share's holders; ``None`` is the ranks per
             node, so that each replica is on another node. The world size must divide by ``J * F``.
         session: a name for this job's files, so that jobs sharing a directory do not mix.
-        timeout_s: a replication or recovery exchange that takes longer fails (never hangs).
-        emergency_signals: signal names that request an emergency save: the next step boundary, all ranks
-            agree, save to the local tier, drain and stop training. ``()`` leaves signals alone.
+        timeout_s: a replication or recovery exchange that takes longer fails (never hangs); at most a year.
+        emergency_signals: signals (names, or ``signal.Signals``) that request an emergency save: the next
+            step boundary, all ranks agree, save to the local tier, drain and stop training. ``()`` leaves
+            signals alone. SIGKILL and SIGSTOP cannot be caught, so they are refused.
         overlap_agreement: the tier's one small all-reduce per step is posted at a step boundary and read at
             the next, so that it runs beside the next step's compute instead of on its critical path; what
             it agrees on (a preemption, a failed local save, old steps to remove) then takes effect one step
@@ -67,22 +71,30 @@ class LocalTier:
             _positive_int("replication_jump", self.replication_jump)
         if not isinstance(self.session, str) or not _SESSION.fullmatch(self.session):
             raise ValueError(f"LocalTier(session=...) must be 1 to 64 of [A-Za-z0-9_.-]; got {self.session!r}.")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"LocalTier(timeout_s=...) must be a number of seconds > 0; got {self.timeout_s!r}.")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not 0 < self.timeout_s <= _LONGEST_S):
+            raise ValueError(f"LocalTier(timeout_s=...) must be a number of seconds > 0 and at most {_LONGEST_S:.0f}"
+                             f" (a year: every wait of the tier has a bound); got {self.timeout_s!r}.")
         if not isinstance(self.overlap_agreement, bool):
             raise ValueError(f"LocalTier(overlap_agreement=...) must be True or False; got {self.overlap_agreement!r}.")
-        names = (self.emergency_signals,) if isinstance(self.emergency_signals, str) else self.emergency_signals
-        object.__setattr__(self, "emergency_signals", tuple(names))
-        for name in self.emergency_signals:
+        names = self.emergency_signals
+        names = (names,) if isinstance(names, (str, signal.Signals)) else tuple(names)
+        names = tuple(n.name if isinstance(n, signal.Signals) else n for n in names)  # signal.SIGTERM too
+        object.__setattr__(self, "emergency_signals", names)
+        for name in names:
             if not isinstance(getattr(signal, str(name), None), signal.Signals):
                 raise ValueError(f"LocalTier(emergency_signals=...): {name!r} is not a signal name (e.g. 'SIGTERM').")
+            if name in _UNCATCHABLE:
+                raise ValueError(f"LocalTier(emergency_signals=...): {name} cannot be caught, so it can never request"
+                                 " an emergency save. Fix: the signal your scheduler sends ahead of it (SIGTERM, or"
+                                 " SLURM's `--signal=USR1@90`).")
 
-    def factor_for(self, world_size: int, jump: int) -> int:
-        """(every rank, at setup) ``F`` for a job of ``world_size`` ranks and replication jump ``jump``:
-        ``replication_factor``, or where that is None, 2 on several nodes and 1 on one."""
+    def factor_for(self, nodes: int) -> int:
+        """(every rank, at setup) ``F`` for a job on ``nodes`` nodes: ``replication_factor``, or where that is
+        None, 2 on several nodes and 1 on one."""
         if self.replication_factor is not None:
             return self.replication_factor
-        return 2 if world_size > jump else 1
+        return 2 if nodes > 1 else 1
 
     @property
     def root(self) -> Path:

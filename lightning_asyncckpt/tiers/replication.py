@@ -10,7 +10,8 @@ What arrives lands where the caller says (:class:`LandingGroup`): a replica's fl
 reserved mapped file. NVRx receives into fresh memory, which the writer then copied into that file: one
 more copy of every replica, and a share's size of memory allocated, faulted in and freed at every save.
 
-The only module of the tier that imports nvidia-resiliency-ext, and only when a local save replicates.
+With :mod:`~lightning_asyncckpt.tiers.cliques` (its clique layout), the only module of the tier that
+imports nvidia-resiliency-ext, and only when a local save replicates.
 """
 
 from __future__ import annotations

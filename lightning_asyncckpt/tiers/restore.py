@@ -66,6 +66,40 @@ class Restored:
     sent: int  # shares sent between ranks
     read: int  # shares read from a holder directory on the reader's node
     later: deferred_refill.Deferred = field(default_factory=deferred_refill.Deferred)  # replicas sent after
+    # the copies that failed their CRC32 check, ``(holder, owner)``, as every rank agreed: a retry without
+    # them may still find the step complete (another copy in the clique)
+    corrupt: frozenset[tuple[int, int]] = frozenset()
+
+
+class Findings:
+    """(one rank, one restore) What went wrong on this rank, and which copies failed their check; then what
+    every rank agreed on (:meth:`agree`)."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.corrupt: list[tuple[int, int, str]] = []  # (holder, owner, problem)
+
+    def __bool__(self) -> bool:
+        return bool(self.problems)
+
+    def append(self, problem: str) -> None:
+        self.problems.append(problem)
+
+    def checked(self, m: Held, head: bytes, flat: torch.Tensor, holder: int, where: str) -> bool:
+        """Whether the bytes of the copy of ``m`` held by rank ``holder`` have its manifest's CRC32s."""
+        problem = store.crc_mismatch(m, head, flat, f"the copy {where} rank {holder}")
+        if problem:
+            self.problems.append(problem)
+            self.corrupt.append((holder, m.owner, problem))
+        return problem is None
+
+    def agree(self, gather: Callable[[Any], list[Any]]) -> tuple[list[str], frozenset[tuple[int, int]]]:
+        """(every rank, together) Every rank's problems, and the corrupt copies where they are the only ones."""
+        rows = gather((self.problems, self.corrupt))
+        problems = sorted({p for ps, _ in rows for p in ps})
+        corrupt = {(h, o): p for _, cs in rows for h, o, p in cs}
+        only = set(problems) == set(corrupt.values())  # else a retry would meet the same other problem
+        return problems, frozenset(corrupt) if only else frozenset()
 
 
 def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Restored:
@@ -84,10 +118,13 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     mine = set(needs[me])
     sent, read = len(refill) + len(fetch.moves), sum(len(v) for v in fetch.reads.values())
     got: dict[int, tuple[bytes, torch.Tensor]] = {}
-    bad: list[str] = []
+    bad = Findings()
+    corrupt: frozenset[tuple[int, int]] = frozenset()
 
     def agreed() -> list[str]:
-        return sorted({p for ps in ranks.gather(bad) for p in ps})
+        nonlocal corrupt
+        problems, corrupt = bad.agree(ranks.gather)
+        return problems
 
     maps: dict[tuple[int, int], tuple[bytes, torch.Tensor]] = {}
 
@@ -108,7 +145,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     # sent from mappings of their own: the checkpoint's views of the same files change once the model trains
     deferred = deferred_refill.Deferred(later, _prepare(later, ranks.store.map, into, me, bad, "refill"))
     if problems := agreed():
-        return Restored(None, problems, sent, read)
+        return Restored(None, problems, sent, read, corrupt=corrupt)
     deferred.reserved = {m[0]: reserved[m[0]] for m in later if m[2] == me}
     senders = {(o, r): s for o, s, r, _ in refill}
     incoming = {o for o, _s, r, _ in refill if r == me}
@@ -126,13 +163,13 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
             except OSError as e:
                 bad.append(f"rank {me} could not read rank {h.owner}'s share it holds: {e}")
                 continue
-            if _checked(h, head, flat, f"held by rank {me}", bad) and h.owner in mine:
+            if bad.checked(h, head, flat, me, "held by") and h.owner in mine:
                 got[h.owner] = (head, flat)
     finally:  # whatever happened above, this rank's peers are in the transfers: they are ended
         received = posted.wait()
     refilled: dict[int, Held] = {}
     for m, head, flat in received:
-        if not _checked(m, head, flat, f"sent by rank {senders[(m.owner, me)]}", bad):
+        if not bad.checked(m, head, flat, senders[(m.owner, me)], "sent by"):
             continue
         try:
             ranks.store.commit(m, reserved[m.owner], head)
@@ -157,10 +194,10 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     # transfer to enter together and nothing to wait for: the agreement before unpacking is the only one
     alone = not fetch.moves and all(holder == r for r, rows in fetch.reads.items() for _, holder, _ in rows)
     if not alone and (problems := agreed()):
-        return Restored(None, problems, sent, read)
+        return Restored(None, problems, sent, read, corrupt=corrupt)
     movers = {(o, r): s for o, s, r, _ in fetch.moves}
     for m, head, flat in exchange.transfer(fetch.moves, ready, me, ranks.group):
-        if _checked(m, head, flat, f"sent by rank {movers[(m.owner, me)]}", bad):
+        if bad.checked(m, head, flat, movers[(m.owner, me)], "sent by"):
             got[m.owner] = (head, flat)
 
     # 3b. the rest from the other holder directories of this node, checked by their holders in 2 (not where
@@ -172,7 +209,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
             except OSError as e:
                 bad.append(f"rank {me} could not read rank {owner}'s share in holder-{holder}: {e}")
     if problems := agreed():
-        return Restored(None, problems, sent, read)
+        return Restored(None, problems, sent, read, corrupt=corrupt)
     own = packing.unpack(*got[me])
     if mode == shares.SHARDED:
         return Restored(own["state"], [], sent, read, deferred)
@@ -181,7 +218,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
 
 
 def _prepare(moves: list[exchange.Move], read: Callable[[Held], tuple[bytes, torch.Tensor]],
-             into: Callable[[Held], torch.Tensor], me: int, bad: list[str], what: str) -> exchange.Prepared:
+             into: Callable[[Held], torch.Tensor], me: int, bad: Findings, what: str) -> exchange.Prepared:
     """This rank's side of ``moves``, or an empty one with the reason added to ``bad`` (then the ranks
     agree to fall back before any transfer starts)."""
     try:
@@ -189,11 +226,4 @@ def _prepare(moves: list[exchange.Move], read: Callable[[Held], tuple[bytes, tor
     except (OSError, RuntimeError) as e:  # RuntimeError: torch could not allocate the memory
         bad.append(f"rank {me} could not get ready for the {what} transfers: {e}")
         return exchange.Prepared()
-
-
-def _checked(m: Held, head: bytes, flat: torch.Tensor, where: str, bad: list[str]) -> bool:
-    problem = store.crc_mismatch(m, head, flat, f"the copy {where}")
-    if problem:
-        bad.append(problem)
-    return problem is None
 

@@ -68,16 +68,18 @@ class TierRun:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.jump = config.replication_jump or max(local_world_size, 1)
-        self.factor = factor = config.factor_for(self.world, self.jump)  # F; by default it follows the nodes
-        self.cliques = cliques.layout(self.world, self.jump, factor)
-        self.clique = cliques.clique_of(self.rank, self.cliques)
         self.group = self.clique_group = None
+        timeout = datetime.timedelta(seconds=config.timeout_s)
         if self.distributed:
-            timeout = datetime.timedelta(seconds=config.timeout_s)
             self.group = dist.new_group(backend="gloo", timeout=timeout)  # the tier's agreement (main thread)
-            if factor > 1:  # every rank makes every clique's group, in the same order
-                groups = [dist.new_group(c, backend="gloo", timeout=timeout) for c in self.cliques]
-                self.clique_group = groups[self.cliques.index(self.clique)]
+        self.node_of = self.gather(node_rank)
+        nodes = len(set(self.node_of))
+        self.factor = factor = config.factor_for(nodes)  # F; by default it follows the nodes
+        self.cliques = cliques.layout(self.world, self.jump, factor, nodes)
+        self.clique = cliques.clique_of(self.rank, self.cliques)
+        if self.distributed and factor > 1:  # every rank makes every clique's group, in the same order
+            groups = [dist.new_group(c, backend="gloo", timeout=timeout) for c in self.cliques]
+            self.clique_group = groups[self.cliques.index(self.clique)]
         self.agreement = StepAgreement(self.group if self.world > 1 else None, config.overlap_agreement)
         checks.agree(checks.directory(Path(config.dir), self.rank, node_rank), self.gather)
         if self.rank == 0 and config.replication_factor is None and factor == 1:
@@ -85,7 +87,6 @@ class TierRun:
                      " keeps its own share there (replication_factor=None is 1 on one node, 2 on several)")
         if self.rank == 0 and (line := huge_pages.hint(Path(config.dir))):
             log.info(line)  # a recovery is twice as fast on a tmpfs with huge pages (huge_pages' docstring)
-        self.node_of = self.gather(node_rank)
         checks.cliques_span_nodes(self.cliques, self.node_of, self.jump)
         checks.not_shared(config.root, self.rank, self.node_of, self.gather)
         self.topology = (self.world, self.jump, factor)
@@ -240,8 +241,15 @@ class TierRun:
         Lightning's own (whose SIGTERM handler runs a collective inside the handler): ours replace them
         until :meth:`close`. ``pass_on``: signals whose replaced handler is collective and runs after the
         emergency save on every rank or none (:meth:`replaced_handler`). False where none could be installed
-        (not the main thread)."""
-        return self.flag.install(pass_on)
+        (not the main thread), with one warning."""
+        armed = self.flag.install(pass_on)
+        if not armed and self.config.emergency_signals:
+            log.warning("lightning-asyncckpt: LocalTier(emergency_signals=%s) are not handled on global rank %d:"
+                        " its training loop runs off Python's main thread, where no signal handler can be"
+                        " installed, so a preemption stops it without an emergency save. Fix: train on the main"
+                        " thread, or emergency_signals=() to say that this is meant.",
+                        self.config.emergency_signals, self.rank)
+        return armed
 
     @property
     def preemption_signal(self) -> str | None:
@@ -262,28 +270,35 @@ class TierRun:
     def latest(self, persistent: Any) -> Any:
         """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take` (the
         local tier's newest complete step, :func:`~lightning_asyncckpt.tiers.restore.restore`), else
-        ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why."""
+        ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why.
+
+        A copy that fails its CRC32 check is left out and the restore tried again: the step is still
+        complete where another rank of its clique holds a good copy (which also replaces the bad one). Each
+        try leaves out at least one more copy, so the tries end."""
         self._refill = None  # an earlier restore's replicas, never started: every rank drops them alike
         self.writer.wait(self.config.timeout_s)  # nothing of this run's is still being written or sent
-        rows = self.gather((self.store.holdings(self.topology), global_step(persistent) if self.rank == 0 else None,
-                            self.store.saved_under_others(self.topology)))
-        holdings, pstep = [r[0] for r in rows], rows[0][1]
-        plan = recovery.plan(holdings, self.cliques)
-        if plan is None:
-            others: dict[tuple, int] = {}
-            for row in rows:  # a resized job: steps saved under another topology, which it cannot use
-                for topo, step in row[2].items():
-                    others[topo] = max(others.get(topo, -1), step)
-            return self._persistent(persistent, pstep, recovery.why_not(holdings, self.cliques, others, self.topology))
-        if pstep is not None and pstep > plan.step:
-            return self._persistent(persistent, pstep, f"its step {pstep} is newer than the local tier's {plan.step}")
-        ranks = restore.Ranks(self.rank, self.world, self.config.root, self.store, self.group, self.node_of,
-                              self.cliques, self.factor, self.topology, self.gather)
-        done = restore.restore(plan, holdings, ranks)
-        if done.problems:
+        failed: list[str] = []  # why each earlier try failed
+        left_out: set[tuple[int, int, int]] = set()  # (holder, step, owner): copies that failed their check
+        while True:
+            plan, holdings, pstep, why = self._plan(persistent, left_out)
+            if plan is None:
+                return self._persistent(persistent, pstep, "; ".join(
+                    [*failed, f"without the copies that failed, {why}" if failed else why]))
+            ranks = restore.Ranks(self.rank, self.world, self.config.root, self.store, self.group, self.node_of,
+                                  self.cliques, self.factor, self.topology, self.gather)
+            done = restore.restore(plan, holdings, ranks)
+            if not done.problems:
+                break
             more = f" (and {len(done.problems) - 3} more)" if len(done.problems) > 3 else ""
             why = f"step {plan.step} failed its checks: " + "; ".join(done.problems[:3]) + more
-            return self._persistent(persistent, pstep, why)
+            bad = {(holder, plan.step, owner) for holder, owner in done.corrupt} - left_out
+            if not bad:  # not (only) a bad copy: another try would meet the same problem
+                return self._persistent(persistent, pstep, "; ".join([*failed, why]))
+            failed.append(why)
+            left_out |= bad
+            if self.rank == 0:
+                log.warning("lightning-asyncckpt: local tier: %s; trying again without %s", why, ", ".join(
+                    f"rank {h}'s copy of rank {o}'s share" for h, _s, o in sorted(bad)))
         key = restore_key.key_for(self.config.root, plan.step)
         self._restored[key] = done.checkpoint
         self.complete = plan.step
@@ -295,6 +310,26 @@ class TierRun:
                         " ranks, %d read on their own node%s)", plan.step, done.sent, done.read,
                         f"; {len(later.moves)} replica(s) sent after, while training resumes" if later.moves else "")
         return key
+
+    def _plan(self, persistent: Any, left_out: set[tuple[int, int, int]]) -> tuple[Any, list, int | None, str]:
+        """(every rank, together) What every rank holds now, less the copies ``left_out``, and the step to
+        restore from it: ``(plan, holdings, persistent step, why not)``; plan None where the persistent tier
+        is to be used (no complete local step, or an older one), and then ``why not``."""
+        rows = self.gather((self.store.holdings(self.topology), global_step(persistent) if self.rank == 0 else None,
+                            self.store.saved_under_others(self.topology)))
+        holdings = [[h for h in row[0] if (holder, h.step, h.owner) not in left_out]
+                    for holder, row in enumerate(rows)]
+        pstep = rows[0][1]
+        plan = recovery.plan(holdings, self.cliques)
+        if plan is None:
+            others: dict[tuple, int] = {}
+            for row in rows:  # a resized job: steps saved under another topology, which it cannot use
+                for topo, step in row[2].items():
+                    others[topo] = max(others.get(topo, -1), step)
+            return None, holdings, pstep, recovery.why_not(holdings, self.cliques, others, self.topology)
+        if pstep is not None and pstep > plan.step:
+            return None, holdings, pstep, f"its step {pstep} is newer than the local tier's {plan.step}"
+        return plan, holdings, pstep, ""
 
     def _persistent(self, persistent: Any, pstep: int | None, why: str) -> Any:
         if self.rank == 0:
