@@ -66,7 +66,7 @@ def _empty(tmp_path, node):
     local_tier.lose_node(node_local_dir(tmp_path, node))
 
 
-def _scenarios(tmp_path, extra):
+def _scenarios(tmp_path, extra, lost_clique=True):
     out = _train_and_lose_node_1(tmp_path, extra)
     assert sorted(p.name for p in (out / "c").iterdir()) == ["epoch=0-step=8.ckpt", "last.ckpt"]
     node0 = node_local_dir(tmp_path, 0) / "asyncckpt-local" / "default"
@@ -102,13 +102,14 @@ def _scenarios(tmp_path, extra):
     assert f"step 10 failed its checks: rank 2's share in the copy {checked_by} has CRC32" in logs, logs
 
     # a lost clique: node 1 empty and node 0's copy of rank 2's share gone too, so it is nowhere
-    _empty(tmp_path, 1)
-    local_tier.drop_share(node_local_dir(tmp_path, 0), owner=2)
-    reports, logs = _resume(tmp_path, extra)
-    assert [r["start_step"] for r in reports] == [8] * 4, logs
-    assert all(r["ckpt_path"].endswith("last.ckpt") and r["resume_exact"] for r in reports)
-    assert ("resuming from the persistent tier" in logs
-            and "local tier: step 10 lacks the shares of rank(s) [2] (their whole clique lost them)" in logs), logs
+    if lost_clique:
+        _empty(tmp_path, 1)
+        local_tier.drop_share(node_local_dir(tmp_path, 0), owner=2)
+        reports, logs = _resume(tmp_path, extra)
+        assert [r["start_step"] for r in reports] == [8] * 4, logs
+        assert all(r["ckpt_path"].endswith("last.ckpt") and r["resume_exact"] for r in reports)
+        assert ("resuming from the persistent tier" in logs
+                and "local tier: step 10 lacks the shares of rank(s) [2] (their whole clique lost them)" in logs), logs
 
     # both nodes' local tiers lost: step 8 from the persistent tier, with the reason
     _empty(tmp_path, 0)
@@ -120,8 +121,10 @@ def _scenarios(tmp_path, extra):
 
 
 def test_ddp_node_lost_resumes_from_replicas_then_persistent(tmp_path):
-    """DDP with the plugin (nvrx; the persistent tier written by rank 0, the local tier by every rank)."""
-    _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "ddp"])
+    """DDP with the plugin (nvrx; the persistent tier written by rank 0, the local tier by every rank). The
+    lost clique's launch (about 17 s on 2 cores) is left to the variants in `make test-all`: its plan is the
+    same pure logic (tests/test_tiers.py), and its fallback the one the corrupt replica's launch takes."""
+    _scenarios(tmp_path, ["--engine", "nvrx", "--strategy", "ddp"], lost_clique=False)
 
 
 @pytest.mark.slow
