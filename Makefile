@@ -11,8 +11,9 @@ PL_VENV ?= .venv-pl
 PL_STAMP := $(PL_VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many pytest processes (pytest-xdist; 0: in this one). Most tests wait on
-# processes they started (workers importing torch, ranks importing Lightning) with a core idle, so 2 fill
-# a 2-core machine: 620 s against 1036 s in one process, measured in one session.
+# processes they started (workers importing torch, ranks importing Lightning) with a core idle, so more
+# processes than cores fill a 2-core machine: 620 s in 2 against 1036 s in one, measured in one session; on
+# 2026-12-07, 740 s in 3 against 777 s in 2 (one run each).
 PYTEST_WORKERS ?= 3
 
 .PHONY: demo environments test test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train bench-tiers gpu-check lint clean
@@ -40,7 +41,7 @@ environments:
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(PL_STAMP)
 
 test: environments
-	$(VENV)/bin/python -m pytest -q -m "not slow and not faults" -n $(PYTEST_WORKERS) --dist load --maxschedchunk 1 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -m "not slow and not faults" -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # the full fault-injection matrix: {ddp, mp} x {nvrx, mcore} x {persistent, fork} x every fault kind and rank
 test-faults: $(STAMP)

@@ -13,10 +13,9 @@ from lightning_asyncckpt.pipeline import scratch  # noqa: E402
 from processes import live_children, wait_no_children  # noqa: E402
 
 # The longest tests of `make test`, longest first (from `--durations`, 2026-12-06, 20 s to 90 s each on 2
-# cores), then the other simulated-node (`scale`) ones, then the rest. `make test` hands each pytest worker one
-# test at a time (`--dist load --maxschedchunk 1`), so the long ones start first, on every worker, and none is
-# left to start last while the other workers have nothing more to take. A scheduling hint only: any order
-# passes.
+# cores), then the other simulated-node (`scale`) ones, then the rest: under pytest-xdist a long test that
+# starts last keeps one worker busy while the others have nothing left to take. A scheduling hint only: any
+# order passes.
 LONG = (
     "test_tiers_nodes.py::test_ddp_node_lost_resumes_from_replicas_then_persistent",
     "test_tiers_trainer_cases.py::test_ddp_spawn_resumes_from_the_newer_local_step",

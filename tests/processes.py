@@ -12,6 +12,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -100,10 +101,30 @@ def hang_report(pgid: int, script: str, out: Any, log: Any) -> str:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the kernel picks it): each job gets its own ``MASTER_PORT``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on 127.0.0.1 right now: each job gets its own ``MASTER_PORT``. Taken below the kernel's
+    ephemeral range: a port the kernel picked would be free now, but the kernel also hands such ports to the
+    outgoing connections of other tests' ranks (gloo opens many), one of which could take it before this
+    job's store binds it (seen as "Connection reset by peer" at init under 3 pytest workers)."""
+    low, _high = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(max(low - 12000, 10000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no luck: the kernel's pick, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 class Job:
