@@ -9,6 +9,7 @@ behind. ``two_ranks`` runs a function in two forked processes of one gloo group.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -101,22 +102,33 @@ def hang_report(pgid: int, script: str, out: Any, log: Any) -> str:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now: each job gets its own ``MASTER_PORT``. Taken below the kernel's
-    ephemeral range: a port the kernel picked would be free now, but the kernel also hands such ports to the
-    outgoing connections of other tests' ranks (gloo opens many), one of which could take it before this
-    job's store binds it (seen as "Connection reset by peer" at init under 3 pytest workers)."""
+    """A TCP port free on 127.0.0.1 right now: each job gets its own ``MASTER_PORT``.
+
+    Taken below the kernel's ephemeral range: a port the kernel picks (``bind(("", 0))``) is free now, but
+    the kernel also hands such ports to other tests' outgoing connections and gloo listeners, one of which
+    could take it before this job's store binds it, seconds later. And each pytest-xdist worker takes its
+    ports in turn from a slice of its own, so that two tests running side by side never pick the same one
+    (both were seen as ``EADDRINUSE`` or "Connection reset by peer" at init under 3 workers)."""
     low, _high = _ephemeral_range()
-    for _ in range(200):
-        port = random.randrange(max(low - 12000, 10000), low)
+    base = max(low - 12000, 10000)
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), 1)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % workers
+    size = (low - base) // workers
+    start = base + worker * size
+    for _ in range(size):
+        port = start + next(_PORTS) % size
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no luck: the kernel's pick, as before
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every one taken: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PORTS = itertools.count(random.randrange(1 << 20))  # this process's next port, from a random start
 
 
 def _ephemeral_range() -> tuple[int, int]:
