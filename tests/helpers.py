@@ -204,6 +204,22 @@ def dir_entries(path: Any) -> list[str]:
 
 
 @contextlib.contextmanager
+def log_lines(name: str = "lightning_asyncckpt") -> Iterator[list[str]]:
+    """Every message logged under ``name`` in this process while the block runs (a forked rank: its own)."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
 def mounted_tmpfs(path: Any, size: str, options: str = "") -> Iterator[Path]:
     """A real tmpfs of ``size`` (``"4m"``) mounted at ``path`` (made here), for real ENOSPC; ``options``: more
     mount options (``"huge=within_size"``). Skips the test where mounting is refused. Unmounted after."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import log_lines
 from lightning_asyncckpt import LocalTier
 from lightning_asyncckpt.testing import local_tier
 from processes import two_nodes
@@ -39,22 +40,16 @@ def _plain(state):
 
 def _restore(tier, rank):
     """A new run's restore: the tensors it restored (None: it fell back) and the log lines."""
-    import logging
-
     from lightning_asyncckpt.tiers.run import TierRun
 
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("lightning_asyncckpt").addHandler(handler)
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
-    try:
-        restored = run.take(run.latest(None))
-        got = _plain(restored) if restored is not None else None
-        run.finish()  # the first boundary: replicas a sharded restore left for later are sent here
-    finally:
-        run.close()
-        logging.getLogger("lightning_asyncckpt").removeHandler(handler)
+    with log_lines() as lines:
+        run = TierRun(tier, node_rank=rank, local_world_size=1)
+        try:
+            restored = run.take(run.latest(None))
+            got = _plain(restored) if restored is not None else None
+            run.finish()  # the first boundary: replicas a sharded restore left for later are sent here
+        finally:
+            run.close()
     return got, lines
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import log_lines
 from lightning_asyncckpt import LocalTier
 from lightning_asyncckpt.testing import local_tier
 from processes import two_nodes
@@ -21,26 +22,20 @@ def _lose(root, node):
 
 def _restore(tier, rank):
     """A new run's restore on this rank: the checkpoint's local shard, the log lines, what it holds after."""
-    import logging
-
     from lightning_asyncckpt.tiers.run import TierRun
 
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("lightning_asyncckpt").addHandler(handler)
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
-    try:
-        restored = run.take(run.latest(None))
-        held_at_resume = sorted((h.step, h.owner) for h in run.store.holdings(run.topology))
-        local = restored["w"].local.clone() if restored is not None else None
-        if restored is not None:  # training changes what the checkpoint's views hold before the first boundary
-            restored["w"].local.add_(1.0)
-        run.finish()  # the first boundary: the replicas left for later are sent, and waited for here
-        held = sorted((h.step, h.owner) for h in run.store.holdings(run.topology))
-    finally:
-        run.close()
-        logging.getLogger("lightning_asyncckpt").removeHandler(handler)
+    with log_lines() as lines:
+        run = TierRun(tier, node_rank=rank, local_world_size=1)
+        try:
+            restored = run.take(run.latest(None))
+            held_at_resume = sorted((h.step, h.owner) for h in run.store.holdings(run.topology))
+            local = restored["w"].local.clone() if restored is not None else None
+            if restored is not None:  # training changes what the checkpoint's views hold before the first boundary
+                restored["w"].local.add_(1.0)
+            run.finish()  # the first boundary: the replicas left for later are sent, and waited for here
+            held = sorted((h.step, h.owner) for h in run.store.holdings(run.topology))
+        finally:
+            run.close()
     return local, lines, held, held_at_resume
 
 
