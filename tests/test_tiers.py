@@ -95,6 +95,24 @@ def test_cliques_are_nvrx_layout_and_a_world_that_does_not_divide_is_refused():
     assert "one node" not in str(e.value)
 
 
+def test_the_ranks_agree_on_the_bad_copies_and_retry_only_where_nothing_else_failed():
+    from lightning_asyncckpt.tiers.restore import Findings
+
+    def ranks(*findings):
+        return lambda obj: [(f.problems, f.corrupt) for f in findings]  # every rank's, as a gather returns them
+
+    held = Held(10, 2, 10, 1, TOPO)
+    holder, receiver, other = Findings(), Findings(), Findings()
+    assert not holder.checked(held, b"", torch.zeros(10, dtype=torch.uint8), 0, "held by")
+    assert not receiver.checked(held, b"", torch.zeros(10, dtype=torch.uint8), 0, "sent by")
+    problems, corrupt = holder.agree(ranks(holder, receiver, other))
+    # one copy (rank 0's of rank 2's share), checked by its holder and by the rank it was sent to
+    assert len(problems) == 2 and corrupt == {(0, 2)}
+    other.append("rank 3 could not read rank 1's share it holds: [Errno 2]")
+    problems, corrupt = holder.agree(ranks(holder, receiver, other))
+    assert len(problems) == 3 and corrupt == frozenset()  # something else failed too: no retry
+
+
 def test_cliques_within_one_node_are_refused_on_several_nodes():
     layout = cliques.layout(4, 1, 2)  # [[0, 1], [2, 3]]: ranks of one node hold each other's shares
     with pytest.raises(TierConfigError, match=r"replication_jump=1\) puts ranks 0 and 1, .* same node 0.*replication_jump=2"):

@@ -97,9 +97,10 @@ class Findings:
         """(every rank, together) Every rank's problems, and the corrupt copies where they are the only ones."""
         rows = gather((self.problems, self.corrupt))
         problems = sorted({p for ps, _ in rows for p in ps})
-        corrupt = {(h, o): p for _, cs in rows for h, o, p in cs}
-        only = set(problems) == set(corrupt.values())  # else a retry would meet the same other problem
-        return problems, frozenset(corrupt) if only else frozenset()
+        # one copy may be checked twice (by its holder, and by a rank it was sent to), each in its own words
+        corrupt = frozenset((h, o) for _, cs in rows for h, o, _p in cs)
+        only = set(problems) == {p for _, cs in rows for _h, _o, p in cs}  # else a retry meets the other problem
+        return problems, corrupt if only else frozenset()
 
 
 def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Restored:
