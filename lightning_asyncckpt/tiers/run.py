@@ -277,10 +277,12 @@ class TierRun:
         try leaves out at least one more copy, so the tries end."""
         self._refill = None  # an earlier restore's replicas, never started: every rank drops them alike
         self.writer.wait(self.config.timeout_s)  # nothing of this run's is still being written or sent
+        # read once (a persistent checkpoint on an object store is a request), gathered with every try's holdings
+        mine = global_step(persistent) if self.rank == 0 else None
         failed: list[str] = []  # why each earlier try failed
         left_out: set[tuple[int, int, int]] = set()  # (holder, step, owner): copies that failed their check
         while True:
-            plan, holdings, pstep, why = self._plan(persistent, left_out)
+            plan, holdings, pstep, why = self._plan(mine, left_out)
             if plan is None:
                 return self._persistent(persistent, pstep, "; ".join(
                     [*failed, f"without the copies that failed, {why}" if failed else why]))
@@ -311,12 +313,12 @@ class TierRun:
                         f"; {len(later.moves)} replica(s) sent after, while training resumes" if later.moves else "")
         return key
 
-    def _plan(self, persistent: Any, left_out: set[tuple[int, int, int]]) -> tuple[Any, list, int | None, str]:
+    def _plan(self, pstep_here: int | None, left_out: set[tuple[int, int, int]]) -> tuple[Any, list, int | None, str]:
         """(every rank, together) What every rank holds now, less the copies ``left_out``, and the step to
         restore from it: ``(plan, holdings, persistent step, why not)``; plan None where the persistent tier
-        is to be used (no complete local step, or an older one), and then ``why not``."""
-        rows = self.gather((self.store.holdings(self.topology), global_step(persistent) if self.rank == 0 else None,
-                            self.store.saved_under_others(self.topology)))
+        is to be used (no complete local step, or an older one), and then ``why not``. ``pstep_here``: the
+        persistent checkpoint's step as rank 0 read it (None on the others)."""
+        rows = self.gather((self.store.holdings(self.topology), pstep_here, self.store.saved_under_others(self.topology)))
         holdings = [[h for h in row[0] if (holder, h.step, h.owner) not in left_out]
                     for holder, row in enumerate(rows)]
         pstep = rows[0][1]
