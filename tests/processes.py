@@ -270,11 +270,32 @@ def _forked(target, rank, port, path, q):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         try:
-            q.put((rank, target(rank, path)))
+            q.put((rank, _as_bytes(target(rank, path))))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001
         q.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def _as_bytes(result) -> bytes:
+    """``result`` serialized to plain bytes. A tensor put on a queue as it is travels as a file descriptor
+    that the parent fetches from the child later; when the child has exited by then, the parent's
+    ``get`` fails with ``ConnectionResetError`` (seen in CI)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(value):
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(value), weights_only=False) if isinstance(value, bytes) else value
 
 
 def two_ranks(target, tmp_path):
@@ -286,7 +307,7 @@ def two_ranks(target, tmp_path):
     for p in procs:
         p.start()
     try:
-        got = dict(q.get(timeout=120) for _ in procs)
+        got = {rank: _from_bytes(value) for rank, value in (q.get(timeout=120) for _ in procs)}
     finally:
         for p in procs:
             p.join(30)
