@@ -20,13 +20,13 @@ PYTEST_WORKERS ?= 3
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(if $(TORCH_INDEX),$(PIP) install -q --disable-pip-version-check --index-url $(TORCH_INDEX) "$(TORCH_SPEC)")
 	$(PIP) install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" -e ".[test]"
 	@touch $@
 
 $(PL_STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(PL_VENV)/bin/python || $(PYTHON) -m venv $(PL_VENV)
-	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(if $(TORCH_INDEX),$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --index-url $(TORCH_INDEX) "$(TORCH_SPEC)")
 	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" \
 		pytorch-lightning nvidia-resiliency-ext isal
 	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .

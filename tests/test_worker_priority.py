@@ -104,7 +104,7 @@ def test_a_repeated_save_maps_nothing_new_in_the_worker(tmp_path, engine):
     The worker's faults per save must not grow with the state once its buffers were written."""
     (tmp_path / "small").mkdir()
     (tmp_path / "big").mkdir()
-    small = _faults_of_a_repeated_save(tmp_path / "small", engine, 64)
-    big = _faults_of_a_repeated_save(tmp_path / "big", engine, 512)
-    blocks = (448 << 20) // 65536  # the 64 KiB blocks a shared mapping of the extra 448 MiB faults in at least
+    small = _faults_of_a_repeated_save(tmp_path / "small", engine, 32)
+    big = _faults_of_a_repeated_save(tmp_path / "big", engine, 160)
+    blocks = (128 << 20) // 65536  # the 64 KiB blocks a shared mapping of the extra 128 MiB faults in at least
     assert big - small < blocks // 2, (small, big)
