@@ -29,7 +29,7 @@ $(PL_STAMP): pyproject.toml requirements/pins.txt
 	$(if $(TORCH_INDEX),$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --index-url $(TORCH_INDEX) "$(TORCH_SPEC)")
 	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" \
 		pytorch-lightning nvidia-resiliency-ext isal
-	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
 
 demo: $(STAMP)
