@@ -49,7 +49,9 @@ def local_dir(tmp_path):
     return tmp_path / "local"
 
 
-@pytest.mark.parametrize("snapshot", ["eager", "lazy"])
+# the eager local save's resume is also every case of test_tiers_trainer_cases.py (mid-epoch, accumulation,
+# schedulers, max_steps), so its run here is in `make test-all`, to keep `make test` under 15 minutes
+@pytest.mark.parametrize("snapshot", [pytest.param("eager", marks=pytest.mark.slow), "lazy"])
 def test_last_resumes_from_the_local_step_when_it_is_newer(tmp_path, local_dir, snapshot):
     """``snapshot="lazy"``: the local saves' optimizer tensors copied while the next step runs, bit for bit."""
     # width 128: each weight and moment is 64 KiB, the least a lazy snapshot leaves to its background copy
