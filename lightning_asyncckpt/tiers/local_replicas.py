@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from lightning_asyncckpt.tiers import object_gather
 from lightning_asyncckpt.tiers.packing import crc32
 
 
@@ -38,8 +39,7 @@ def settle(me: int, own_head: bytes, flats: dict, group: dist.ProcessGroup | Non
     if group is None:
         rows = [row]
     else:
-        rows = [None] * dist.get_world_size(group)
-        dist.all_gather_object(rows, row, group=group)
+        rows = object_gather.all_gather_objects(row, group)
     failed = sorted(r[0] for r in rows if not r[4])
     if failed:
         return {}, 0, failed

@@ -30,6 +30,7 @@ from lightning_asyncckpt.tiers import (
     cliques,
     deferred_refill,
     huge_pages,
+    object_gather,
     packing,
     pinning,
     recovery,
@@ -106,9 +107,7 @@ class TierRun:
         """(all ranks) Every rank's ``obj`` over the tier's group."""
         if not self.distributed or self.world == 1:
             return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return object_gather.all_gather_objects(obj, self.group)
 
     # saving ------------------------------------------------------------------------------------------
     def save(self, step: int, checkpoint: dict[str, Any], lazy: Any = None, hook: Any = None) -> None:

@@ -1,0 +1,44 @@
+"""Gathering small Python objects from every rank of a group in one collective (:func:`all_gather_objects`).
+
+``torch.distributed.all_gather_object`` always runs two collectives: the sizes of the pickled objects,
+then the objects padded to the largest. The tier's gathers carry a few hundred bytes (which copies a rank
+holds, its CRC32s, its problems), so here the first collective carries each object itself in a fixed-size
+slot beside its size, and only an object too large for its slot costs the second collective. On this
+project's 2 cores, 4 gloo ranks took 4.4 ms per gather of a small object this way against 8.6 ms with
+``all_gather_object`` (medians of 200: ``benchmarks/probe_gather.py``, and ``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SLOT = 4096  # bytes per rank in the first collective: 8 for the size, the rest for a small object
+_SIZE = 8
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """(every rank of ``group``, together) Every rank's ``obj``, in group-rank order. Each rank decides
+    whether a second collective is needed from the sizes every rank gathered in the first, so all ranks
+    run the same collectives whatever their objects' sizes."""
+    world = dist.get_world_size(group)
+    data = pickle.dumps(obj)
+    slot = bytearray(SLOT)
+    slot[:_SIZE] = len(data).to_bytes(_SIZE, "little")
+    if len(data) <= SLOT - _SIZE:
+        slot[_SIZE:_SIZE + len(data)] = data
+    slots = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(slots, torch.frombuffer(slot, dtype=torch.uint8), group=group)
+    raw = [s.numpy().tobytes() for s in slots]
+    sizes = [int.from_bytes(r[:_SIZE], "little") for r in raw]
+    if max(sizes) <= SLOT - _SIZE:
+        return [pickle.loads(r[_SIZE:_SIZE + n]) for r, n in zip(raw, sizes)]
+    # one object did not fit: all of them again, padded to the largest (as all_gather_object does)
+    padded = bytearray(max(sizes))
+    padded[:len(data)] = data
+    whole = [torch.empty(len(padded), dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(whole, torch.frombuffer(padded, dtype=torch.uint8), group=group)
+    return [pickle.loads(w.numpy().tobytes()[:n]) for w, n in zip(whole, sizes)]
