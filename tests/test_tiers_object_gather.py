@@ -3,7 +3,7 @@ object too large for its slot on one rank only still reaches every rank whole.""
 
 from __future__ import annotations
 
-from lightning_asyncckpt.tiers.object_gather import SLOT, all_gather_objects
+from lightning_asyncckpt.tiers.object_gather import SLOT, all_gather_objects, slot_for
 from processes import two_ranks
 
 
@@ -28,3 +28,10 @@ def test_small_and_large_objects_reach_every_rank_whole(tmp_path):
         assert none == [None, None]
         assert big == [("small", 0), b"x" * (3 * SLOT)]
         assert edge == [b"y" * (SLOT - 64), b"y" * (SLOT + 64)]
+
+
+def test_large_worlds_get_smaller_slots_so_the_first_collective_stays_small():
+    """Pure logic: every rank receives at most 4 MiB in the first collective (slots of 512 bytes at least)."""
+    assert slot_for(2) == slot_for(1024) == SLOT
+    assert slot_for(4096) == 1024 and slot_for(1 << 16) == 512
+    assert all(w * slot_for(w) <= 4 << 20 for w in (2, 1024, 2048, 8192))

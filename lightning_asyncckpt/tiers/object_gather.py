@@ -18,6 +18,13 @@ import torch.distributed as dist
 
 SLOT = 4096  # bytes per rank in the first collective: 8 for the size, the rest for a small object
 _SIZE = 8
+_FIRST_MAX = 4 << 20  # bytes every rank receives in the first collective, at most (large worlds: smaller slots)
+
+
+def slot_for(world: int) -> int:
+    """The slot size for a group of ``world`` ranks: :data:`SLOT`, smaller from 1024 ranks on (at least 512),
+    so that the first collective stays within 4 MiB per rank."""
+    return min(SLOT, max(512, _FIRST_MAX // world))
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -25,16 +32,17 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     whether a second collective is needed from the sizes every rank gathered in the first, so all ranks
     run the same collectives whatever their objects' sizes."""
     world = dist.get_world_size(group)
+    size = slot_for(world)  # the same on every rank: it depends on the world size only
     data = pickle.dumps(obj)
-    slot = bytearray(SLOT)
+    slot = bytearray(size)
     slot[:_SIZE] = len(data).to_bytes(_SIZE, "little")
-    if len(data) <= SLOT - _SIZE:
+    if len(data) <= size - _SIZE:
         slot[_SIZE:_SIZE + len(data)] = data
-    slots = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(world)]
+    slots = [torch.empty(size, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(slots, torch.frombuffer(slot, dtype=torch.uint8), group=group)
     raw = [s.numpy().tobytes() for s in slots]
     sizes = [int.from_bytes(r[:_SIZE], "little") for r in raw]
-    if max(sizes) <= SLOT - _SIZE:
+    if max(sizes) <= size - _SIZE:
         return [pickle.loads(r[_SIZE:_SIZE + n]) for r, n in zip(raw, sizes)]
     # one object did not fit: all of them again, padded to the largest (as all_gather_object does)
     padded = bytearray(max(sizes))
