@@ -22,8 +22,9 @@ _FIRST_MAX = 4 << 20  # bytes every rank receives in the first collective, at mo
 
 
 def slot_for(world: int) -> int:
-    """The slot size for a group of ``world`` ranks: :data:`SLOT`, smaller from 1024 ranks on (at least 512),
-    so that the first collective stays within 4 MiB per rank."""
+    """The slot size for a group of ``world`` ranks: :data:`SLOT`, smaller from 1024 ranks on (at least 512
+    bytes, where a restore's row still fits), so that up to 8192 ranks the first collective stays within 4 MiB
+    per rank."""
     return min(SLOT, max(512, _FIRST_MAX // world))
 
 
