@@ -1,4 +1,5 @@
-"""The only module that runs collectives.
+"""The only module of the persistent pipeline that runs collectives (the local tier runs its own, on
+gloo groups of its own, in :mod:`lightning_asyncckpt.tiers`).
 
 It decides the device of control-plane tensors (gloo: CPU, NCCL: CUDA) in one place, and works
 without a process group (a single-device Trainer has none): then every call is local.
