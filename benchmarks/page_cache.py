@@ -1,5 +1,5 @@
 """A file's (or a directory's files') pages in the page cache, for benchmarks that time a cold and a warm
-read of it."""
+read of it; and how much freed memory a VM has handed back to its host (:func:`host_reported_kib`)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,19 @@ def cached_bytes(path: Path) -> int | None:
             continue
         return None
     return total
+
+
+REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
+
+
+def host_reported_kib() -> int | None:
+    """KiB of freed memory this machine has handed back to its VM's host so far (virtio-balloon free-page
+    reporting; touching that memory again costs a fault on the host per page), or None where the kernel
+    does not report any."""
+    try:
+        return int(REPORTED_KIB.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _files(path: Path) -> list[Path]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import tiers_sharded
-from page_cache import drop_cache, warm_cache
+from page_cache import drop_cache, host_reported_kib, warm_cache
 from tiers_parts import Timers, make_state, rotations, same_state, state_tensors
 
 VARIANTS = ["baseline", "local", "local_lazy", "local_overlap", "persistent", "persistent_s3"]  # see bench_tiers.py
@@ -283,6 +283,7 @@ class Trainer:
 
     def recover(self, how: str, node1_dir: Path) -> dict[str, Any]:
         info: dict[str, Any] = {"how": how}
+        reported = [host_reported_kib()]  # before node 1's files are freed, at the timed part, after it
         path = self.gather(str(self.persistent_path) if self.persistent_path else None)[0]
         if how == "local_replicas":
             if self.rank == PER_NODE:  # node 1's lowest rank: the node is back with an empty local directory
@@ -299,6 +300,7 @@ class Trainer:
             t.zero_()
         self.dist.barrier()
         mark = self.timers.mark()
+        reported.append(host_reported_kib())
         t0 = time.perf_counter()
         in_place = False
         if how == "local_replicas":
@@ -317,6 +319,9 @@ class Trainer:
             for dst, src in zip(self.model, state_tensors(restored)):
                 dst.copy_(src)  # into the model, as load_state_dict does
         elapsed = time.perf_counter() - t0
+        reported.append(host_reported_kib())
+        if None not in reported:  # MiB handed to the VM's host before the timed part (node 1 emptied), in it
+            info["host_reported_mib"] = [(b - a) / 1024 for a, b in zip(reported, reported[1:])]
         parts = self.timers.since(mark, RECOVERY_PARTS)
         parts["load"] = elapsed - (t1 - t0)
         ok = (restored is not None and same_state(restored, self.state)

@@ -63,6 +63,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         }
         if how == "local_replicas":
             row["parts"] = {k: _median([r["parts"].get(k, 0.0) for r in mine]) for k in RECOVERY_PARTS}
+            # each recovery's transfer beside the freed memory the VM handed to its host around it (if any)
+            row["host"] = [(r["parts"]["transfer"], *r["host_reported_mib"]) for r in mine if "host_reported_mib" in r]
         rec_rows.append(row)
     rec = {r["how"]: r for r in rec_rows}
     ratios = {
@@ -151,6 +153,7 @@ def markdown(summary: dict[str, Any], result: dict[str, Any], args: dict[str, An
         f" loaded into the model {f(rp.get('load'), '.2f')} s, CRC32 checks {f(rp.get('crc32'), '.2f')} s, gathers and"
         f" agreements {f(rp.get('agree'), '.2f')} s, headers unpacked {f(rp.get('unpack'), '.2f')} s, manifests listed"
         f" {f(rp.get('list'), '.2f')} s, the rest {f(rest, '.2f')} s.",
+        *_host_lines(next(r for r in summary["recovery"] if r["how"] == "local_replicas").get("host")),
         "",
         "| ratio | measured | target |",
         "|---|---|---|",
@@ -178,3 +181,13 @@ def _local_dirs(result: dict[str, Any], args: dict[str, Any]) -> str:
     huge = result["local_dir_huge"]
     where = f"a tmpfs with huge={huge}" if huge else "not a tmpfs"
     return f" The nodes' local directories: under {args.get('local_dir', '/dev/shm')}, {where}."
+
+
+def _host_lines(host: list | None) -> list[str]:
+    """The line on this VM's free-page reporting during the local recoveries, where the kernel reports."""
+    if not host:
+        return []
+    reps = ", ".join(f"{t:.2f} s / {before:.0f} / {during:.0f}" for t, before, during in host)
+    return ["", "Freed memory this VM handed to its host (virtio-balloon free-page reporting), per local recovery in"
+            " run order: the slowest rank's transfer / MiB handed over between node 1's emptying and the timed part"
+            f" / MiB during it: {reps}."]
