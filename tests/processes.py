@@ -186,9 +186,39 @@ def launch(cmd: list, out: Any, timeout: float, cwd: Any = None, env: dict | Non
         try:
             yield Job(proc, script, out, log, timeout)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            end_group(proc)
+
+
+def _group(pgid: int) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """The live processes of process group ``pgid``: (multiprocessing's resource trackers, the others)."""
+    trackers, others = [], []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                (trackers if "resource_tracker" in " ".join(p.info["cmdline"] or []) else others).append(p)
+    return trackers, others
+
+
+def end_group(proc: subprocess.Popen, tracker_grace_s: float = 10.0) -> None:
+    """Ends the whole process group that ``proc`` leads: every process in it is SIGKILLed, but for
+    multiprocessing's resource trackers, which are left ``tracker_grace_s`` to exit by themselves first.
+
+    A tracker exits when the last process that holds its pipe is gone, and on its way out it unlinks the
+    named semaphores (``/dev/shm/sem.mp-*``) of the processes that died without doing it. Killed in the
+    same instant as them, it leaves those files behind for good: 24 per killed trainer's persistent
+    writer queues, seen after whole runs of the suite."""
+    for _ in range(50):  # a process may start another while we kill: again until only trackers are left
+        trackers, others = _group(proc.pid)
+        if not others:
+            break
+        for p in others:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(others, timeout=5)
+    proc.wait()
+    psutil.wait_procs(_group(proc.pid)[0], timeout=tracker_grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run_ranks(
