@@ -267,6 +267,20 @@ class RecordPriority:
             f.write(f"{os.getpid()} {os.nice(0)}\n")
 
 
+class RecordImported:
+    """A write hook (picklable) that appends to ``path`` whether the writer process has imported ``module``
+    (``True`` or ``False``, a line per write)."""
+
+    def __init__(self, path: str, module: str) -> None:
+        self.path, self.module = path, module
+
+    def __call__(self, buckets: list) -> None:
+        import sys
+
+        with open(self.path, "a") as f:
+            f.write(f"{self.module in sys.modules}\n")
+
+
 class RecordGcFreeze:
     """A write hook (picklable) that appends the number of objects the writer process has frozen out of
     garbage collection (``gc.get_freeze_count()``) to ``path``."""

@@ -40,7 +40,7 @@ class FakeEngine:
         self.dead = False
         self.resets = self.kills = 0
 
-    def start(self, timeout_s: float = 0) -> None:
+    def start(self, timeout_s: float = 0, directories: bool = True) -> None:
         pass
 
     def schedule(self, fn: Any, args: tuple) -> Ticket:

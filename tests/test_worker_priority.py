@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, TESTS, RecordGcFreeze, RecordPriority
+import helpers
+from helpers import ROOT, TESTS, RecordGcFreeze, RecordImported, RecordPriority
 from lightning_asyncckpt import AsyncCheckpointIO
 
 
@@ -75,6 +76,31 @@ def test_the_persistent_workers_startup_heap_is_left_out_of_every_collection(tmp
             io.finalize(blocking=True)
     frozen = [int(line) for line in record.read_text().splitlines()]
     assert len(frozen) == 2 and all(n > 100_000 for n in frozen), frozen  # torch's own objects alone are more
+
+
+def test_the_worker_of_a_trainer_that_saves_files_never_imports_dcp_and_a_users_warmup_readies_it(tmp_path):
+    """The callback starts the worker at the start of fit. Where every save is one ``torch.save`` file (a
+    single writer), the worker never imports ``torch.distributed.checkpoint`` (0.6 CPU-seconds in every
+    rank's worker, taken from the training's cores); a user's ``warmup``, before any save says what kind
+    it is, imports it ahead of the first DCP save as before."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    dcp = "torch.distributed.checkpoint"
+    record = tmp_path / "trainer.txt"
+    io = AsyncCheckpointIO("nvrx")
+    io.write_hook = RecordImported(str(record), dcp)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    helpers.trainer(tmp_path, [io], [ckpt], max_steps=4).fit(helpers.TinyModel(width=8), helpers.loader(width=8))
+    assert record.read_text().split() == ["False", "False"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+
+    record = tmp_path / "warmup.txt"
+    with AsyncCheckpointIO("nvrx") as io:
+        io.write_hook = RecordImported(str(record), dcp)
+        io.warmup()
+        io.save_checkpoint({"w": torch.randn(10)}, tmp_path / "user.ckpt")
+        io.finalize(blocking=True)
+    assert record.read_text().split() == ["True"]
 
 
 def _minor_faults(pid: int) -> int:

@@ -35,8 +35,9 @@ class EngineProtocol(Protocol):
     split_by_size: Callable[[int, list], list]  # splits a plan's items into that many similar-sized files
     version: str | None  # the engine package's version, recorded in each checkpoint
 
-    def start(self, timeout_s: float = ...) -> None:
-        """Starts the persistent worker and waits until it is ready; no-op for fork-per-save."""
+    def start(self, timeout_s: float = ..., directories: bool = ...) -> None:
+        """Starts the persistent worker and waits until it is ready (having imported DCP's writer too where
+        ``directories``: DCP directory saves are expected); no-op for fork-per-save."""
 
     def schedule(self, fn: Any, args: tuple) -> Ticket:
         """Hands ``fn(*args)`` to the background worker; returns at once."""

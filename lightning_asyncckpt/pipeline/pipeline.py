@@ -49,6 +49,8 @@ class SavePipeline:
         self._run: Run | None = None
         self._closed = False  # torn down: nobody finalizes, so a save completes before it returns
         self._began = False  # a Trainer stage (the callback) or the user (warmup, with) will finalize
+        # begin_run's ``collective``: every rank will write DCP directories (None: no begin_run, so unknown)
+        self._collective_run: bool | None = None
         self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
         self._committed_calls: set[int] = set()  # the numbers of the save calls that committed
         self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
@@ -99,6 +101,7 @@ class SavePipeline:
         """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
         ``collective``: all ranks will write parts, so the exit group is made now, outside any save."""
         self._closed, self._began = False, True
+        self._collective_run = collective
         self._ensure_run()
         if collective:
             self.begin_collective_saves()
