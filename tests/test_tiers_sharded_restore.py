@@ -11,7 +11,7 @@ import torch
 from helpers import log_lines
 from lightning_asyncckpt import LocalTier
 from lightning_asyncckpt.testing import local_tier
-from processes import two_nodes
+from processes import two_nodes, two_ranks
 
 
 def _lose(root, node):
@@ -115,3 +115,42 @@ def test_a_corrupt_replica_is_checked_when_a_restore_uses_it_and_only_then(tmp_p
         assert node1_lost[0] is None, f"rank {rank} restored from the corrupt replica: {node1_lost[1]}"
     why = " ".join(got[0][2][1])
     assert "step 2 failed its checks: rank 1's share in the copy sent by rank 0 has CRC32" in why, why
+
+
+def _room_for_one_share_rank(rank, root):
+    """Step 2 saved with replicas; node 1 comes back empty, its directory with room for its own share (200
+    kB) but not for the replica it held for rank 0: it resumes from the local tier all the same, and the
+    replica it cannot hold is left out after the resume, without rank 0 waiting to send it."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    w, tier = _saved_step_2(rank, root)
+    if rank == 1:
+        _lose(root, 1)
+        with open(f"{root}/node1/filler", "wb") as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            f.truncate(max(0, f.tell() - 320 * 1024))
+    dist.barrier()
+    return (w.to_local().clone(), _restore(tier, rank))
+
+
+@pytest.mark.timeout(180)
+def test_a_node_back_with_room_for_its_own_share_only_resumes_locally_and_leaves_the_replica_out(tmp_path,
+                                                                                                  tmpfs_1m):
+    pytest.importorskip("nvidia_resiliency_ext")
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").symlink_to(tmpfs_1m)
+    got = two_ranks(_room_for_one_share_rank, tmp_path)
+    for rank in (0, 1):
+        assert isinstance(got[rank], tuple), got[rank]
+        live, (local, lines, held, _held_at_resume) = got[rank]
+        assert local is not None and torch.equal(local, live), f"rank {rank} fell back: {lines}"
+        # rank 0 did not wait for a receive that was never posted (that ends in the group's timeout, logged)
+        assert not any("replicas refilled after the restore failed" in line for line in lines), lines
+    assert got[0][1][2] == [(2, 0), (2, 1)] and got[1][1][2] == [(2, 1)], (got[0][1][2], got[1][1][2])
+    why = " ".join(got[1][1][1])
+    assert "rank 1 could not reserve the replicas it is sent after the restore" in why and "No space left" in why, why

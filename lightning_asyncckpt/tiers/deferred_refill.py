@@ -2,17 +2,18 @@
 
 A node back with an empty directory needs, to resume a sharded (FSDP2) state, only its own ranks' shares.
 The replicas it also held for its clique peers on other nodes protect against the *next* failure, not
-this one, so :func:`~lightning_asyncckpt.tiers.restore.restore` prepares their transfers with the others
-(files reserved, copies mapped, every rank agreed) but does not run them: that halves what a node back
-empty receives before it can resume. From the first step boundary on (after the checkpoint is loaded
-into the model, not beside that load), :func:`run` moves them in the writer's thread, over the
-clique's own gloo group (the one the writer's replication uses; never the training's, which the main
-thread is using), checks each on arrival and commits it. The next local save waits for it, as for a save
-in flight. Until it is done, a loss of the nodes that sent them falls back to the persistent tier.
+this one, so :func:`~lightning_asyncckpt.tiers.restore.restore` prepares only their sends with the others
+(the copies mapped, every rank agreed) and runs nothing: that halves what a node back empty receives, and
+what it allocates, before it can resume. From the first step boundary on (after the checkpoint is loaded
+into the model, not beside that load), :func:`run` reserves the files they arrive in, the clique agrees on
+which could be, and the replicas move in the writer's thread, over the clique's own gloo group (the one
+the writer's replication uses; never the training's, which the main thread is using); each is checked on
+arrival and committed. The next local save waits for it, as for a save in flight. Until it is done, a loss
+of the nodes that sent them falls back to the persistent tier.
 
-A replica that fails here (a CRC32, a peer gone) is logged and left out: the restore has succeeded
-already, and the next local save replicates every share again. (A replicated state needs every share on
-every rank to resume, so nothing of its refill is left for later.)
+A replica that fails here (no room for its file, a CRC32, a peer gone) is logged and left out: the restore
+has succeeded already, and the next local save replicates every share again. (A replicated state needs
+every share on every rank to resume, so nothing of its refill is left for later.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from lightning_asyncckpt.tiers import exchange, store
+from lightning_asyncckpt.tiers import exchange, object_gather, store
 from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.store import LocalStore
 
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Deferred:
-    """The moves left for later (the same list on every rank), this rank's side of them (prepared), and the
-    files it reserved to receive into, by owner."""
+    """The moves left for later (the same list on every rank), this rank's sends of them (prepared), and,
+    once :func:`run` has reserved them, the files it receives into, by owner."""
 
     moves: list[exchange.Move] = field(default_factory=list)
     prepared: exchange.Prepared = field(default_factory=exchange.Prepared)
@@ -40,15 +41,17 @@ class Deferred:
 
 
 def run(deferred: Deferred, me: int, local: LocalStore, group: dist.ProcessGroup | None) -> int:
-    """(every rank of a clique, in the writer's thread, from its first step boundary after a restore) Moves
-    ``deferred``'s replicas, checks and commits those this rank receives; returns how many it committed.
-    Never raises; a peer that never comes is bounded by the clique group's timeout (``timeout_s``)."""
+    """(every rank of a clique, in the writer's thread, from its first step boundary after a restore) Reserves
+    the files ``deferred``'s replicas arrive in, agrees with the clique on which could be, moves them, checks
+    and commits those this rank receives; returns how many it committed. Never raises; a peer that never
+    comes is bounded by the clique group's timeout (``timeout_s``)."""
     if not deferred.moves:
         return 0
-    senders = {(o, r): s for o, s, r, _ in deferred.moves}
     kept = 0
     try:
-        for m, head, flat in exchange.transfer(deferred.moves, deferred.prepared, me, group):
+        moves, prepared = _reserve_agreed(deferred, me, local, group)
+        senders = {(o, r): s for o, s, r, _ in moves}
+        for m, head, flat in exchange.transfer(moves, prepared, me, group):
             where = f"the copy sent by rank {senders[(m.owner, me)]} after the restore"
             problem = store.crc_mismatch(m, head, flat, where)
             if problem is None:
@@ -60,3 +63,22 @@ def run(deferred: Deferred, me: int, local: LocalStore, group: dist.ProcessGroup
         log.warning("lightning-asyncckpt: rank %d: replicas refilled after the restore failed: %s: %s; the next local"
                     " save replicates every share again", me, type(e).__name__, e)
     return kept
+
+
+def _reserve_agreed(deferred: Deferred, me: int, local: LocalStore,
+                    group: dist.ProcessGroup | None) -> tuple[list[exchange.Move], exchange.Prepared]:
+    """(every rank of the clique, together) Reserves this rank's receiving files; the moves into a rank that
+    could not reserve all of its are dropped on every rank, so that no sender waits for a receive never
+    posted."""
+    problem = None
+    try:
+        for i, (owner, _sender, receiver, manifest) in enumerate(deferred.moves):
+            if receiver == me:
+                deferred.reserved[owner] = local.reserve(manifest.step, owner, manifest.nbytes)
+                deferred.prepared.receives[i] = deferred.reserved[owner].tensor
+    except OSError as e:  # e.g. ENOSPC: a directory with room for the rank's own share but not its replicas
+        problem = f"{type(e).__name__}: {e}"
+        log.warning("lightning-asyncckpt: rank %d could not reserve the replicas it is sent after the restore: %s;"
+                    " left out, the next local save replicates them again", me, problem)
+    rows = [(me, problem)] if group is None else object_gather.all_gather_objects((me, problem), group)
+    return exchange.keep(deferred.moves, deferred.prepared, {rank for rank, p in rows if p is not None})

@@ -30,17 +30,27 @@ class Prepared:
 
 
 def prepare(moves: Sequence[Move], read: Callable[[Held], tuple[bytes, torch.Tensor]],
-            into: Callable[[Held], torch.Tensor], me: int) -> Prepared:
+            into: Callable[[Held], torch.Tensor] | None, me: int) -> Prepared:
     """(every rank, on its own) This rank's side of ``moves``: ``read(manifest)`` for each copy it sends,
-    ``into(manifest)`` for each it receives. Raises what they raise (``OSError`` for a missing file or a
-    full directory), before any byte has moved."""
+    ``into(manifest)`` for each it receives (``into`` None: the sends only; the caller fills ``receives``
+    before :func:`post`). Raises what they raise (``OSError`` for a missing file or a full directory),
+    before any byte has moved."""
     out = Prepared()
     for i, (_owner, sender, receiver, manifest) in enumerate(moves):
         if sender == me:
             out.sends[i] = read(manifest)
-        elif receiver == me:
+        elif receiver == me and into is not None:
             out.receives[i] = into(manifest)
     return out
+
+
+def keep(moves: Sequence[Move], prepared: Prepared, receivers_out: set[int]) -> tuple[list[Move], Prepared]:
+    """``moves`` and ``prepared`` without the moves into ``receivers_out``, indexed anew (the same list on
+    every rank that passes the same ``receivers_out``)."""
+    kept = [i for i, m in enumerate(moves) if m[2] not in receivers_out]
+    return [moves[i] for i in kept], Prepared(
+        {j: prepared.sends[i] for j, i in enumerate(kept) if i in prepared.sends},
+        {j: prepared.receives[i] for j, i in enumerate(kept) if i in prepared.receives})
 
 
 @dataclass

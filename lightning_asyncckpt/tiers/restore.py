@@ -5,8 +5,8 @@ Three moves, each rank in the same order:
 1. **Refill.** Every rank holds again what it holds after a save (its share and its clique's replicas):
    a node back with an empty directory gets them sent, each share once, into its mapped files. This is
    also what protects the next failure. For a sharded state only a rank's own share is sent here; the
-   replicas it holds for its peers are prepared with it and sent from the first step boundary on, in the
-   writer's thread
+   replicas it holds for its peers are prepared with it (their sends; their files are reserved later) and
+   sent from the first step boundary on, in the writer's thread
    (:mod:`lightning_asyncckpt.tiers.deferred_refill`).
 2. **Check.** Every rank checks the CRC32 of every share in its own holder directory that it or its node's
    other ranks read in 3, while the refill's bytes move, and of what it was sent, once it is there (a share
@@ -143,11 +143,12 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         return reserved[m.owner].tensor
 
     ready = _prepare(refill, mapped, into, me, bad, "refill")
-    # sent from mappings of their own: the checkpoint's views of the same files change once the model trains
-    deferred = deferred_refill.Deferred(later, _prepare(later, ranks.store.map, into, me, bad, "refill"))
+    # sent from mappings of their own: the checkpoint's views of the same files change once the model trains.
+    # Their files are reserved later too, in the writer's thread: reserving is allocating a share's size of
+    # node-local memory, as long again as receiving the rank's own share
+    deferred = deferred_refill.Deferred(later, _prepare(later, ranks.store.map, None, me, bad, "refill"))
     if problems := agreed():
         return Restored(None, problems, sent, read, corrupt=corrupt)
-    deferred.reserved = {m[0]: reserved[m[0]] for m in later if m[2] == me}
     senders = {(o, r): s for o, s, r, _ in refill}
     incoming = {o for o, _s, r, _ in refill if r == me}
     posted = exchange.post(refill, ready, me, ranks.group)
@@ -219,7 +220,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
 
 
 def _prepare(moves: list[exchange.Move], read: Callable[[Held], tuple[bytes, torch.Tensor]],
-             into: Callable[[Held], torch.Tensor], me: int, bad: Findings, what: str) -> exchange.Prepared:
+             into: Callable[[Held], torch.Tensor] | None, me: int, bad: Findings, what: str) -> exchange.Prepared:
     """This rank's side of ``moves``, or an empty one with the reason added to ``bad`` (then the ranks
     agree to fall back before any transfer starts)."""
     try:
