@@ -190,3 +190,18 @@ def test_a_full_directory_fails_the_reservation_cleanly_not_with_sigbus(tmpfs_1m
         store.reserve(2, 0, 4 << 20)
     assert not [p for p in tmpfs_1m.rglob("*") if p.is_file()]
 
+
+
+def test_replicas_left_for_later_that_do_not_all_fit_are_left_out_and_their_space_given_back(tmpfs_1m):
+    """A rank that holds two peers' replicas after a sharded restore reserves their files after the resume:
+    on a 1 MiB tmpfs the first (400 kB) fits, the second (800 kB) does not. Both are left out (a replica
+    kept alone would not be sent), and the first one's space is free again for the next local save."""
+    from lightning_asyncckpt.tiers import deferred_refill
+
+    store = LocalStore(tmpfs_1m, rank=1)
+    topology = (3, 1, 3)
+    moves = [(0, 0, 1, Held(2, 0, 400_000, 0, topology, "sharded")),
+             (2, 2, 1, Held(2, 2, 800_000, 0, topology, "sharded"))]
+    assert deferred_refill.run(deferred_refill.Deferred(moves), 1, store, None) == 0
+    assert [p.name for p in tmpfs_1m.rglob("*") if p.is_file()] == []
+    store.write(Held(4, 1, 900_000, 0, topology, "sharded"), torch.zeros(900_000, dtype=torch.uint8), b"h")

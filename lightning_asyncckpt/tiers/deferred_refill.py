@@ -78,6 +78,8 @@ def _reserve_agreed(deferred: Deferred, me: int, local: LocalStore,
                 deferred.prepared.receives[i] = deferred.reserved[owner].tensor
     except OSError as e:  # e.g. ENOSPC: a directory with room for the rank's own share but not its replicas
         problem = f"{type(e).__name__}: {e}"
+        for owner in list(deferred.reserved):  # those reserved before the failure: spares for the next save
+            local.release(deferred.reserved.pop(owner))
         log.warning("lightning-asyncckpt: rank %d could not reserve the replicas it is sent after the restore: %s;"
                     " left out, the next local save replicates them again", me, problem)
     rows = [(me, problem)] if group is None else object_gather.all_gather_objects((me, problem), group)

@@ -59,6 +59,11 @@ class LocalStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         return self.pool.take(self._file(step, owner, ".pt.tmp"), nbytes)
 
+    def release(self, mapped: MappedFile) -> None:
+        """(any thread) A reserved file that will not be committed: back to the pool, a spare for the next save."""
+        if mapped.path is not None:
+            self.pool.give_back(mapped.path)
+
     def commit(self, held: Held, mapped: MappedFile, head: bytes) -> None:
         """(any thread) Gives a reserved file its name and writes the header, then the manifest."""
         _write_atomic(self._file(held.step, held.owner, ".head"), head)  # may fail (ENOSPC): .pt not named yet
