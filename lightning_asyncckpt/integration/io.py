@@ -266,8 +266,8 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
     def warmup(self, like: dict[str, Any] | None = None) -> None:
         """(writing ranks) Starts the background worker now, so that the first save does not pay for it (nor
         the first DCP save for importing DCP's writer: only a Trainer stage whose saves are single files
-        skips that import). ``like`` (a checkpoint like the ones to come) also allocates the staging buffers. Local: it changes
-        nothing the ranks must agree on, so it may be called on some ranks only."""
+        skips that import). ``like`` (a checkpoint like the ones to come) also allocates the staging
+        buffers. Local: it changes nothing the ranks must agree on, so it may be called on some ranks only."""
         self._closed, self._began = False, True
         # a Trainer stage whose saves are single torch.save files (begin_run, not collective) never needs DCP's
         # writer in its worker; a user's warmup may come before any kind of save
