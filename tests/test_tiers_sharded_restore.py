@@ -135,7 +135,18 @@ def _room_for_one_share_rank(rank, root):
                     f.flush()
             f.truncate(max(0, f.tell() - 320 * 1024))
     dist.barrier()
-    return (w.to_local().clone(), _restore(tier, rank))
+    restored = _restore(tier, rank)
+    from lightning_asyncckpt.tiers.run import TierRun
+
+    run = TierRun(tier, node_rank=rank, local_world_size=1)  # the resumed job's first local save
+    try:
+        run.save(4, {"w": w, "global_step": 4})
+        refused = None
+    except Exception as e:  # noqa: BLE001 - its text is the test's subject
+        refused = str(e)
+    finally:
+        run.close()
+    return (w.to_local().clone(), restored, refused)
 
 
 @pytest.mark.timeout(180)
@@ -147,10 +158,13 @@ def test_a_node_back_with_room_for_its_own_share_only_resumes_locally_and_leaves
     got = two_ranks(_room_for_one_share_rank, tmp_path)
     for rank in (0, 1):
         assert isinstance(got[rank], tuple), got[rank]
-        live, (local, lines, held, _held_at_resume) = got[rank]
+        live, (local, lines, held, _held_at_resume), refused = got[rank]
         assert local is not None and torch.equal(local, live), f"rank {rank} fell back: {lines}"
         # rank 0 did not wait for a receive that was never posted (that ends in the group's timeout, logged)
         assert not any("replicas refilled after the restore failed" in line for line in lines), lines
     assert got[0][1][2] == [(2, 0), (2, 1)] and got[1][1][2] == [(2, 1)], (got[0][1][2], got[1][1][2])
     why = " ".join(got[1][1][1])
     assert "rank 1 could not reserve the replicas it is sent after the restore" in why and "No space left" in why, why
+    # the first local save after the resume refuses that directory on every rank, with the sizes and the fix
+    for rank in (0, 1):
+        assert got[rank][2] is not None and "on node 1 has" in got[rank][2] and "Fix:" in got[rank][2], got[rank][2]

@@ -12,7 +12,8 @@ arrival and committed. The next local save waits for it, as for a save in flight
 of the nodes that sent them falls back to the persistent tier.
 
 A replica that fails here (no room for its file, a CRC32, a peer gone) is logged and left out: the restore
-has succeeded already, and the next local save replicates every share again. (A replicated state needs
+has succeeded already, and the next local save replicates every share again (where there is no room, the
+first local save's space check refuses the directory, on every rank, with the sizes). (A replicated state needs
 every share on every rank to resume, so nothing of its refill is left for later.)
 """
 
@@ -81,6 +82,6 @@ def _reserve_agreed(deferred: Deferred, me: int, local: LocalStore,
         for owner in list(deferred.reserved):  # those reserved before the failure: spares for the next save
             local.release(deferred.reserved.pop(owner))
         log.warning("lightning-asyncckpt: rank %d could not reserve the replicas it is sent after the restore: %s;"
-                    " left out, the next local save replicates them again", me, problem)
+                    " left out (the first local save checks the directory's space for them)", me, problem)
     rows = [(me, problem)] if group is None else object_gather.all_gather_objects((me, problem), group)
     return exchange.keep(deferred.moves, deferred.prepared, {rank for rank, p in rows if p is not None})
