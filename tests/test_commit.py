@@ -118,3 +118,34 @@ def test_a_fallback_publish_replaces_and_leaves_nothing(tmp_path, monkeypatch):
     tmp = next(p for p in tmp_path.iterdir() if commit.is_leftover(p.name))
     commit.publish(tmp, last)
     assert (last / "data").read_text() == "new" and sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def test_a_leftover_whose_name_points_elsewhere_is_never_put_back_there(tmp_path):
+    """An aside's name says where it belongs (the target's name in hex); one naming a path outside its
+    directory (``../x``, ``/x``, ``a/b``) is a leftover like any other, never moved there."""
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    for i, target in enumerate(("../outside", str(tmp_path / "abs"), "sub/x", "..", ".")):
+        aside = ckpts / f"{commit.REPLACED_PREFIX}{commit.new_token(_dead_pid())}-{i}-{target.encode().hex()}"
+        aside.mkdir()
+        (aside / commit.METADATA_FILE).write_text("md")
+    (ckpts / "sub").mkdir()
+    commit.cleanup_leftovers(ckpts)
+    assert sorted(os.listdir(ckpts)) == ["sub"] and os.listdir(ckpts / "sub") == []
+    assert sorted(os.listdir(tmp_path)) == ["ckpts"]
+
+
+def test_the_sweep_never_follows_a_link_and_removes_only_leftover_names(tmp_path):
+    target = tmp_path / "precious"
+    (target / "d").mkdir(parents=True)
+    (target / "d" / "f").write_text("keep")
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    dead = commit.new_token(_dead_pid())
+    (ckpts / f"{commit.INCOMPLETE_PREFIX}{dead}-1").symlink_to(target)
+    inner = ckpts / f"{commit.INCOMPLETE_PREFIX}{dead}-2"
+    inner.mkdir()
+    (inner / "link").symlink_to(target)
+    (ckpts / "notes").symlink_to(target)
+    assert len(commit.cleanup_leftovers(ckpts)) == 2
+    assert sorted(os.listdir(ckpts)) == ["notes"] and (target / "d" / "f").read_text() == "keep"

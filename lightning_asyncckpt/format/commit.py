@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import enum
 import hashlib
 import json
 import logging
 import os
 import shutil
 import socket
+import stat
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -83,15 +86,7 @@ def _pid_alive(pid: int) -> bool:
 def owner_is_dead(name: str) -> bool:
     """Whether the process that owned the leftover ``name`` is provably gone: it ran on this host and its
     pid no longer exists. Leftovers of other hosts (a shared filesystem) are never provably dead."""
-    token = name[len(INCOMPLETE_PREFIX):] if name.startswith(INCOMPLETE_PREFIX) else name[len(REPLACED_PREFIX):]
-    parts = token.split("-", 1)[0].split(".")
-    if len(parts) >= 3:  # <host>.<pid>.<random>
-        host, pid = parts[0], parts[1]
-        if host != _host_id():
-            return False
-    else:  # 0.1's tokens: <pid><6 hex>, written on this host
-        pid = parts[0][:-6]
-    return pid.isdigit() and not _pid_alive(int(pid))
+    return owner_of(name)[0] is Owner.DEAD
 
 
 def saves_in_flight(dirpath: Path) -> bool:
@@ -157,11 +152,18 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def remove_path(path: Path) -> None:
-    """Removes a checkpoint (directory, file or link) if it exists; raises ``OSError`` if it cannot."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    elif path.is_dir():
+    """Removes a checkpoint (directory, file or link) if it exists; raises ``OSError`` if it cannot. A link
+    is removed as a link, and ``shutil.rmtree`` (which works through directory descriptors here, and
+    refuses a directory swapped for a link meanwhile) never follows one below: nothing outside ``path``
+    is removed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
         shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def try_remove(path: Path, what: str) -> bool:
@@ -213,41 +215,128 @@ def replace_dir_with_file(tmp: Path, path: Path) -> None:
 
 
 def _replaced_target(entry: Path) -> Path | None:
+    """Where the aside ``entry`` belongs: the name its suffix spells in hex, in the same directory. None for
+    a name that is no plain entry name (``..``, ``a/b``, a leftover's), which is never put back anywhere."""
     try:
-        return entry.parent / bytes.fromhex(entry.name.rsplit("-", 1)[1]).decode()
+        name = bytes.fromhex(entry.name.rsplit("-", 1)[1]).decode()
     except (IndexError, ValueError):
         return None
+    if name in ("", ".", "..") or "/" in name or "\0" in name or is_leftover(name):
+        return None
+    return entry.parent / name
+
+
+class Owner(enum.Enum):
+    """Whether the process that owns a leftover is gone, as far as this host can tell."""
+
+    DEAD = "dead"  # it ran on this host and its pid no longer exists
+    ALIVE = "alive"  # it ran on this host and its pid exists: a save in flight
+    UNKNOWN = "unknown"  # another host's (a shared filesystem), or a name without an owner
+
+
+def owner_of(name: str) -> tuple[Owner, int | None]:
+    """The state of the owner of the leftover ``name``, and its pid where the name gives one."""
+    token = name[len(INCOMPLETE_PREFIX):] if name.startswith(INCOMPLETE_PREFIX) else name[len(REPLACED_PREFIX):]
+    parts = token.split("-", 1)[0].split(".")
+    if len(parts) >= 3:  # <host>.<pid>.<random>
+        host, pid = parts[0], parts[1]
+        if host != _host_id():
+            return Owner.UNKNOWN, int(pid) if pid.isdigit() else None
+    else:  # 0.1's tokens: <pid><6 hex>, written on this host
+        pid = parts[0][:-6]
+    if not pid.isdigit():
+        return Owner.UNKNOWN, None
+    return (Owner.ALIVE if _pid_alive(int(pid)) else Owner.DEAD), int(pid)
+
+
+@dataclass
+class Sweep:
+    """What a sweep of a checkpoint directory's leftovers does (or did), in order: the checkpoints that an
+    interrupted replace moved aside go back to their paths, then the leftovers of gone processes are removed.
+
+    Attributes:
+        restore: ``(aside, path)``: a checkpoint moved aside, and the empty path it goes back to.
+        remove: leftovers of processes that are gone.
+        keep: ``(leftover, why)``: leftovers that stay (a live process's save in flight, another host's).
+    """
+
+    restore: list[tuple[Path, Path]] = field(default_factory=list)
+    remove: list[Path] = field(default_factory=list)
+    keep: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def plan_sweep(dirpath: Path, keep_prefix: str | None = None, any_host: bool = False) -> Sweep:
+    """(coordinator at its first save into ``dirpath``; the ``clean`` command) What :func:`sweep` would do:
+    only entries named as leftovers, whose owner is provably gone (:func:`owner_of`; with ``any_host``,
+    also those whose owner this host cannot check). The current run's (names starting with
+    ``keep_prefix``) are kept. Raises ``OSError`` if ``dirpath`` cannot be listed."""
+    plan = Sweep()
+    back: set[str] = set()
+    for entry in sorted(dirpath.iterdir()):
+        if not is_leftover(entry.name):
+            continue
+        if keep_prefix and entry.name.startswith(keep_prefix):
+            plan.keep.append((entry, "this run's save in flight"))
+            continue
+        owner, pid = owner_of(entry.name)
+        if owner is Owner.ALIVE:
+            plan.keep.append((entry, f"its process (pid {pid}) is alive: a save in flight"))
+            continue
+        if owner is Owner.UNKNOWN and not any_host:
+            plan.keep.append((entry, "written on another host (or by an unknown process), which this host cannot"
+                                     " tell is gone"))
+            continue
+        target = _replaced_target(entry) if entry.name.startswith(REPLACED_PREFIX) else None
+        if target is not None and target.name not in back and not os.path.lexists(target):
+            back.add(target.name)
+            plan.restore.append((entry, target))
+        else:
+            plan.remove.append(entry)
+    return plan
+
+
+def sweep(dirpath: Path, plan: Sweep | None = None) -> tuple[list[Path], list[Path]]:
+    """Carries out ``plan`` (default: :func:`plan_sweep` of ``dirpath``): puts back first, then removes.
+    Returns ``(restored paths, removed leftovers)``; what could not be done is logged and left on disk.
+    Nothing is followed through a link: a leftover that is a link is removed as a link."""
+    if plan is None:
+        plan = plan_sweep(dirpath)
+    restored, removed = [], []
+    for aside, target in plan.restore:
+        try:
+            os.rename(aside, target)  # fails rather than replace if something appeared at target meanwhile
+        except OSError as e:
+            log.warning("lightning-asyncckpt: could not put back %s at %s (%s); it is left on disk", aside, target, e)
+            continue
+        restored.append(target)
+        log.warning("lightning-asyncckpt: restored %s, which an interrupted save had moved aside", target)
+    if restored:
+        fsync_dir(dirpath)
+    removed = [p for p in plan.remove if try_remove(p, "the leftover")]
+    return restored, removed
 
 
 def restore_replaced(dirpath: Path) -> list[Path]:
     """(coordinator) Undoes a fallback publish that died between its two renames: the checkpoint moved
     aside goes back to its path when nothing is there. Returns the restored paths."""
-    restored = []
-    for entry in dirpath.iterdir() if dirpath.is_dir() else ():
-        if not entry.name.startswith(REPLACED_PREFIX) or not owner_is_dead(entry.name):
-            continue
-        target = _replaced_target(entry)
-        if target is not None and not os.path.lexists(target):
-            os.rename(entry, target)
-            restored.append(target)
-            log.warning("lightning-asyncckpt: restored %s, which an interrupted save had moved aside", target)
-    return restored
+    if not dirpath.is_dir():
+        return []
+    plan = plan_sweep(dirpath)
+    return sweep(dirpath, Sweep(restore=plan.restore))[0]
 
 
 def cleanup_leftovers(dirpath: Path, keep_prefix: str | None = None) -> list[Path]:
     """(coordinator, at the first save into ``dirpath``) Puts back a checkpoint that an interrupted
     publish moved aside, then removes the remains of interrupted saves whose process is provably gone
     (:func:`owner_is_dead`). The current run's (names starting with ``keep_prefix``) may be in flight on
-    any rank, and other live jobs' too: both are kept."""
-    removed: list[Path] = []
+    any rank, and other live jobs' too: both are kept. Returns the removed leftovers."""
     if not dirpath.is_dir():
-        return removed
-    restore_replaced(dirpath)
-    for entry in dirpath.iterdir():
-        if not is_leftover(entry.name) or (keep_prefix and entry.name.startswith(keep_prefix)):
-            continue
-        if owner_is_dead(entry.name) and try_remove(entry, "the leftover"):
-            removed.append(entry)
+        return []
+    try:
+        removed = sweep(dirpath, plan_sweep(dirpath, keep_prefix))[1]
+    except OSError as e:
+        log.warning("lightning-asyncckpt: could not sweep %s for leftovers of interrupted saves (%s)", dirpath, e)
+        return []
     if removed:
         log.info("lightning-asyncckpt: removed %d leftover(s) of interrupted saves in %s", len(removed), dirpath)
     return removed

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import sys
 import time
+from pathlib import Path
 
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.tools.usage import EXIT_FAILED, EXIT_OK, CliError, existing, tree_size
@@ -19,43 +18,51 @@ from lightning_asyncckpt.units import human_bytes
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    """``clean DIR [--yes]``: lists the leftovers of interrupted saves in ``DIR``; removes them with ``--yes``."""
+    """``clean DIR [--yes] [--any-host]``: lists what the library's own sweep (:func:`commit.plan_sweep`) would
+    do in ``DIR``: the checkpoints that a replace interrupted between its two renames moved aside go back to
+    their paths, the leftovers of gone processes are removed, those of live ones (and, without
+    ``--any-host``, of other hosts) are kept; with ``--yes`` it does it. A link is removed as a link."""
     dirpath = existing(args.dir)
     if not dirpath.is_dir():
         raise CliError(f"{dirpath}: not a directory")
     try:
-        leftovers = sorted(p for p in dirpath.iterdir() if commit.is_leftover(p.name))
+        plan = commit.plan_sweep(dirpath, any_host=args.any_host)
     except OSError as e:
         raise CliError(f"cannot list {dirpath}: {e.strerror or e}") from None
-    if not leftovers:
+    if not (plan.restore or plan.remove or plan.keep):
         print(f"no leftovers of interrupted saves in {dirpath}")
         return EXIT_OK
     now = time.time()
-    sizes = {p: tree_size(p) for p in leftovers}
-    failed = 0
-    for p in leftovers:
-        age = max(0.0, now - p.lstat().st_mtime)
-        what = f"{p} ({human_bytes(sizes[p])}, modified {_age(age)} ago)"
-        if not args.yes:
-            print(f"would remove {what}")
-            continue
-        try:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-            print(f"removed {what}")
-        except OSError as e:
-            failed += 1
-            print(f"cannot remove {p}: {e.strerror or e}", file=sys.stderr)
-    total = human_bytes(sum(sizes.values()))
+    sizes = {p: tree_size(p) for p in plan.remove}
+
+    def what(p: Path) -> str:
+        return f"{p} ({human_bytes(sizes[p])}, modified {_age(max(0.0, now - p.lstat().st_mtime))} ago)"
+
+    for p, why in plan.keep:
+        print(f"kept {p}: {why}")
     if not args.yes:
-        print(f"{len(leftovers)} leftover(s), {total}; run again with --yes to remove them"
-              " (only while no job is saving checkpoints into this directory)")
+        for aside, target in plan.restore:
+            print(f"would put back {target} (from {aside.name}, where an interrupted replace moved it)")
+        for p in plan.remove:
+            print(f"would remove {what(p)}")
+        print(f"{len(plan.restore)} to put back, {len(plan.remove)} leftover(s) to remove,"
+              f" {human_bytes(sum(sizes.values()))}; run again with --yes to do it")
         return EXIT_OK
+    listed = {p: what(p) for p in plan.remove}
+    restored, removed = commit.sweep(dirpath, plan)
+    for target in restored:
+        print(f"put back {target}")
+    for p in removed:
+        print(f"removed {listed[p]}")
+    failed = [str(t) for _, t in plan.restore if t not in restored] + [str(p) for p in plan.remove if p not in removed]
+    total = human_bytes(sum(sizes[p] for p in removed))
+    print(f"put back {len(restored)}, removed {len(removed)} leftover(s), {total}; kept {len(plan.keep)}")
+    if any(why.startswith("written on another host") for _, why in plan.keep):
+        print("the leftovers of other hosts' processes stay: once no job anywhere saves into this directory,"
+              " run again with --any-host to remove them")
     if failed:
-        raise CliError(f"{failed} of {len(leftovers)} leftover(s) could not be removed", EXIT_FAILED)
-    print(f"removed {len(leftovers)} leftover(s), {total}")
+        raise CliError(f"{len(failed)} could not be put back or removed (see the warnings above): {', '.join(failed)}",
+                       EXIT_FAILED)
     return EXIT_OK
 
 

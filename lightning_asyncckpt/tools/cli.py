@@ -229,7 +229,7 @@ def _save_dir(checkpoint: dict[str, Any], out: Path) -> None:
     from lightning_asyncckpt.errors import CheckpointWriteError
     from lightning_asyncckpt.integration.io import AsyncCheckpointIO
 
-    staging_dir = commit.tmp_for(out, f"convert-{os.getpid()}")
+    staging_dir = commit.tmp_for(out, f"{commit.new_token()}-convert")  # this process's, for clean
     tmp = staging_dir / out.name
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -281,9 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", **allow)
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("clean", help="list (and with --yes remove) leftovers of interrupted saves in DIR")
+    p = sub.add_parser("clean", help="list (and with --yes remove) leftovers of interrupted saves in DIR; a"
+                                     " checkpoint that an interrupted replace moved aside is put back first")
     p.add_argument("dir", metavar="DIR")
-    p.add_argument("--yes", action="store_true", help="remove them (without it, only list them)")
+    p.add_argument("--yes", action="store_true", help="put back and remove (without it, only list)")
+    p.add_argument("--any-host", action="store_true", help="also remove the leftovers of processes on other hosts,"
+                                                            " which this host cannot tell are gone (only while no"
+                                                            " job anywhere saves into DIR)")
     p.set_defaults(func=cmd_clean)
 
     p = sub.add_parser("local", help="list what a node's local-tier directory (LocalTier(dir=DIR)) holds; check or"
