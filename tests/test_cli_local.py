@@ -161,3 +161,52 @@ def test_says_whether_the_tmpfs_it_is_on_has_huge_pages(capsys, fitted, tmp_path
             assert code == 0 and line in out, (err, out)
             code, out, _ = run(capsys, "local", mnt / "local", "--json")
             assert json.loads(out)[0]["tmpfs_huge"] == (options.removeprefix("huge=") or "never")
+
+
+def _others_tree(root):
+    """A directory that is not the tier's, shaped like it (subdirectories, share-named files): must survive."""
+    (root / "default" / "holder-0").mkdir(parents=True)
+    (root / "default" / "holder-0" / f"{SHARE}.pt").write_bytes(b"p" * 100)
+    (root / "projects").mkdir()
+    (root / "projects" / "thesis.tex").write_text("years of work")
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_remove_never_follows_a_linked_tier_directory(capsys, tmp_path):
+    other = tmp_path / "other"
+    before = _others_tree(other)
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "asyncckpt-local").symlink_to(other)
+    code, out, err = run(capsys, "local", local, "--remove", "--yes")
+    assert_user_error(code, err, 2, f"{local / 'asyncckpt-local'} is a symbolic link", "never makes one")
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+    code, _, err = run(capsys, "local", local / "asyncckpt-local", "--remove", "--yes")
+    assert_user_error(code, err, 2, "is a symbolic link")
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+
+
+def test_remove_takes_a_linked_session_or_holder_as_a_link_only(capsys, local, tmp_path):
+    other = tmp_path / "other"
+    before = _others_tree(other)
+    tier = local / "asyncckpt-local"
+    (tier / "run2").symlink_to(other / "default")  # a session that is a link: not one of the tier's sessions
+    (tier / "default" / "holder-1").symlink_to(other / "default" / "holder-0")  # a holder that is a link
+    (_holder(local) / f"{SHARE}.json.tmp").symlink_to(other / "projects" / "thesis.tex")
+    code, out, err = run(capsys, "local", local, "--remove", "--yes")
+    assert code == 0, (out, err)
+    assert f"removed {tier / 'default'} (" in out and "(0 B)" not in out, out
+    assert not (tier / "default").exists()
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+    assert (other / "projects" / "thesis.tex").read_text() == "years of work"
+    assert (tier / "run2").is_symlink()  # not a session of the tier: never listed, never removed
+    assert "run2" not in out
+
+
+def test_remove_keeps_what_is_not_the_tiers_and_says_so(capsys, local):
+    mine = _holder(local) / "notes.txt"
+    mine.write_text("mine")
+    code, out, err = run(capsys, "local", local, "--remove", "--yes")
+    assert code == 0, (out, err)
+    assert f"kept {mine} (not a file the local tier makes)" in out, out
+    assert mine.read_text() == "mine" and sorted(os.listdir(_holder(local))) == ["notes.txt"]

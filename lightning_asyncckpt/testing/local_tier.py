@@ -17,7 +17,6 @@ with the reason in its log line; a copy no restore uses is not read.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,9 +69,7 @@ def lose_node(dir: str | os.PathLike, session: str = "default") -> int:
     if users := listing.users(root):
         raise RuntimeError(f"lose_node({str(dir)!r}): {root} is in use by {', '.join(users)}; stop the job first"
                            " (a lost node runs none)")
-    count = sum(1 for p in root.rglob("*") if not p.is_dir())
-    shutil.rmtree(root)
-    return count
+    return listing.remove(listing.Session(session, root)).files  # the tier's names only, no link followed
 
 
 def corrupt_share(dir: str | os.PathLike, owner: int, step: int | None = None, holder: int | None = None,

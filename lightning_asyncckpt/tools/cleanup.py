@@ -111,8 +111,11 @@ def cmd_local(args: argparse.Namespace) -> int:
                            EXIT_FAILED)
         else:
             try:
-                local_tier.remove(s)
+                done = local_tier.remove(s)
             except OSError as e:
-                raise CliError(f"cannot remove {s.path}: {e.strerror or e}", EXIT_FAILED) from None
-            print(f"removed {s.path} ({human_bytes(s.nbytes)})")
+                raise CliError(f"cannot remove {e.filename or s.path}: {e.strerror or e}", EXIT_FAILED) from None
+            for path, why in done.kept:
+                print(f"kept {path} ({why})")
+            where = f"{s.path}" if not done.kept else f"the local tier's files of {s.path}"
+            print(f"removed {where} ({done.files} file(s), {human_bytes(done.nbytes)})")
     return EXIT_OK

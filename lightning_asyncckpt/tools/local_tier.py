@@ -17,9 +17,10 @@ for ``local``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
-import shutil
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,9 +64,12 @@ class Session:
 
 def sessions(path: Path, only: str | None = None) -> list[Session]:
     """The sessions under ``path``: ``LocalTier(dir=...)``, its ``asyncckpt-local`` directory, or one session's
-    directory. Raises :class:`NoLocalTier` where there is none (or no session ``only``), naming what to pass."""
+    directory. Raises :class:`NoLocalTier` where there is none (or no session ``only``), naming what to pass,
+    and where the tier's directory or the session asked for is a symbolic link: the tier never makes one, so
+    what it points to is not the tier's (never read or removed through it). Sessions that are links are
+    not listed."""
     path = Path(path)
-    if (path / TIER_DIR).is_dir():
+    if os.path.lexists(path / TIER_DIR):
         base = path / TIER_DIR
     elif path.name == TIER_DIR:
         base = path
@@ -73,21 +77,46 @@ def sessions(path: Path, only: str | None = None) -> list[Session]:
         base, only = path.parent, only or path.name
         if only != path.name:
             raise NoLocalTier(f"{path} is session {path.name!r}, not --session {only!r}")
+        _not_a_link(path)
     else:
         raise NoLocalTier(f"{path}: no local tier here (LocalTier(dir=DIR) writes under DIR/{TIER_DIR}/<session>/;"
                           " pass that DIR)")
-    names = sorted(p.name for p in base.iterdir() if p.is_dir())
+    _not_a_link(base)
+    names = sorted(p.name for p in base.iterdir() if _real_dir(p))
     if only is not None and only not in names:
+        if os.path.islink(base / only):
+            _not_a_link(base / only)
         raise NoLocalTier(f"{base}: no session {only!r}; sessions here: {', '.join(names) or 'none'}")
     return [describe(base / n) for n in names if only in (None, n)]
+
+
+def _not_a_link(path: Path) -> None:
+    if os.path.islink(path):
+        raise NoLocalTier(f"{path} is a symbolic link (to {os.readlink(path)}): the local tier never makes one, so"
+                          " what it points to is not the tier's; nothing is read or removed through it. Pass the"
+                          " real directory, or remove the link if it is not yours to keep")
+    if not os.path.isdir(path):
+        raise NoLocalTier(f"{path}: not a directory; pass LocalTier's dir")
+
+
+def _real_dir(p: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return stat.S_ISDIR(p.lstat().st_mode)
+    return False
+
+
+def _regular(p: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return stat.S_ISREG(p.lstat().st_mode)
+    return False
 
 
 def describe(root: Path) -> Session:
     """What one session directory (``LocalTier.root``) holds on this node."""
     out = Session(root.name, root)
-    holders = {int(m.group(1)): p for p in root.iterdir() if (m := _HOLDER.fullmatch(p.name)) and p.is_dir()}
-    for rank, holder_path in sorted(holders.items()):
-        files = {p: _size(p) for p in holder_path.iterdir() if p.is_file()}
+    holders = {int(m.group(1)): p for p in root.iterdir() if (m := _HOLDER.fullmatch(p.name)) and _real_dir(p)}
+    for rank, holder_path in sorted(holders.items()):  # a link is never read as the tier's, nor followed
+        files = {p: _size(p) for p in holder_path.iterdir() if _regular(p)}
         out.nbytes += sum(files.values())
         claimed: set[Path] = set()
         for p in sorted(files):
@@ -153,9 +182,90 @@ def _command(proc: str) -> str:
     return "?"
 
 
-def remove(session: Session) -> None:
-    """Removes the session's directory (its holders' files, and nothing outside it). Raises ``OSError``."""
-    shutil.rmtree(session.path)
+# The names the tier makes (tiers/store.py, tiers/mapped.py, tiers/checks.py): removal takes these and
+# nothing else. A file the tier starts making must be added here, or `local --remove` keeps it (and says so).
+SESSION_NAMES = (_HOLDER, re.compile(r"\.probe-rank\d+"))  # holders are directories, probes files
+HOLDER_NAMES = (re.compile(r"step-\d{10}\.owner-\d+\.(pt|head|json)(\.tmp)?"),
+                re.compile(re.escape(mapped.FREE_PREFIX) + r"\d+-\d+"))
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass
+class Removal:
+    """What :func:`remove` did: files (and links) removed, their bytes, and what it kept."""
+
+    files: int = 0
+    nbytes: int = 0
+    kept: list[tuple[Path, str]] = field(default_factory=list)  # (path, why)
+
+
+def remove(session: Session) -> Removal:
+    """Removes the session's files: in ``holder-<N>`` directories, the names the tier makes
+    (:data:`HOLDER_NAMES`), then the holders and the session directory once empty. Everything else is kept
+    and listed in the result. Works through directory descriptors opened without following links, from
+    the tier's directory down: a link is removed as a link (a ``holder-<N>`` link included), never followed,
+    and nothing outside ``<dir>/asyncckpt-local/<session>/`` is touched, even if a directory is swapped for
+    a link meanwhile. Raises ``OSError`` (its ``filename`` set) if the session cannot be opened."""
+    out = Removal()
+    base = session.path.parent
+    top = os.open(base.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's DIR: given by them
+    try:
+        tier = _open_dir(base.name, top, base)
+        try:
+            root = _open_dir(session.name, tier, session.path)
+            try:
+                for name in sorted(os.listdir(root)):
+                    _remove_entry(root, name, session.path / name, SESSION_NAMES, out, holder=True)
+            finally:
+                os.close(root)
+            _rmdir_if_empty(tier, session.name, session.path, out)
+        finally:
+            os.close(tier)
+    finally:
+        os.close(top)
+    return out
+
+
+def _open_dir(name: str, dir_fd: int, path: Path) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        e.filename = str(path)  # ELOOP: a link where the tier's directory was
+        raise
+
+
+def _remove_entry(dir_fd: int, name: str, path: Path, patterns: tuple, out: Removal, holder: bool = False) -> None:
+    if not any(p.fullmatch(name) for p in patterns):
+        out.kept.append((path, "not a file the local tier makes"))
+        return
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if holder and stat.S_ISDIR(st.st_mode) and _HOLDER.fullmatch(name):
+        fd = _open_dir(name, dir_fd, path)
+        try:
+            for entry in sorted(os.listdir(fd)):
+                _remove_entry(fd, entry, path / entry, HOLDER_NAMES, out)
+        finally:
+            os.close(fd)
+        _rmdir_if_empty(dir_fd, name, path, out)
+    elif stat.S_ISDIR(st.st_mode):
+        out.kept.append((path, "a directory where the local tier makes a file"))
+    else:  # a file, or a link (removed as a link)
+        os.unlink(name, dir_fd=dir_fd)
+        out.files += 1
+        out.nbytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def _rmdir_if_empty(dir_fd: int, name: str, path: Path, out: Removal) -> None:
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        if not any(str(k).startswith(f"{path}/") for k, _ in out.kept):
+            out.kept.append((path, "it holds files made meanwhile"))
 
 
 def _size(p: Path) -> int:
