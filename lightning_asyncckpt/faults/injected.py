@@ -212,6 +212,14 @@ class FaultList:
 
     faults: Sequence[Fault]
 
+    def __post_init__(self) -> None:
+        faults = self.faults
+        if isinstance(faults, (str, bytes)) or not isinstance(faults, Sequence) or not all(
+                isinstance(f, Fault) for f in faults):
+            raise TypeError(f"FaultList(faults=...) takes a sequence of Fault(...); got {type(faults).__name__}"
+                            f" {faults!r}. Fix: FaultList([Fault('enospc')]), or FaultList(parse_faults('enospc'))"
+                            " for a spec string.")
+
     def for_save(self, rank: int, save: int, engine: str, worker: str) -> SaveFaults:
         return faults_for(rank, save, engine, worker, self.faults)
 

@@ -48,6 +48,20 @@ class FaultPolicy(Protocol):
         """The faults of this rank's ``save``-th save (counting from 1) on that engine and worker."""
 
 
+def check_policy(policy: Any, where: str) -> None:
+    """Refuses, where it is given (``where``: the argument, e.g. ``AsyncCheckpointIO(faults=...)``), what is no
+    fault policy, instead of failing at the first save."""
+    if policy is None or callable(getattr(policy, "for_save", None)):
+        return
+    raise TypeError(
+        f"`{where.replace('...', repr(policy))}` takes a fault policy (an object with a method"
+        " for_save(rank, save, engine, worker)) or None; got "
+        f"{type(policy).__name__}. Fix: lightning_asyncckpt.testing.FaultList([Fault('enospc', ranks=(0,)), ...]); a"
+        f" spec string such as 'enospc:rank=0' goes into FaultList(parse_faults(...)), or into the environment"
+        f" variable {ENV_VAR} (read by the default policy, None)."
+    )
+
+
 def with_hook(faults: SaveFaults, hook: Any) -> Any:
     """The writer's hook for a save: the user's ``write_hook`` (may be None) then the injected one."""
     hooks = tuple(h for h in (hook, faults.worker_hook) if h is not None)

@@ -65,6 +65,8 @@ class AsyncFinalizerCallback(Callback):
     """
 
     def __init__(self, log_metrics: bool = True) -> None:
+        if not isinstance(log_metrics, bool):
+            raise TypeError(f"`AsyncFinalizerCallback(log_metrics={log_metrics!r})` must be True or False.")
         resume.install()  # before any fit: ckpt_path="last" on object stores
         tier_resume.install()  # and from the local tier
         self.log_metrics = log_metrics

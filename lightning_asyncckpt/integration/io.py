@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_asyncckpt import engines
 from lightning_asyncckpt.faults.injected import EnvironmentFaults
-from lightning_asyncckpt.faults.policy import FaultPolicy
+from lightning_asyncckpt.faults.policy import FaultPolicy, check_policy
 from lightning_asyncckpt.format import paths
 from lightning_asyncckpt.format.dcp import META_FILE
 from lightning_asyncckpt.format.layout import Layout
@@ -110,6 +110,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
                         poll_interval_s=poll_interval_s, drain_timeout_s=drain_timeout_s, format=format,
                         snapshot=snapshot, worker_nice=worker_nice)
         Settings(engines.EngineName.NVRX, worker_mode, **settings)  # bad arguments first, before any import
+        check_policy(faults, "AsyncCheckpointIO(faults=...)")
         versions.check_installed("torch", lightning_api.PACKAGE)  # before anything is written that could not be read back
         engine = engines.resolve(strategy)
         versions.check_installed(versions.ENGINE_PACKAGES[engine.value])

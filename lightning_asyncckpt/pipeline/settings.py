@@ -6,6 +6,8 @@ read by the pipeline's functions, which get this value, never the plugin itself.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from lightning_asyncckpt import engines
@@ -13,6 +15,10 @@ from lightning_asyncckpt.snapshot.lazy import SNAPSHOT_MODES
 
 FORMATS = ("auto", "dcp")
 SNAPSHOTS = SNAPSHOT_MODES
+# Every wait has a bound, and one a thread can wait for: `threading` refuses timeouts past about 292 years
+# (OverflowError), and a save that may take longer than a year never ends in practice.
+LONGEST_S = 365 * 24 * 3600.0
+LONGEST_POLL_S = 60.0  # a blocking wait checks at least once a minute
 
 
 @dataclass(frozen=True)
@@ -42,14 +48,12 @@ class Settings:
     worker_nice: int = 0
 
     def __post_init__(self) -> None:
-        for name, ok, want in (
-            ("thread_count", self.thread_count >= 1, "at least 1"), ("max_pending", self.max_pending >= 1, "at least 1"),
-            ("timeout_s", self.timeout_s > 0, "positive"), ("drain_timeout_s", self.drain_timeout_s >= 0, "at least 0"),
-            ("poll_interval_s", self.poll_interval_s > 0, "positive"),
-        ):
-            if not ok:
-                raise ValueError(f"`AsyncCheckpointIO({name}={getattr(self, name)})` must be {want}.")
-        if self.format not in FORMATS:
+        for name, minimum in (("thread_count", 1), ("max_pending", 1)):
+            object.__setattr__(self, name, _integer(name, getattr(self, name), minimum))
+        for name, positive, longest in (("timeout_s", True, LONGEST_S), ("drain_timeout_s", False, LONGEST_S),
+                                        ("poll_interval_s", True, LONGEST_POLL_S)):
+            object.__setattr__(self, name, _seconds(name, getattr(self, name), positive, longest))
+        if not isinstance(self.format, str) or self.format not in FORMATS:
             raise ValueError(
                 f"`AsyncCheckpointIO(format={self.format!r})` is not valid; choose one of {', '.join(map(repr, FORMATS))}."
             )
@@ -59,13 +63,11 @@ class Settings:
                 f"`AsyncCheckpointIO(worker_nice={nice!r})` must be an integer nice value from 0 (the trainer's "
                 "priority) to 19 (the lowest)."
             )
-        if self.snapshot not in SNAPSHOTS:
+        if not isinstance(self.snapshot, str) or self.snapshot not in SNAPSHOTS:
             raise ValueError(
                 f"`AsyncCheckpointIO(snapshot={self.snapshot!r})` is not valid; choose one of "
                 f"{', '.join(map(repr, SNAPSHOTS))}."
             )
-        object.__setattr__(self, "timeout_s", float(self.timeout_s))
-        object.__setattr__(self, "drain_timeout_s", float(self.drain_timeout_s))
 
     @property
     def engine(self) -> str:
@@ -76,3 +78,40 @@ class Settings:
     def worker(self) -> str:
         """``"persistent"`` or ``"fork"``."""
         return self.worker_mode.value
+
+
+def _given(name: str, value: object) -> str:
+    return f"`AsyncCheckpointIO({name}={value!r})`"
+
+
+def _as_string_hint(value: object) -> str:
+    """The fix for a number given as a string (from a config file or the command line)."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return f" Fix: pass the number {value.strip()}, not a string."
+    return ""
+
+
+def _integer(name: str, value: object, minimum: int) -> int:
+    """``value`` as an ``int`` (numpy's integers too), or a ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{_given(name, value)} must be an integer, at least {minimum}; got {type(value).__name__}."
+                        + (_as_string_hint(value) or f" Fix: pass e.g. {name}={max(minimum, 2)}."))
+    if value < minimum:
+        raise ValueError(f"{_given(name, value)} must be an integer, at least {minimum}.")
+    return int(value)
+
+
+def _seconds(name: str, value: object, positive: bool, longest: float) -> float:
+    """``value`` as a ``float`` number of seconds, finite, positive (or at least 0) and at most ``longest``."""
+    bound = f"{'>' if positive else '>='} 0 and at most {longest:.0f}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{_given(name, value)} must be a number of seconds {bound}; got {type(value).__name__}."
+                        + _as_string_hint(value))
+    seconds = float(value)
+    if not math.isfinite(seconds) or not (seconds > 0 if positive else seconds >= 0) or seconds > longest:
+        raise ValueError(f"{_given(name, value)} must be a number of seconds {bound} (every wait has a bound).")
+    return seconds
