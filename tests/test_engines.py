@@ -44,3 +44,69 @@ def test_created_engines_implement_the_protocol(name, worker):
 def test_bad_arguments_are_rejected(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         AsyncCheckpointIO(**kwargs)
+
+
+def _start(engine, preload=None):
+    if preload is not None:
+        engine._persistent_caller()._preload_modules = preload  # what the worker imports before it is ready
+    engine.start(timeout_s=120, directories=False)
+
+
+@pytest.fixture
+def persistent():
+    """An engine whose queues (and multiprocessing's resource tracker) exist: only its worker starts later."""
+    engine = engines.create(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, rank=0)
+    engine._persistent_caller()
+    yield engine
+    engine.close(abort=True)
+
+
+def test_a_worker_whose_interpreter_is_gone_says_so(persistent, monkeypatch, tmp_path):
+    """The job's virtualenv was removed or rebuilt under it: the spawned worker's exec fails (code 255)."""
+    import multiprocessing
+
+    gone = tmp_path / "venv" / "bin" / "python"
+    monkeypatch.setattr(multiprocessing.spawn, "_python_exe", multiprocessing.spawn.get_executable())  # put back after
+    multiprocessing.set_executable(str(gone))
+    with pytest.raises(RuntimeError, match=rf"exited while starting \(code 255\): cannot run the Python interpreter"
+                                           rf" {gone} .*No such file or directory"):
+        _start(persistent)
+
+
+def test_a_worker_that_cannot_import_what_it_needs_names_the_error(persistent, monkeypatch, tmp_path):
+    (tmp_path / "gpu_extension.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the worker gets the trainer's sys.path
+    with pytest.raises(RuntimeError, match=r"exited while starting \(code 1\): ImportError: libcuda.so.1: cannot open"):
+        _start(persistent, preload=("gpu_extension",))
+
+
+def test_a_worker_that_python_cannot_start_shows_what_python_said(persistent, monkeypatch, tmp_path):
+    """An environment that breaks the interpreter before any of our code runs (here ``PYTHONHOME``)."""
+    monkeypatch.setenv("PYTHONHOME", str(tmp_path / "nohome"))
+    with pytest.raises(RuntimeError, match=r"exited while starting \(code 1\): .*Python .*says: .*encodings"):
+        _start(persistent)
+
+
+def test_a_save_whose_worker_could_not_start_fails_naming_why(monkeypatch, tmp_path):
+    """No warmup: the first save starts the worker, and its error says why the worker did not start."""
+    import torch
+
+    from lightning_asyncckpt import CheckpointWriteError
+
+    (tmp_path / "gpu_extension.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    io = AsyncCheckpointIO(timeout_s=120)
+    real = engines.create
+
+    def create(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        engine._persistent_caller()._preload_modules = ("gpu_extension",)
+        return engine
+
+    monkeypatch.setattr(engines, "create", create)
+    try:
+        io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+        with pytest.raises(CheckpointWriteError, match=r"while starting: ImportError: libcuda.so.1: cannot open"):
+            io.finalize(blocking=True)
+    finally:
+        io.teardown()

@@ -96,7 +96,9 @@ class Engine:
             status = caller.poll_done() if caller is not None else Status.DEAD
             if status is Status.DEAD:
                 unsent = caller.send_failure() if caller is not None else None
-                ticket.detail = unsent or self._death_detail(getattr(caller, "process", None))
+                died = self._death_detail(getattr(caller, "process", None))
+                started = caller.start_failure() if caller is not None else None  # a first write started it
+                ticket.detail = unsent or (f"{died} while starting: {started}" if started else died)
             return status
         proc = ticket.process
         if proc.is_alive():

@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import multiprocessing as mp
 
+from lightning_asyncckpt.engines import startup
 from lightning_asyncckpt.engines.protocol import Status
 from lightning_asyncckpt.write import worker
 
@@ -58,6 +59,19 @@ def _no_main_reimport():
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
+
+
+def _by_name(fn: Any) -> Any:
+    """``fn`` as ``(module, qualified name)`` where that names it, for the worker to import inside its own
+    startup (where an import error is reported, :func:`write.worker.resolve`), else ``fn`` itself."""
+    ref = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", ""))
+    try:
+        found: Any = sys.modules[ref[0]]
+        for part in ref[1].split("."):
+            found = getattr(found, part)
+    except (KeyError, AttributeError, TypeError):
+        return fn
+    return ref if found is fn else fn
 
 
 class RequestQueue(mp_queues.JoinableQueue):
@@ -115,24 +129,45 @@ class PersistentMixin:
                 raise RuntimeError(f"unsupported engine version: async_loop needs {name!r}")
         ctx = mp.get_context("spawn")
         self._ready = ctx.Event()
+        # the worker sends why it could not start through this pipe, then exits (write.worker.engine_loop)
+        self._start_pipe, failed = ctx.Pipe(duplex=False)
+        self._start_cause = None
         with _no_main_reimport():
             self.process = ctx.Process(
                 target=worker.engine_loop,
-                args=(loop, self._preload_modules, self._ready, self.nice, os.getpid(), self.scratch_dir),
+                args=(_by_name(loop), self._preload_modules, self._ready, self.nice, os.getpid(), self.scratch_dir,
+                      failed),
                 kwargs=kwargs,
                 daemon=True,
                 name="asyncckpt-worker",
             )
-            self.process.start()
+            try:
+                self.process.start()
+            finally:
+                failed.close()  # the worker holds its own end: the pipe reads as closed once it is gone
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Blocks until the worker has imported what a write needs (bounded; raises if it died)."""
+        """Blocks until the worker has imported what a write needs (bounded; raises if it died, with why)."""
         deadline = time.monotonic() + timeout_s
         while not self._ready.wait(0.05):
             if not self.process.is_alive():
-                raise RuntimeError(f"the checkpoint worker process exited while starting (code {self.process.exitcode})")
+                raise RuntimeError(f"the checkpoint worker process exited while starting (code {self.process.exitcode}):"
+                                   f" {self.start_failure()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the checkpoint worker process did not start within {timeout_s:g}s")
+
+    def start_failure(self) -> str | None:
+        """(trainer) Why the worker died before it was ready: what it sent, else what its interpreter says
+        when started again (:mod:`.startup`); ``None`` while it lives or once it was ready."""
+        if self.process is None or self.process.is_alive() or self._ready is None or self._ready.is_set():
+            return None
+        if self._start_cause is None:
+            with contextlib.suppress(EOFError, OSError):
+                if self._start_pipe.poll(0):
+                    self._start_cause = str(self._start_pipe.recv())
+            if self._start_cause is None:
+                self._start_cause = startup.diagnose()
+        return self._start_cause
 
     def schedule_async_call(self, async_req: Any) -> None:
         self.queue.put(async_req)
@@ -190,7 +225,10 @@ class PersistentMixin:
                 if feeder is not None:
                     feeder.join(5.0)
                     self._queues_closed &= not feeder.is_alive()
-        self.queue = self.preload_q = self.comp_q = self._ready = None
+        pipe = getattr(self, "_start_pipe", None)
+        if pipe is not None:
+            pipe.close()
+        self.queue = self.preload_q = self.comp_q = self._ready = self._start_pipe = None
         _stop_fd_sharer()
 
     def __del__(self) -> None:

@@ -9,6 +9,7 @@ be full), written atomically; a worker that dies writes nothing, which the train
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import gc
 import os
@@ -107,14 +108,31 @@ def before_start() -> None:
 
 
 def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, trainer_pid: int | None = None,
-                scratch_dir: str | None = None, **kwargs: Any) -> None:
+                scratch_dir: str | None = None, failed: Any = None, **kwargs: Any) -> None:
     """Entry point of the persistent worker: the engine's own loop, made to run without CUDA, at CPU
     priority ``nice`` (:func:`lower_priority`), until the trainer asks it to stop or the trainer
     ``trainer_pid`` is gone (:func:`parent_watch.exit_with`: then ``scratch_dir`` is removed too).
 
     ``preload`` names modules the write jobs need; importing them here, while training has not
-    reached its first save, keeps that cost out of the first save.
+    reached its first save, keeps that cost out of the first save. ``loop_fn``: the loop, or its
+    ``(module, qualified name)``. Anything that fails before the worker is ready is sent through the
+    connection ``failed`` (the trainer's error names it), then raised.
     """
+    try:
+        loop_fn = _start(loop_fn, preload, nice, trainer_pid, scratch_dir)
+    except BaseException as e:
+        if failed is not None:
+            with contextlib.suppress(Exception):
+                failed.send(_cause(e))
+        raise
+    finally:
+        if failed is not None:
+            failed.close()
+    ready.set()
+    loop_fn(**kwargs)
+
+
+def _start(loop_fn: Any, preload: tuple, nice: int, trainer_pid: int | None, scratch_dir: str | None) -> Any:
     import importlib
 
     if trainer_pid is not None:
@@ -126,6 +144,7 @@ def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, trainer
     lower_priority(nice)
     import torch
 
+    loop_fn = resolve(loop_fn)
     for name in preload:
         importlib.import_module(name)
     # Megatron-Core's loop runs a full gc.collect() after every save: with torch and its own imports in the
@@ -133,10 +152,30 @@ def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, trainer
     # here, the startup heap is left out of every collection, which then scans only what the jobs made.
     gc.collect()
     gc.freeze()
-    ready.set()
-
     # Megatron-Core's loop pins `rank % device_count()` first: a ZeroDivisionError without CUDA.
     # This process only writes files, so it may pretend to have one device it never uses.
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda *_a, **_k: None
-    loop_fn(**kwargs)
+    return loop_fn
+
+
+def resolve(fn: Any) -> Any:
+    """A function given as ``(module, qualified name)``, imported; anything else as it is."""
+    if not isinstance(fn, tuple):
+        return fn
+    import importlib
+
+    module, qualname = fn
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _cause(e: BaseException) -> str:
+    """An exception as one line: its type and message, and where it was raised."""
+    import traceback
+
+    where = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ is not None else []
+    at = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+    return f"{type(e).__name__}: {e}{at}"
