@@ -9,7 +9,9 @@ so the ranks of one job never conflict with each other. A second job's rank find
 rank of that job refuses at setup (``checks.agree``), naming the first job's host and pid.
 
 The kernel releases a ``flock`` when its process ends, however it ends: a job requeued after a crash (or a
-SIGKILL) takes the lock over, whatever its pids. A file system without ``flock`` (not a node-local one) gets
+SIGKILL) takes the lock over, whatever its pids. A process forked from the holder (a fork-per-save writer, a
+``DataLoader`` worker) closes its copy of the descriptor at once (``os.register_at_fork``), and an ``exec``
+closes it (``O_CLOEXEC``): a child that outlives the job never keeps the session locked. A file system without ``flock`` (not a node-local one) gets
 a warning and no check.
 """
 
@@ -32,6 +34,18 @@ log = logging.getLogger(__name__)
 LOCK = "lock"
 _HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 _READ_TRIES = 40  # a holder writes its name right after it takes the lock: a few ms; at most 2 s here
+_HELD_FDS: set[int] = set()  # this process's lock descriptors, closed in a forked child
+
+
+def _close_in_child() -> None:
+    # the child's copies only: the lock (on the open file description) stays the parent's
+    for fd in list(_HELD_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class JobLock:
@@ -60,6 +74,7 @@ class JobLock:
                     f" {self.path}. Two jobs in one session overwrite and remove each other's local checkpoints."
                     " Fix: give this job its own `session=` (or `dir=`), or wait for that job to end.")
         self._fd = fd
+        _HELD_FDS.add(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
         return None
@@ -82,7 +97,9 @@ class JobLock:
         lock a new file while a second still holds the old one."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.close(fd)
+            if fd in _HELD_FDS:  # else a forked child's, closed at the fork: its number may be another file's now
+                _HELD_FDS.discard(fd)
+                os.close(fd)
 
 
 def exclusive(root: Path, leader: bool, what: str, gather: checks.Gather) -> JobLock:
