@@ -56,6 +56,9 @@ def test_a_fresh_start_never_resumes_the_older_runs_higher_local_step(tmp_path, 
     assert_tree_equal(requeued.start, again.saved[6], "resume of the restarted run")
 
 
+# a guard of the requeue (it passed before run ids too): three fits, in `make test-all`; the resumes of
+# test_tiers_trainer.py and test_tiers_trainer_cases.py keep a fresh start then ckpt_path="last" in `make test`
+@pytest.mark.slow
 def test_a_requeue_with_a_path_then_with_last_resumes_the_runs_own_local_steps(tmp_path, local_dir):
     """Requeues of one run keep its identity: resumed from a persistent path (step 8), it trains to 12; the
     next requeue with ``ckpt_path="last"`` resumes its local step 12 (whatever its pid)."""
