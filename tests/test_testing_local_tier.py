@@ -3,6 +3,7 @@ real single-device fit (local saves every 2 steps, persistent every 8), and the 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,12 @@ def fitted(tmp_path_factory):
 @pytest.fixture
 def job(fitted, tmp_path):
     shutil.copytree(fitted, tmp_path / "job")
+    # the copy is the same run, its persistent directory moved along: its run record says so (a run is
+    # named by where its persistent checkpoints go, tiers/run_identity.py)
+    for record in (tmp_path / "job" / "local").rglob("run.record"):
+        raw = json.loads(record.read_text())
+        raw["destination"] = raw["destination"].replace(str(fitted), str(tmp_path / "job"))
+        record.write_text(json.dumps(raw))
     return tmp_path / "job"
 
 

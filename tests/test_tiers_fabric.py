@@ -48,10 +48,12 @@ def _loop(tmp_path, steps, snapshot, resume=False, edit_after=None, hold=None, s
     saved = {}
     with io:
         try:
+            # at every start, with the same path (it names the run), whether it exists yet or not
+            resumed = tiers.resume(state, persistent=tmp_path / "persistent.ckpt")
             if resume:
-                persistent = tmp_path / "persistent.ckpt"
-                assert tiers.resume(state, persistent=persistent if persistent.exists() else None)
+                assert resumed
                 return state["step"], _state_of(state)
+            assert not resumed
             g = torch.Generator().manual_seed(0)
             while state["step"] < steps:
                 loss = model(torch.randn(8, 128, generator=g)).pow(2).mean()

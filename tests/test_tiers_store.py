@@ -13,10 +13,10 @@ from lightning_asyncckpt.tiers.store import Held, LocalStore
 TOPO = (4, 2, 2)
 
 
-def _write(store, step, owner, data):
+def _write(store, step, owner, data, run=""):
     head = b"header"
     store.write(Held(step, owner, data.numel(), packing.crc32(data), TOPO, "replicated", len(head),
-                     packing.crc32(head)), data, head)
+                     packing.crc32(head), run), data, head)
 
 
 def test_store_lists_complete_shares_only_and_removes_only_older_steps_of_its_own_holder(tmp_path):
@@ -157,11 +157,13 @@ def test_a_restored_checkpoint_maps_its_files_privately_and_later_saves_never_wr
 def test_a_resized_job_does_not_use_steps_saved_under_another_topology_and_says_so(tmp_path, caplog):
     """Step 10 was saved by 4 ranks (replication 2 x 2); a job of 1 rank finds it in its holder directory but
     cannot reshard it: it resumes from the persistent tier, and the log line names both layouts and the fix."""
+    from lightning_asyncckpt.tiers import run_identity
     from lightning_asyncckpt.tiers.run import TierRun
 
     tier = LocalTier(tmp_path, replication_factor=1, emergency_signals=())
     old = LocalStore(tier.root, 0)
-    _write(old, 10, 0, torch.arange(10, dtype=torch.uint8))
+    _write(old, 10, 0, torch.arange(10, dtype=torch.uint8), run="r1")  # this run's, before it was resized
+    run_identity.write_record(old.dir, run_identity.RunRecord("r1", "", 1))
     old.close()
     run = TierRun(tier, node_rank=0, local_world_size=1)
     try:

@@ -6,7 +6,7 @@ Fabric has no hooks, so the loop calls two methods, on every rank, in the same o
     fabric = Fabric(..., plugins=[io]); fabric.launch()
     tiers = FabricTiers(fabric)
     state = {"model": model, "optimizer": optimizer, "step": 0}
-    tiers.resume(state, persistent="ckpts/last.ckpt")  # the newest step complete in either tier
+    tiers.resume(state, persistent="ckpts/last.ckpt")  # the newest step complete in either tier (at every start)
     while ...:
         ...; optimizer.step(); state["step"] += 1
         if tiers.step_end(state["step"], state):  # a preemption signal: saved locally, drained
@@ -16,6 +16,12 @@ With ``AsyncCheckpointIO(snapshot="lazy")``, ``io.track_optimizers([optimizer])`
 ``io.wait_for_snapshot()`` right before each ``optimizer.step()``, as for the persistent saves: the local
 saves' optimizer tensors are then copied while the next forward and backward run.
 
+A run is named by the ``persistent`` path given to :meth:`FabricTiers.resume` (its persistent destination):
+``resume`` restores only local steps written by a run that gave the same path, and a loop whose first local
+save comes before any ``resume`` starts a new run, whose steps an older run's never replace
+(:mod:`~lightning_asyncckpt.tiers.run_identity`). So call ``resume`` at every start, the first one too, with
+the same path, whether that file exists yet or not.
+
 Strategies: a single device, DDP (``plugins=[io]``), and FSDP2 or tensor parallel with
 ``AsyncFabricModelParallelStrategy(..., checkpoint_io=io)`` (or ``plugins=[io]``): each rank then saves its own
 ``DTensor`` shards, and ``resume`` loads them back onto the model's mesh.
@@ -24,11 +30,13 @@ Strategies: a single device, DDP (``plugins=[io]``), and FSDP2 or tensor paralle
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from lightning_asyncckpt.integration import lightning_api, replaced_handlers
 from lightning_asyncckpt.integration.fabric import sharded_state
 from lightning_asyncckpt.integration.io import find_async_io
+from lightning_asyncckpt.tiers import run_identity
 from lightning_asyncckpt.tiers.run import TierRun
 
 log = logging.getLogger(__name__)
@@ -55,8 +63,13 @@ class FabricTiers:
         self.tier.arm()
 
     def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True) -> bool:
-        """(every rank) Loads the newest step complete in the local tier, or ``persistent`` where that is
-        newer or the local tier has none complete, into ``state`` (``fabric.load``). False: nothing loaded."""
+        """(every rank, before the first :meth:`step_end`) Loads the newest step complete in the local tier, or
+        ``persistent`` where that is newer or the local tier has none complete, into ``state``
+        (``fabric.load``). False: nothing loaded. ``persistent`` also names the run (module docstring); a local
+        path that does not exist yet is no checkpoint (the first start's)."""
+        self.tier.begin(run_identity.destination_of(persistent), resuming=True)
+        if persistent is not None and "://" not in str(persistent) and not os.path.exists(persistent):
+            persistent = None  # nothing saved there yet
         path = self.tier.latest(persistent)
         if path is None:
             return False

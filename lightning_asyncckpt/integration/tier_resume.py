@@ -6,8 +6,12 @@ their local directories hold. This module makes the decision later, where every 
 - ``_CheckpointConnector._parse_ckpt_path``: for ``fit(ckpt_path="last")`` with a local tier, keeps the persistent
   candidate Lightning found (or None) inside a :class:`TierLast`, and silences Lightning's "no last
   checkpoint" warning (the local tier may have one);
-- ``_CheckpointConnector.resume_start`` (every rank, after setup): a :class:`TierLast` becomes
-  ``TierRun.latest(persistent)``, the local tier's key or the persistent path; then Lightning loads it.
+- ``_CheckpointConnector.resume_start`` (every rank, after setup): first names the run
+  (``TierRun.begin``): a fit with no checkpoint to resume from starts a new run, any other adopts the run
+  whose local steps were written for the same persistent destination (the dirpaths of the trainer's
+  ``ModelCheckpoint`` callbacks, or ``default_root_dir`` without one; :mod:`~lightning_asyncckpt.tiers.run_identity`);
+  then a :class:`TierLast` becomes ``TierRun.latest(persistent)``, the local tier's key or the persistent
+  path; then Lightning loads it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import warnings
 from typing import Any
 
 from lightning_asyncckpt.integration import patches, tier_trainer
+from lightning_asyncckpt.tiers import run_identity
 
 
 class TierLast(str):
@@ -34,6 +39,13 @@ def _io_with_tier(trainer: Any) -> Any:
 
     io = find_async_io(getattr(trainer, "strategy", None))
     return io if io is not None and io.local is not None else None
+
+
+def destination(trainer: Any) -> str:
+    """Where the trainer's persistent checkpoints go, as a run's record names it: the ``dirpath`` of each
+    checkpoint callback (resolved at their setup), or ``default_root_dir`` where there is none."""
+    dirs = [cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", []) if getattr(cb, "dirpath", None)]
+    return run_identity.destination_of(dirs or [trainer.default_root_dir])
 
 
 def install() -> None:
@@ -55,9 +67,12 @@ def install() -> None:
 
     def make_resume(original: Any) -> Any:
         def resume_start(self: Any, checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(checkpoint_path, TierLast):
-                io = _io_with_tier(self.trainer)
-                tier = tier_trainer.start(self.trainer, io)
+            io = _io_with_tier(self.trainer)
+            last = isinstance(checkpoint_path, TierLast)
+            tier = tier_trainer.start(self.trainer, io) if last else getattr(io, "tier", None)
+            if tier is not None:  # a fit's: the run named before any local save or restore
+                tier.begin(destination(self.trainer), resuming=last or bool(checkpoint_path))
+            if last:
                 checkpoint_path = tier.latest(checkpoint_path.persistent) if tier is not None else checkpoint_path.persistent
             return original(self, checkpoint_path, *args, **kwargs)
 

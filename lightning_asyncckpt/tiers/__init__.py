@@ -15,6 +15,8 @@ One concern per module, lowest first:
 - ``replication``: a sharded share as NVRx's ``TensorAwareStateDict``, replicated within its clique (NVRx's).
 - ``exchange``: recovery transfers between nodes, point to point over gloo.
 - ``checks``: refusing a missing, shared or too small directory at setup.
+- ``job_lock``: one job at a time in a session directory (an exclusive lock for the run's life).
+- ``run_identity``: which run a local step belongs to; only that run restores it.
 - ``recovery``: which step is complete in the local tier, and who sends each share (pure).
 - ``persistent``: a persistent checkpoint's step, read from its pickle alone (local or on an object store).
 - ``preemption``: SIGTERM/SIGUSR1 set a flag, nothing more.

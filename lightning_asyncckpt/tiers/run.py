@@ -1,7 +1,11 @@
 """``TierRun``: one run's local tier on one rank, from setup to the last step.
 
 Made at setup on every rank (it makes process groups: collective), once the training's process group
-exists. Its methods run on every rank, in the same order, at step boundaries:
+exists; it takes the session's lock for the run's life (:mod:`~lightning_asyncckpt.tiers.job_lock`: one job
+at a time in a session). Its methods run on every rank, in the same order, at step boundaries:
+
+- :meth:`begin` names the run before its first save or restore: a fresh start a new run, a resume the run
+  of its persistent destination; no other run's local step is restored (:mod:`~lightning_asyncckpt.tiers.run_identity`);
 
 - :meth:`save` copies this rank's share (and, for a replicated state, its clique peers' shares) into
   mapped node-local files and hands them to the writer thread (which settles the replicas and commits);
@@ -30,12 +34,14 @@ from lightning_asyncckpt.tiers import (
     cliques,
     deferred_refill,
     huge_pages,
+    job_lock,
     object_gather,
     packing,
     pinning,
     recovery,
     restore,
     restore_key,
+    run_identity,
     shares,
 )
 from lightning_asyncckpt.tiers.config import LocalTier
@@ -90,6 +96,10 @@ class TierRun:
             log.info(line)  # a recovery is twice as fast on a tmpfs with huge pages (huge_pages' docstring)
         checks.cliques_span_nodes(self.cliques, self.node_of, self.jump)
         checks.not_shared(config.root, self.rank, self.node_of, self.gather)
+        leader = self.rank == self.node_of.index(node_rank)  # the node's lowest rank locks for its ranks
+        self._lock = job_lock.exclusive(config.root, leader, f"LocalTier(dir={str(config.dir)!r},"
+                                        f" session={config.session!r})", self.gather)  # before any file of ours
+        self.run: str | None = None  # the run id, once begin() agreed on it
         self.topology = (self.world, self.jump, factor)
         self.store = LocalStore(config.root, self.rank, keep_free=len(self.clique) if factor > 1 else 1)
         self.writer = ShareWriter(self.store, self.rank, self.clique_group, self.topology, config.timeout_s)
@@ -102,6 +112,17 @@ class TierRun:
         self._restored: dict[str, Any] = {}
         self._refill: Any = None  # the replicas a restore left for later, until the first boundary (_start_refill)
         self._copy: BackgroundCopy | None = None  # a lazy save's copy, until wait_copy
+
+    def begin(self, destination: str = "", resuming: bool = False) -> None:
+        """(every rank, together, once per run: before its first local save or restore) Names this run: a new
+        run id, or where ``resuming`` the run of the local steps recorded for ``destination`` (where its
+        persistent checkpoints go), so that no other run's local step is ever restored
+        (:mod:`~lightning_asyncckpt.tiers.run_identity`). :meth:`save` and :meth:`latest` begin a run that
+        has not begun (as a fresh start and a resume, without a destination)."""
+        if self.run is None:
+            record, problem = run_identity.begin(self.store.dir, self.rank, self.gather, destination, resuming)
+            checks.agree(problem, self.gather)
+            self.run = self.writer.run = record.run
 
     def gather(self, obj: Any) -> list[Any]:
         """(all ranks) Every rank's ``obj`` over the tier's group."""
@@ -122,6 +143,7 @@ class TierRun:
         step's forward and backward run; :meth:`wait_copy` waits for it before the optimizer step. One
         changed in place before its copy fails this save (nothing of it is committed), on every rank at the
         next :meth:`boundary`. ``hook``: the copy thread calls it first (tests: ``testing.HoldCopy``)."""
+        self.begin()
         start = time.perf_counter()
         self._start_refill()
         if not self.writer.wait(self.config.timeout_s):
@@ -274,6 +296,7 @@ class TierRun:
         A copy that fails its CRC32 check is left out and the restore tried again: the step is still
         complete where another rank of its clique holds a good copy (which also replaces the bad one). Each
         try leaves out at least one more copy, so the tries end."""
+        self.begin(resuming=True)
         self._refill = None  # an earlier restore's replicas, never started: every rank drops them alike
         self.writer.wait(self.config.timeout_s)  # nothing of this run's is still being written or sent
         # read once (a persistent checkpoint on an object store is a request), gathered with every try's holdings
@@ -318,7 +341,7 @@ class TierRun:
         is to be used (no complete local step, or an older one), and then ``why not``. ``pstep_here``: the
         persistent checkpoint's step as rank 0 read it (None on the others)."""
         rows = self.gather((self.store.holdings(self.topology), pstep_here, self.store.saved_under_others(self.topology)))
-        holdings = [[h for h in row[0] if (holder, h.step, h.owner) not in left_out]
+        holdings = [[h for h in row[0] if h.run == self.run and (holder, h.step, h.owner) not in left_out]
                     for holder, row in enumerate(rows)]
         pstep = rows[0][1]
         plan = recovery.plan(holdings, self.cliques)
@@ -362,4 +385,5 @@ class TierRun:
         if wait and self.writer.wait(self.config.timeout_s):
             self.store.close()  # its spare files: the next run makes its own
         self.flag.uninstall()
+        self._lock.release()
 

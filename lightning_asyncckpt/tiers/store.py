@@ -3,7 +3,7 @@
 ``<root>/holder-<rank>/step-<step>.owner-<owner>`` with three suffixes is the share of rank ``owner`` at
 ``step`` as this rank holds it (its own, or a replica): ``.pt`` its tensors' bytes (one flat buffer,
 :mod:`lightning_asyncckpt.tiers.packing`), ``.head`` its structure, ``.json`` its manifest (sizes, CRC32 of
-each, the topology it was saved under). The manifest is written (atomically) last, so a share without one
+each, the topology it was saved under, the run that wrote it). The manifest is written (atomically) last, so a share without one
 is unfinished and never used. Removal touches only this rank's own holder directory.
 
 The ``.pt`` files are mapped and reused (:mod:`lightning_asyncckpt.tiers.mapped`): a save copies into a
@@ -41,6 +41,7 @@ class Held:
     mode: str = "replicated"  # shares.REPLICATED or shares.SHARDED: which shares a restore needs
     head_nbytes: int = 0
     head_crc32: int = 0
+    run: str = ""  # the run that wrote it (tiers.run_identity); "": written before runs were named, never restored
 
 
 class LocalStore:
@@ -162,7 +163,8 @@ def read_manifest(path: Path) -> Held | None:
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         raw = json.loads(Path(path).read_text())
         return Held(int(raw["step"]), int(raw["owner"]), int(raw["nbytes"]), int(raw["crc32"]),
-                    tuple(raw["topology"]), str(raw["mode"]), int(raw["head_nbytes"]), int(raw["head_crc32"]))
+                    tuple(raw["topology"]), str(raw["mode"]), int(raw["head_nbytes"]), int(raw["head_crc32"]),
+                    str(raw.get("run", "")))
     return None
 
 

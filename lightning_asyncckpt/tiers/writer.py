@@ -46,6 +46,7 @@ class ShareWriter:
                  timeout_s: float = 600.0) -> None:
         self.store, self.rank, self.group, self.topology = store, rank, group, topology
         self.timeout_s = timeout_s  # for a lazy save's background copy
+        self.run = ""  # the run id its manifests name (TierRun.begin sets it before the first save)
         self.newest_done = -1  # the newest step whose shares this rank holds in full
         self.error: str | None = None
         self.last_write_s: float | None = None
@@ -157,5 +158,5 @@ class ShareWriter:
 
     def _commit(self, step: int, mode: str, owner: int, file: MappedFile, head: bytes, head_crc: int,
                 flat_crc: int) -> None:
-        held = Held(step, owner, file.nbytes, flat_crc, tuple(self.topology), mode, len(head), head_crc)
+        held = Held(step, owner, file.nbytes, flat_crc, tuple(self.topology), mode, len(head), head_crc, self.run)
         self.store.commit(held, file, head)

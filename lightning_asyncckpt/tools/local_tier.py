@@ -24,7 +24,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lightning_asyncckpt.tiers import mapped, store
+from lightning_asyncckpt.tiers import mapped, run_identity, store
 from lightning_asyncckpt.tiers.huge_pages import tmpfs_huge
 from lightning_asyncckpt.tiers.store import Held
 from lightning_asyncckpt.units import human_bytes
@@ -127,7 +127,8 @@ def describe(root: Path) -> Session:
             claimed.update(parts)
             out.shares.append(Share(rank, held, sum(files.get(f, 0) for f in parts)))
         out.spares += [p for p in files if p.name.startswith(mapped.FREE_PREFIX)]
-        out.other += [p for p in files if p not in claimed and not p.name.startswith(mapped.FREE_PREFIX)]
+        out.other += [p for p in files if p not in claimed and not p.name.startswith(mapped.FREE_PREFIX)
+                      and p.name != run_identity.RECORD]  # the run its shares belong to
     return out
 
 

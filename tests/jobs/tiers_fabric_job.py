@@ -58,15 +58,15 @@ def _fabric(args, io):
     return L.Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy="ddp", plugins=[io])
 
 
-def _case_keys(fabric, tiers, state, report):
+def _case_keys(fabric, tiers, state, report, persistent):
     """``FabricTiers.resume`` with keys as ``fabric.load`` takes them: a requested key the local step lacks
     raises under ``strict``, is left as it is without; the step's name loaded again says what it is."""
     try:
-        tiers.resume({**state, "extra": 1})
+        tiers.resume({**state, "extra": 1}, persistent=persistent)
     except KeyError as e:
         report["strict_error"] = str(e)
     wanted = {**state, "extra": 1}
-    report["resumed"] = tiers.resume(wanted, strict=False)
+    report["resumed"] = tiers.resume(wanted, persistent=persistent, strict=False)
     report["start_step"], report["extra"] = wanted["step"], wanted["extra"]
     try:
         fabric.load("/dev/shm/local/asyncckpt-local/default/restore-step-10", state)
@@ -103,8 +103,9 @@ def run(args, report):
             report["resume_exact"] = True
             return
         if args.case == "keys":
-            _case_keys(fabric, tiers, state, report)
+            _case_keys(fabric, tiers, state, report, persistent)
             return
+        assert not tiers.resume(state, persistent=persistent)  # at every start: it names the run (none saved yet)
         copies = {}
         g = torch.Generator().manual_seed(fabric.global_rank)
         while state["step"] < 10:
