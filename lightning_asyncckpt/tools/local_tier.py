@@ -24,7 +24,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lightning_asyncckpt.tiers import mapped, run_identity, store
+from lightning_asyncckpt.tiers import job_lock, mapped, run_identity, store
 from lightning_asyncckpt.tiers.huge_pages import tmpfs_huge
 from lightning_asyncckpt.tiers.store import Held
 from lightning_asyncckpt.units import human_bytes
@@ -185,9 +185,11 @@ def _command(proc: str) -> str:
 
 # The names the tier makes (tiers/store.py, tiers/mapped.py, tiers/checks.py): removal takes these and
 # nothing else. A file the tier starts making must be added here, or `local --remove` keeps it (and says so).
-SESSION_NAMES = (_HOLDER, re.compile(r"\.probe-rank\d+"))  # holders are directories, probes files
+# holders are directories; probes, the job lock (tiers/job_lock.py) files
+SESSION_NAMES = (_HOLDER, re.compile(r"\.probe-rank\d+"), re.compile(re.escape(job_lock.LOCK)))
 HOLDER_NAMES = (re.compile(r"step-\d{10}\.owner-\d+\.(pt|head|json)(\.tmp)?"),
-                re.compile(re.escape(mapped.FREE_PREFIX) + r"\d+-\d+"))
+                re.compile(re.escape(mapped.FREE_PREFIX) + r"\d+-\d+"),
+                re.compile(re.escape(run_identity.RECORD) + r"(\.tmp)?"))  # which run the shares belong to
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
