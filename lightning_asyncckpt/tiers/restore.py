@@ -21,10 +21,12 @@ they agree once more before unpacking: a rank that fails anywhere makes every ra
 persistent tier at that point, with the reason, instead of leaving its peers in a send until the group's
 timeout.
 
-Nothing is read into memory: the checkpoint returned views private (copy-on-write) mappings of the
-step's node-local files, and every rank retires those files from reuse (:meth:`LocalStore.retire`), so
-that no later save writes into a page the checkpoint still maps; they are removed when a newer step is
-complete. Loading the checkpoint into the model is then its one copy, as from any file.
+The shares are checked and sent from private (copy-on-write) mappings of the step's node-local files, and
+every rank retires those files from reuse (:meth:`LocalStore.retire`), so that no later save writes into a
+page that a mapping still shows (a sharded restore's later sends, :mod:`deferred_refill`); they are removed
+when a newer step is complete. The checkpoint returned holds copies, each tensor its own storage, as
+``torch.load`` gives them (:func:`owned`): nothing of it maps the tier's files, which are unmapped when the
+restore returns, and the model and optimizer that load it own their state again.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_asyncckpt.snapshot import tree
 from lightning_asyncckpt.tiers import deferred_refill, exchange, packing, recovery, shares, store
 from lightning_asyncckpt.tiers.store import Held, LocalStore
 
@@ -212,11 +215,34 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
                 bad.append(f"rank {me} could not read rank {owner}'s share in holder-{holder}: {e}")
     if problems := agreed():
         return Restored(None, problems, sent, read, corrupt=corrupt)
+    # the checkpoint's tensors are copies (:func:`owned`): the step's mappings, and the buffers sent here, die with
+    # this function's locals, unmapped at once (but the sharded refill's later sends, until they are done)
     own = packing.unpack(*got[me])
     if mode == shares.SHARDED:
-        return Restored(own["state"], [], sent, read, deferred)
+        return Restored(owned(own["state"]), [], sent, read, deferred)
     every = [own, *(packing.unpack(*got[o]) for o in sorted(got) if o != me)]
-    return Restored(shares.assemble(own, every), [], sent, read)
+    return Restored(owned(shares.assemble(own, every)), [], sent, read)
+
+
+def owned(checkpoint: Any) -> Any:
+    """``checkpoint`` with each tensor copied into a storage of its own, as ``torch.load`` gives them: one
+    copy, at memory speed (the CRC32 checks have faulted the pages in). A view of the share's flat buffer
+    would keep the whole buffer alive, and its mapping (a second copy of the state, on ``/dev/shm`` in RAM)
+    for as long as any one tensor lives: ``optimizer.load_state_dict`` keeps a tensor of the parameter's
+    device and dtype as it is, so AdamW's moments would stay views for the rest of the run, and every later
+    ``torch.save`` would write the whole buffer for each of them. A tensor held in several places stays one
+    tensor; an ``nn.Parameter`` stays one, with its ``requires_grad``."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def own(path: tuple, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in copies:
+            fresh = t.detach().clone(memory_format=torch.contiguous_format)
+            if isinstance(t, torch.nn.Parameter):
+                fresh = torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
+            copies[id(t)] = fresh
+        return copies[id(t)]
+
+    return tree.walk(checkpoint, (), own, objects=True)
 
 
 def _prepare(moves: list[exchange.Move], read: Callable[[Held], tuple[bytes, torch.Tensor]],
