@@ -54,13 +54,15 @@ class FabricTiers:
         self.tier: TierRun = self.io.tier
         self.tier.arm()
 
-    def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True) -> bool:
+    def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True,
+               weights_only: bool | None = None) -> bool:
         """(every rank) Loads the newest step complete in the local tier, or ``persistent`` where that is
-        newer or the local tier has none complete, into ``state`` (``fabric.load``). False: nothing loaded."""
-        path = self.tier.latest(persistent)
+        newer or the local tier has none complete, into ``state`` (``fabric.load``). False: nothing loaded.
+        ``weights_only`` as ``fabric.load``'s: either checkpoint is read with it (None: stock's default)."""
+        path = self.tier.latest(persistent, weights_only)
         if path is None:
             return False
-        self.fabric.load(path, state, strict=strict)
+        self.fabric.load(path, state, strict=strict, weights_only=weights_only)
         return True
 
     def step_end(self, step: int, state: dict[str, Any]) -> bool:

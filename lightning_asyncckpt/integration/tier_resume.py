@@ -7,7 +7,8 @@ their local directories hold. This module makes the decision later, where every 
   candidate Lightning found (or None) inside a :class:`TierLast`, and silences Lightning's "no last
   checkpoint" warning (the local tier may have one);
 - ``_CheckpointConnector.resume_start`` (every rank, after setup): a :class:`TierLast` becomes
-  ``TierRun.latest(persistent)``, the local tier's key or the persistent path; then Lightning loads it.
+  ``TierRun.latest(persistent, weights_only)``, the local tier's key or the persistent path; then Lightning loads
+  it. ``weights_only`` is the caller's (``fit(..., weights_only=...)``): the local step is read as the file would be.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ def install() -> None:
             if isinstance(checkpoint_path, TierLast):
                 io = _io_with_tier(self.trainer)
                 tier = tier_trainer.start(self.trainer, io)
-                checkpoint_path = tier.latest(checkpoint_path.persistent) if tier is not None else checkpoint_path.persistent
+                # fit(..., weights_only=...): the local step's headers are read as Lightning reads the file
+                weights_only = kwargs.get("weights_only", args[0] if args else None)
+                persistent = checkpoint_path.persistent
+                checkpoint_path = tier.latest(persistent, weights_only) if tier is not None else persistent
             return original(self, checkpoint_path, *args, **kwargs)
 
         return resume_start
