@@ -75,6 +75,17 @@ def test_a_dir_of_another_user_is_refused_even_where_we_can_write_it(shared):
     assert os.listdir(shared / "ckpt") == []
 
 
+def test_a_link_as_dir_is_followed_only_where_it_is_ours_or_roots(shared, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (tmp_path / "link").symlink_to(mine)
+    _run(tmp_path / "link").close()  # our own link to our own directory: the user named it
+    assert (mine / "asyncckpt-local" / "default" / "holder-0").is_dir()
+    _as_nobody("ln", "-s", str(mine), str(shared / "theirs"))  # another user's link: they can repoint it
+    with pytest.raises(TierConfigError, match=r"theirs is a symbolic link of another user \(owner uid 65534"):
+        _run(shared / "theirs")
+
+
 def test_a_sticky_shared_dir_is_used_and_everything_the_tier_makes_is_private(shared):
     old = os.umask(0o002)
     try:
@@ -269,15 +280,18 @@ def test_the_space_check_counts_the_header(tmpfs_1m):
                      head_bytes=64 << 10)
 
 
-def test_a_full_directory_at_commit_names_the_file_and_leaves_nothing_partial(tmpfs_1m):
+@pytest.mark.parametrize(("head_bytes", "leave", "fails"), [(300_000, 0, "head"), (100, 4096, "json")])
+def test_a_full_directory_at_commit_names_the_file_and_leaves_nothing_partial(tmpfs_1m, head_bytes, leave, fails):
+    """The header does not fit; or it does (one page left) and the manifest does not: either way the error
+    names the file and its directory, and no .pt, .head or .tmp of the step is left."""
     store = LocalStore(tmpfs_1m, 0)
     data = torch.arange(4096, dtype=torch.uint8)
     mapped = store.reserve(2, 0, data.numel())
     mapped.tensor.copy_(data)
-    _fill(tmpfs_1m, 0)
-    head = b"h" * 300_000
+    _fill(tmpfs_1m, leave)
+    head = b"h" * head_bytes
     held = Held(2, 0, data.numel(), packing.crc32(data), (1, 1, 1), "replicated", len(head), packing.crc32(head))
-    with pytest.raises(OSError, match=r"No space left.*step-0000000002\.owner-0\.head.*holder-0"):
+    with pytest.raises(OSError, match=rf"No space left.*step-0000000002\.owner-0\.{fails}.*holder-0"):
         store.commit(held, mapped, head)
     store.release(mapped)
     left = sorted(p.name for p in store.dir.iterdir())

@@ -14,7 +14,8 @@ One concern per module, lowest first:
 - ``local_replicas``: a replicated (DDP) state's replicas, copied locally and proven by checksums.
 - ``replication``: a sharded share as NVRx's ``TensorAwareStateDict``, replicated within its clique (NVRx's).
 - ``exchange``: recovery transfers between nodes, point to point over gloo.
-- ``checks``: refusing a missing, shared or too small directory at setup.
+- ``trusted_dirs``: which directories the tier trusts (its own user's alone), made 0700 without following a link.
+- ``checks``: refusing a missing, shared, untrusted or too small directory at setup.
 - ``recovery``: which step is complete in the local tier, and who sends each share (pure).
 - ``persistent``: a persistent checkpoint's step, read from its pickle alone (local or on an object store).
 - ``preemption``: SIGTERM/SIGUSR1 set a flag, nothing more.

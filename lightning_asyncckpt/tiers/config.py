@@ -25,6 +25,10 @@ class LocalTier:
     Args:
         dir: a node-local directory (``/dev/shm/...`` or a local NVMe mount) that exists on every node.
             The tier writes only under ``<dir>/asyncckpt-local/<session>/`` and never deletes anything else.
+            It must be this user's or root's, and writable by others only with the sticky bit (as
+            ``/dev/shm`` and ``/tmp`` are); what the tier makes below it is 0700 (files 0600), and an
+            existing ``asyncckpt-local``, session or holder directory that is a link, another user's or
+            writable by group or others is refused at setup (:mod:`lightning_asyncckpt.tiers.trusted_dirs`).
         every_n_train_steps: save to the local tier after every this many optimizer steps (global step).
         replication_factor: ``F``, how many ranks hold each share, its own rank included (NVRx's
             meaning): 1 keeps no replica, 2 one replica on a peer. Each clique of ``F`` ranks

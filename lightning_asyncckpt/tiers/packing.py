@@ -37,6 +37,18 @@ ALIGN = 64
 class UnsafeShareError(pickle.UnpicklingError):
     """A share's header holds what ``torch.load(weights_only=True)`` refuses (stock raises the same type)."""
 
+    @classmethod
+    def of_step(cls, problems: list[str], root: Any, dir: Any) -> UnsafeShareError:
+        """(every rank, alike) A restore of the tier at ``root`` (under ``LocalTier.dir``) refused for ``problems``
+        (each naming a header file), with how to opt out, as ``torch.load`` and Lightning put it."""
+        return cls(f"lightning-asyncckpt: the local tier's step in {root} was not loaded: its header(s) hold more"
+                   " than torch.load(weights_only=True) allows, which is how a checkpoint's pickle runs code: "
+                   + "; ".join(problems) + ". Nothing of it was run. The tier makes its directories 0700, so only"
+                   " your own user (or root) can have written it. Fix: if you trust these files, resume with"
+                   " weights_only=False (`trainer.fit(..., weights_only=False)`, `fabric.load(...,"
+                   f" weights_only=False)`); otherwise remove them (`lightning-asyncckpt local {dir} --remove`) and"
+                   " resume from the persistent tier.")
+
 
 def _safe_types() -> list:
     """The classes a sharded share's header holds besides what ``weights_only`` allows: plain data."""

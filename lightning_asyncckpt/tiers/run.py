@@ -300,7 +300,7 @@ class TierRun:
                                   self.cliques, self.factor, self.topology, self.gather, weights_only is not False)
             done = restore.restore(plan, holdings, ranks)
             if done.unsafe:
-                raise packing.UnsafeShareError(_unsafe(done.unsafe, self.config))
+                raise packing.UnsafeShareError.of_step(done.unsafe, self.config.root, self.config.dir)
             if not done.problems:
                 break
             more = f" (and {len(done.problems) - 3} more)" if len(done.problems) > 3 else ""
@@ -375,14 +375,3 @@ class TierRun:
         if wait and self.writer.wait(self.config.timeout_s):
             self.store.close()  # its spare files: the next run makes its own
         self.flag.uninstall()
-
-
-
-def _unsafe(problems: list[str], config: LocalTier) -> str:
-    """Why a local step's headers were refused, and how to opt out (as ``torch.load`` and Lightning say it)."""
-    return (f"lightning-asyncckpt: the local tier's step in {config.root} was not loaded: its header(s) hold more than"
-            " torch.load(weights_only=True) allows, which is how a checkpoint's pickle runs code: "
-            + "; ".join(problems) + ". Nothing of it was run. The tier makes its directories 0700, so only your own"
-            " user (or root) can have written it. Fix: if you trust these files, resume with weights_only=False"
-            " (`trainer.fit(..., weights_only=False)`, `fabric.load(..., weights_only=False)`); otherwise remove"
-            f" them (`lightning-asyncckpt local {config.dir} --remove`) and resume from the persistent tier.")
