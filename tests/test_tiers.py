@@ -99,7 +99,7 @@ def test_the_ranks_agree_on_the_bad_copies_and_retry_only_where_nothing_else_fai
     from lightning_asyncckpt.tiers.restore import Findings
 
     def ranks(*findings):
-        return lambda obj: [(f.problems, f.corrupt) for f in findings]  # every rank's, as a gather returns them
+        return lambda obj: [(f.problems, f.corrupt, f.unsafe) for f in findings]  # every rank's, as a gather gives
 
     held = Held(10, 2, 10, 1, TOPO)
     holder, receiver, other = Findings(), Findings(), Findings()

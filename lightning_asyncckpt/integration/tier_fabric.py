@@ -62,18 +62,20 @@ class FabricTiers:
         self.tier: TierRun = self.io.tier
         self.tier.arm()
 
-    def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True) -> bool:
+    def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True,
+               weights_only: bool | None = None) -> bool:
         """(every rank, before the first :meth:`step_end`) Loads the newest step complete in the local tier, or
         ``persistent`` where that is newer or the local tier has none complete, into ``state``
         (``fabric.load``). False: nothing loaded. ``persistent`` also names the run (module docstring); a local
-        path that does not exist yet is no checkpoint (the first start's)."""
+        path that does not exist yet is no checkpoint (the first start's). ``weights_only`` as ``fabric.load``'s:
+        either checkpoint is read with it (None: stock's default)."""
         self.tier.begin(run_identity.destination_of(persistent), resuming=True)
         if persistent is not None and "://" not in str(persistent) and not os.path.exists(persistent):
             persistent = None  # nothing saved there yet
-        path = self.tier.latest(persistent)
+        path = self.tier.latest(persistent, weights_only)
         if path is None:
             return False
-        self.fabric.load(path, state, strict=strict)
+        self.fabric.load(path, state, strict=strict, weights_only=weights_only)
         return True
 
     def step_end(self, step: int, state: dict[str, Any]) -> bool:

@@ -10,8 +10,9 @@ their local directories hold. This module makes the decision later, where every 
   (``TierRun.begin``): a fit with no checkpoint to resume from starts a new run, any other adopts the run
   whose local steps were written for the same persistent destination (the dirpaths of the trainer's
   ``ModelCheckpoint`` callbacks, or ``default_root_dir`` without one; :mod:`~lightning_asyncckpt.tiers.run_identity`);
-  then a :class:`TierLast` becomes ``TierRun.latest(persistent)``, the local tier's key or the persistent
-  path; then Lightning loads it.
+  then a :class:`TierLast` becomes ``TierRun.latest(persistent, weights_only)``, the local tier's key or the
+  persistent path; then Lightning loads it. ``weights_only`` is the caller's (``fit(..., weights_only=...)``):
+  the local step is read as the file would be.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def install() -> None:
             if tier is not None:  # a fit's: the run named before any local save or restore
                 tier.begin(destination(self.trainer), resuming=last or bool(checkpoint_path))
             if last:
-                checkpoint_path = tier.latest(checkpoint_path.persistent) if tier is not None else checkpoint_path.persistent
+                # fit(..., weights_only=...): the local step's headers are read as Lightning reads the file
+                weights_only = kwargs.get("weights_only", args[0] if args else None)
+                persistent = checkpoint_path.persistent
+                checkpoint_path = tier.latest(persistent, weights_only) if tier is not None else persistent
             return original(self, checkpoint_path, *args, **kwargs)
 
         return resume_start

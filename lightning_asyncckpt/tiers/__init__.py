@@ -14,7 +14,8 @@ One concern per module, lowest first:
 - ``local_replicas``: a replicated (DDP) state's replicas, copied locally and proven by checksums.
 - ``replication``: a sharded share as NVRx's ``TensorAwareStateDict``, replicated within its clique (NVRx's).
 - ``exchange``: recovery transfers between nodes, point to point over gloo.
-- ``checks``: refusing a missing, shared or too small directory at setup.
+- ``trusted_dirs``: which directories the tier trusts (its own user's alone), made 0700 without following a link.
+- ``checks``: refusing a missing, shared, untrusted or too small directory at setup.
 - ``job_lock``: one job at a time in a session directory (an exclusive lock for the run's life).
 - ``run_identity``: which run a local step belongs to; only that run restores it.
 - ``recovery``: which step is complete in the local tier, and who sends each share (pure).

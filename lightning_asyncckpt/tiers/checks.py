@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_asyncckpt.tiers import trusted_dirs
 from lightning_asyncckpt.tiers.cliques import TierConfigError, same_node_peers
 from lightning_asyncckpt.units import human_bytes
 
@@ -43,14 +44,23 @@ def directory(dir: Path, rank: int, node: int) -> str | None:
     return None
 
 
+def trusted(dir: Path, parts: list[str], rank: int, node: int) -> str | None:
+    """(one rank, at setup, before anything is written) Why ``dir`` or the tier's own directories below it
+    (``parts``, in turn: ``asyncckpt-local``, the session, this rank's holder) cannot be trusted, or None:
+    :mod:`lightning_asyncckpt.tiers.trusted_dirs`."""
+    problem = trusted_dirs.base_problem(dir) or trusted_dirs.tier_problem(dir, parts)
+    return f"LocalTier(dir={str(dir)!r}) on node {node} (global rank {rank}): {problem}" if problem else None
+
+
 def not_shared(root: Path, rank: int, node_of: list[int], gather: Gather) -> None:
     """(all ranks) Refuses a directory that ranks of two nodes both see: each rank leaves a probe file,
     then looks for the probes of other nodes' ranks. Needs more than one node to mean anything."""
     if len(set(node_of)) < 2:
         return
-    root.mkdir(parents=True, exist_ok=True)
+    trusted_dirs.make(root, root.parent.parent)
     probe = root / f".probe-rank{rank}"
-    probe.write_text(str(node_of[rank]))
+    probe.unlink(missing_ok=True)  # a crashed run's: O_EXCL below never opens an existing file (or link)
+    os.close(trusted_dirs.open_file(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     gather(None)  # every rank's probe exists before anyone looks
     seen = []
     for p in root.glob(".probe-rank*"):
@@ -89,12 +99,14 @@ def cliques_span_nodes(cliques: list[list[int]], node_of: list[int], jump: int) 
 
 
 def space(dir: Path, rank: int, node_of: list[int], share_bytes: int, held_bytes: int, factor: int,
-          gather: Gather) -> None:
+          gather: Gather, head_bytes: int = 0) -> None:
     """(all ranks, at the first local save, before anything is written) Refuses a node whose directory
     cannot hold what its ranks will keep at the peak: the newest complete step and the one being written,
-    ``factor`` copies of each share (its own and its replicas): ``2 x factor x share`` per rank."""
+    ``factor`` copies of each share (its own and its replicas), each its tensors' file, its header
+    (``head_bytes``) and its manifest: ``2 x factor x share`` per rank, each file in whole pages."""
     free = shutil.disk_usage(dir).free
-    need = 2 * factor * share_bytes - held_bytes  # what this rank holds now is replaced, not added to
+    files = _pages(share_bytes) + _pages(head_bytes) + _pages(1)  # the .pt, .head and .json
+    need = 2 * factor * files - held_bytes  # what this rank holds now is replaced, not added to
     rows = gather((node_of[rank], free, need, share_bytes))
     node, _, _, _ = rows[rank]
     mine = [(r, row) for r, row in enumerate(rows) if row[0] == node]
@@ -105,8 +117,14 @@ def space(dir: Path, rank: int, node_of: list[int], share_bytes: int, held_bytes
         problem = (f"LocalTier(dir={str(dir)!r}) on node {node} has {human_bytes(free)} free, but its"
                    f" {len(mine)} rank(s) need {human_bytes(total)}: each keeps its newest complete step while it"
                    f" writes the next, {factor} cop{'y' if factor == 1 else 'ies'} of its share each (its own"
-                   f" and {factor - 1} replica(s)), 2 x {factor} x share; shares: {shares_txt}. Fix: a larger"
+                   f" and {factor - 1} replica(s)), 2 x {factor} x share (its tensors, header and manifest, in whole"
+                   f" pages); tensors: {shares_txt}. Fix: a larger"
                    " directory (a bigger /dev/shm: `docker run --shm-size=...`, a Kubernetes emptyDir with"
                    " medium: Memory and a sizeLimit, or tmpfs size=), a local NVMe mount, or a smaller"
                    " replication_factor. Nothing was written.")
     agree(problem, gather)
+
+
+def _pages(n: int, page: int = 4096) -> int:
+    """``n`` bytes as a file takes them (on tmpfs and most file systems: whole pages)."""
+    return -(-n // page) * page

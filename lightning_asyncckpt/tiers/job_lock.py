@@ -27,7 +27,7 @@ import socket
 import time
 from pathlib import Path
 
-from lightning_asyncckpt.tiers import checks
+from lightning_asyncckpt.tiers import checks, trusted_dirs
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class JobLock:
     def take(self, what: str) -> str | None:
         """Takes the lock; returns None, or why not (``what``: the ``LocalTier(...)`` the message names)."""
         try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # asyncckpt-local/ and the session 0700 whatever the umask, never through a link (trusted_dirs)
+            trusted_dirs.make(self.path.parent, self.path.parent.parent.parent)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as e:
             return f"{what}: cannot open the session's lock file {self.path}: {e}"

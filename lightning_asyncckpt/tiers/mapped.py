@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_asyncckpt.tiers import pinning
+from lightning_asyncckpt.tiers import pinning, trusted_dirs
 
 FREE_PREFIX = ".free-"  # the pool's spare files: not a share (no .pt suffix), removed at start
 
@@ -199,18 +199,19 @@ def _release(mapped: MappedFile) -> None:
 def _create(path: Path, nbytes: int, keep: bool = False, prefault: bool = False) -> MappedFile:
     """A file of ``nbytes`` at ``path``, its space reserved and mapped; with ``prefault``, its pages faulted
     in now. ``keep``: an existing file (a spare of another size), cut or grown to ``nbytes``, its pages kept."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if keep else os.O_TRUNC), 0o600)
+    # its directory is the store's (made 0700, never through a link); the file is never opened through one
+    fd = trusted_dirs.open_file(path, os.O_RDWR | os.O_CREAT | (0 if keep else os.O_TRUNC))
     try:
         if keep:
             os.ftruncate(fd, nbytes)
         if nbytes:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
-            except OSError:
+            except OSError as e:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-                raise
+                raise OSError(e.errno, f"{e.strerror or e}: reserving {nbytes} bytes for {path.name} in"
+                              f" {path.parent}") from e
             tensor = torch.frombuffer(_map(fd, nbytes, prefault), dtype=torch.uint8)
         else:
             tensor = torch.empty(0, dtype=torch.uint8)

@@ -5,11 +5,18 @@ where each tensor's bytes are in the flat buffer (64-byte aligned). The snapshot
 flat buffer (a mapped file, :mod:`lightning_asyncckpt.tiers.mapped`), on the training thread: one copy,
 and no tensor bytes go through pickling. CRC32 uses ISA-L where it is installed (about 25 GB/s here,
 against zlib's 4; the same checksum) and releases the GIL either way.
+
+The header is read as stock reads a checkpoint: ``torch.load(weights_only=True)`` unless the caller asked for
+``weights_only=False``, so that no code runs from a file on disk that the caller did not say it trusts. The
+tier's own types (:class:`~lightning_asyncckpt.tiers.shares.LocalShard` and the ``DTensor`` placements it
+holds) are allowed by name.
 """
 
 from __future__ import annotations
 
 import io
+import pickle
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +32,32 @@ except ImportError:  # pragma: no cover - isal is a dependency where it has whee
 
 MAGIC = b"ACKLOCAL"
 ALIGN = 64
+
+
+class UnsafeShareError(pickle.UnpicklingError):
+    """A share's header holds what ``torch.load(weights_only=True)`` refuses (stock raises the same type)."""
+
+    @classmethod
+    def of_step(cls, problems: list[str], root: Any, dir: Any) -> UnsafeShareError:
+        """(every rank, alike) A restore of the tier at ``root`` (under ``LocalTier.dir``) refused for ``problems``
+        (each naming a header file), with how to opt out, as ``torch.load`` and Lightning put it."""
+        return cls(f"lightning-asyncckpt: the local tier's step in {root} was not loaded: its header(s) hold more"
+                   " than torch.load(weights_only=True) allows, which is how a checkpoint's pickle runs code: "
+                   + "; ".join(problems) + ". Nothing of it was run. The tier makes its directories 0700, so only"
+                   " your own user (or root) can have written it. Fix: if you trust these files, resume with"
+                   " weights_only=False (`trainer.fit(..., weights_only=False)`, `fabric.load(...,"
+                   f" weights_only=False)`); otherwise remove them (`lightning-asyncckpt local {dir} --remove`) and"
+                   " resume from the persistent tier.")
+
+
+def _safe_types() -> list:
+    """The classes a sharded share's header holds besides what ``weights_only`` allows: plain data."""
+    from torch.distributed.tensor import placement_types
+
+    from lightning_asyncckpt.tiers.shares import LocalShard
+
+    return [LocalShard, *(getattr(placement_types, n) for n in ("Shard", "Replicate", "Partial", "_StridedShard")
+                          if hasattr(placement_types, n))]
 
 
 def _align(n: int) -> int:
@@ -101,11 +134,28 @@ def crc32(data: torch.Tensor | bytes, value: int = 0) -> int:
     return _crc32(data, value) & 0xFFFFFFFF
 
 
-def unpack(head: bytes, flat: torch.Tensor) -> Any:
-    """The share from its header and flat buffer (a ``uint8`` tensor, which its tensors then view)."""
+def _reason(e: BaseException) -> str:
+    """The cause in torch's long ``weights_only`` message (between its boilerplate paragraphs)."""
+    parts = [p.strip() for p in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).split("\n\n") if p.strip()]
+    cause = next((p for p in parts[1:] if not p.startswith("Check the documentation")), parts[0] if parts else "")
+    return cause.removeprefix("WeightsUnpickler error: ").splitlines()[0].rstrip(".") if cause else type(e).__name__
+
+
+def unpack(head: bytes, flat: torch.Tensor, weights_only: bool = True) -> Any:
+    """The share from its header and flat buffer (a ``uint8`` tensor, which its tensors then view). The header
+    is read with ``torch.load(weights_only=...)``: raises :class:`UnsafeShareError` where it holds more than
+    ``weights_only=True`` allows (a pickle that would run code is never run)."""
     if head[:len(MAGIC)] != MAGIC:
         raise ValueError("not a local-tier share (bad magic)")
-    skeleton, entries = torch.load(io.BytesIO(head[len(MAGIC):]), map_location="cpu", weights_only=False)
+    data = io.BytesIO(head[len(MAGIC):])
+    if weights_only:
+        try:
+            with torch.serialization.safe_globals(_safe_types()):
+                skeleton, entries = torch.load(data, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeShareError(_reason(e)) from None
+    else:
+        skeleton, entries = torch.load(data, map_location="cpu", weights_only=False)
     tensors = {}
     for name, dtype, shape, off, n, *parameter in entries:  # shares written before 2026-12-06: 5 fields
         t = flat[off:off + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)

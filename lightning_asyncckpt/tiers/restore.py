@@ -15,6 +15,10 @@ Three moves, each rank in the same order:
 3. **Read.** Each rank reads the shares it needs (sharded: its own; replicated: every owner's) from the
    holder directories of its own node, checked in 2; a share its node does not hold is sent from
    another node and checked on arrival.
+4. **Unpack.** Each rank reads the headers of what it restores with ``torch.load(weights_only=...)`` as the
+   caller asked (True unless the caller passed ``weights_only=False``, as stock loads): a header that holds
+   more (a pickle that would run code) is refused on every rank (:attr:`Restored.unsafe`), naming its file,
+   before the ranks' last agreement.
 
 Before each transfer the ranks prepare (map what they send, reserve what they receive into) and agree, and
 they agree once more before unpacking: a rank that fails anywhere makes every rank fall back to the
@@ -58,6 +62,7 @@ class Ranks:
     factor: int
     topology: tuple
     gather: Callable[[Any], list[Any]]
+    weights_only: bool = True  # how the shares' headers are read (packing.unpack)
 
 
 @dataclass
@@ -72,6 +77,8 @@ class Restored:
     # the copies that failed their CRC32 check, ``(holder, owner)``, as every rank agreed: a retry without
     # them may still find the step complete (another copy in the clique)
     corrupt: frozenset[tuple[int, int]] = frozenset()
+    # headers that weights_only refused, on any rank: the restore is refused, not retried or fallen back from
+    unsafe: list[str] = field(default_factory=list)
 
 
 class Findings:
@@ -81,6 +88,7 @@ class Findings:
     def __init__(self) -> None:
         self.problems: list[str] = []
         self.corrupt: list[tuple[int, int, str]] = []  # (holder, owner, problem)
+        self.unsafe: list[str] = []  # headers weights_only refused (each also a problem); every rank's once agreed
 
     def __bool__(self) -> bool:
         return bool(self.problems)
@@ -98,11 +106,12 @@ class Findings:
 
     def agree(self, gather: Callable[[Any], list[Any]]) -> tuple[list[str], frozenset[tuple[int, int]]]:
         """(every rank, together) Every rank's problems, and the corrupt copies where they are the only ones."""
-        rows = gather((self.problems, self.corrupt))
-        problems = sorted({p for ps, _ in rows for p in ps})
+        rows = gather((self.problems, self.corrupt, self.unsafe))
+        problems = sorted({p for ps, _, _ in rows for p in ps})
+        self.unsafe = sorted({u for _, _, us in rows for u in us})
         # one copy may be checked twice (by its holder, and by a rank it was sent to), each in its own words
-        corrupt = frozenset((h, o) for _, cs in rows for h, o, _p in cs)
-        only = set(problems) == {p for _, cs in rows for _h, _o, p in cs}  # else a retry meets the other problem
+        corrupt = frozenset((h, o) for _, cs, _ in rows for h, o, _p in cs)
+        only = set(problems) == {p for _, cs, _ in rows for _h, _o, p in cs}  # else a retry meets the other problem
         return problems, corrupt if only else frozenset()
 
 
@@ -122,6 +131,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     mine = set(needs[me])
     sent, read = len(refill) + len(fetch.moves), sum(len(v) for v in fetch.reads.values())
     got: dict[int, tuple[bytes, torch.Tensor]] = {}
+    origin: dict[int, str] = {}  # where each share in got was read: its header's file, named in a refusal
     bad = Findings()
     corrupt: frozenset[tuple[int, int]] = frozenset()
 
@@ -170,6 +180,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
                 continue
             if bad.checked(h, head, flat, me, "held by") and h.owner in mine:
                 got[h.owner] = (head, flat)
+                origin[h.owner] = str(store.share_files(ranks.store.dir, h)[1])
     finally:  # whatever happened above, this rank's peers are in the transfers: they are ended
         received = posted.wait()
     refilled: dict[int, Held] = {}
@@ -186,6 +197,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     for owner in mine & refilled.keys():
         try:
             got[owner] = ranks.store.map(refilled[owner])  # the bytes just received: in the page cache
+            origin[owner] = str(store.share_files(ranks.store.dir, refilled[owner])[1])
         except OSError as e:
             bad.append(f"rank {me} could not map rank {owner}'s share it was sent: {e}")
 
@@ -204,6 +216,9 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     for m, head, flat in exchange.transfer(fetch.moves, ready, me, ranks.group):
         if bad.checked(m, head, flat, movers[(m.owner, me)], "sent by"):
             got[m.owner] = (head, flat)
+            sender = movers[(m.owner, me)]
+            origin[m.owner] = (f"{store.share_files(store.holder_dir(ranks.root, sender), m)[1]} on node"
+                               f" {ranks.node_of[sender]} (sent by rank {sender})")
 
     # 3b. the rest from the other holder directories of this node, checked by their holders in 2 (not where
     # this rank has failed already: it falls back with its peers at the next agreement, for that reason alone)
@@ -211,16 +226,20 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
         if owner not in got:
             try:
                 got[owner] = store.map_share(store.holder_dir(ranks.root, holder), manifest)
+                origin[owner] = str(store.share_files(store.holder_dir(ranks.root, holder), manifest)[1])
             except OSError as e:
                 bad.append(f"rank {me} could not read rank {owner}'s share in holder-{holder}: {e}")
+    # 4. the headers, read as the caller asked (weights_only), before the last agreement: a refusal on any
+    # rank is every rank's
+    unpacked = {} if bad else _unpack(got, [me] if mode == shares.SHARDED else sorted(got), origin, ranks, bad)
     if problems := agreed():
-        return Restored(None, problems, sent, read, corrupt=corrupt)
+        return Restored(None, problems, sent, read, corrupt=corrupt, unsafe=bad.unsafe)
     # the checkpoint's tensors are copies (:func:`owned`): the step's mappings, and the buffers sent here, die with
     # this function's locals, unmapped at once (but the sharded refill's later sends, until they are done)
-    own = packing.unpack(*got[me])
+    own = unpacked[me]
     if mode == shares.SHARDED:
         return Restored(owned(own["state"]), [], sent, read, deferred)
-    every = [own, *(packing.unpack(*got[o]) for o in sorted(got) if o != me)]
+    every = [own, *(unpacked[o] for o in sorted(unpacked) if o != me)]
     return Restored(owned(shares.assemble(own, every)), [], sent, read)
 
 
@@ -243,6 +262,21 @@ def owned(checkpoint: Any) -> Any:
         return copies[id(t)]
 
     return tree.walk(checkpoint, (), own, objects=True)
+
+
+def _unpack(got: dict[int, tuple[bytes, torch.Tensor]], owners: list[int], origin: dict[int, str], ranks: Ranks,
+            bad: Findings) -> dict[int, Any]:
+    """Each of ``owners``' shares unpacked (``packing.unpack``, as the caller asked: ``ranks.weights_only``);
+    a header that ``weights_only`` refuses is added to ``bad``, naming its file."""
+    out = {}
+    for owner in owners:
+        try:
+            out[owner] = packing.unpack(*got[owner], weights_only=ranks.weights_only)
+        except packing.UnsafeShareError as e:
+            problem = f"{origin.get(owner, f'rank {owner} share')}: {e}"
+            bad.append(problem)
+            bad.unsafe.append(problem)
+    return out
 
 
 def _prepare(moves: list[exchange.Move], read: Callable[[Held], tuple[bytes, torch.Tensor]],

@@ -49,7 +49,7 @@ from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.persistent import global_step
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
 from lightning_asyncckpt.tiers.step_agreement import StepAgreement
-from lightning_asyncckpt.tiers.store import LocalStore
+from lightning_asyncckpt.tiers.store import LocalStore, holder_dir
 from lightning_asyncckpt.tiers.writer import Copied, ShareWriter
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,9 @@ class TierRun:
             self.clique_group = groups[self.cliques.index(self.clique)]
         self.agreement = StepAgreement(self.group if self.world > 1 else None, config.overlap_agreement)
         checks.agree(checks.directory(Path(config.dir), self.rank, node_rank), self.gather)
+        # before anything is written: the tier's own directories, where they exist, are this user's alone
+        own = [config.root.parent.name, config.root.name, holder_dir(config.root, self.rank).name]
+        checks.agree(checks.trusted(Path(config.dir), own, self.rank, node_rank), self.gather)
         if self.rank == 0 and config.replication_factor is None and factor == 1:
             log.info("lightning-asyncckpt: the local tier keeps no replicas: this job runs on one node, so each rank"
                      " keeps its own share there (replication_factor=None is 1 on one node, 2 on several)")
@@ -101,7 +104,8 @@ class TierRun:
                                         f" session={config.session!r})", self.gather)  # before any file of ours
         self.run: str | None = None  # the run id, once begin() agreed on it
         self.topology = (self.world, self.jump, factor)
-        self.store = LocalStore(config.root, self.rank, keep_free=len(self.clique) if factor > 1 else 1)
+        self.store = LocalStore(config.root, self.rank, keep_free=len(self.clique) if factor > 1 else 1,
+                                base=Path(config.dir))
         self.writer = ShareWriter(self.store, self.rank, self.clique_group, self.topology, config.timeout_s)
         self.flag = PreemptionFlag(config.emergency_signals)  # armed by arm(), once the loop runs
         self.complete = -1
@@ -151,7 +155,8 @@ class TierRun:
                                f" after timeout_s={self.config.timeout_s}")
         self._raise_failed()
         mode, laid = self._layouts(checkpoint)
-        self._check_space(laid)
+        head = laid[self.rank][0].header()  # this rank's; made once: also counted by the space check
+        self._check_space(laid, len(head))
         self._pin_for(laid)
         copied, failure, deferred = [], None, []
         for owner, (lay, tensors) in laid.items():
@@ -163,7 +168,7 @@ class TierRun:
                 file = MappedFile(None, lay.nbytes, torch.empty(lay.nbytes, dtype=torch.uint8))
             # the one copy, straight into node-local storage (of what a lazy rule leaves: the rest, later)
             deferred += packing.copy_into(lay, tensors, file.tensor, lazy)
-            copied.append(Copied(owner, lay.header() if owner == self.rank else b"", file))
+            copied.append(Copied(owner, head if owner == self.rank else b"", file))
         self._copy = BackgroundCopy(deferred, hook=hook) if deferred else None  # their versions: read now
         self.writer.submit(step, mode, copied, failure, self._copy)
         self.saved_step = step
@@ -207,11 +212,12 @@ class TierRun:
         if device is not None:
             self.store.pool.pin_for(device)
 
-    def _check_space(self, laid: dict[int, Any]) -> None:
-        """(every rank, together, at the first save) Refuses a directory too small for the shares (collective)."""
+    def _check_space(self, laid: dict[int, Any], head_bytes: int) -> None:
+        """(every rank, together, at the first save) Refuses a directory too small for the shares, their
+        headers (``head_bytes``: this rank's) and manifests (collective)."""
         if not self._space_checked:
             checks.space(Path(self.config.dir), self.rank, self.node_of, laid[self.rank][0].nbytes,
-                         self.store.used_bytes(), self.factor, self.gather)
+                         self.store.used_bytes(), self.factor, self.gather, head_bytes=head_bytes)
             self._space_checked = True
 
     def boundary(self) -> Boundary:
@@ -288,10 +294,15 @@ class TierRun:
         return self.flag.replaced(name)
 
     # recovering --------------------------------------------------------------------------------------
-    def latest(self, persistent: Any) -> Any:
+    def latest(self, persistent: Any, weights_only: bool | None = None) -> Any:
         """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take` (the
         local tier's newest complete step, :func:`~lightning_asyncckpt.tiers.restore.restore`), else
         ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why.
+
+        ``weights_only``: the caller's (``fit(..., weights_only=...)``, ``fabric.load``): the shares' headers
+        are read with ``torch.load(weights_only=True)`` unless it is False, as stock reads a checkpoint (None
+        is stock's default, True). A header that holds more (a pickle that would run code) raises
+        :class:`~lightning_asyncckpt.tiers.packing.UnsafeShareError` on every rank, naming its file.
 
         A copy that fails its CRC32 check is left out and the restore tried again: the step is still
         complete where another rank of its clique holds a good copy (which also replaces the bad one). Each
@@ -309,8 +320,10 @@ class TierRun:
                 return self._persistent(persistent, pstep, "; ".join(
                     [*failed, f"without the copies that failed, {why}" if failed else why]))
             ranks = restore.Ranks(self.rank, self.world, self.config.root, self.store, self.group, self.node_of,
-                                  self.cliques, self.factor, self.topology, self.gather)
+                                  self.cliques, self.factor, self.topology, self.gather, weights_only is not False)
             done = restore.restore(plan, holdings, ranks)
+            if done.unsafe:
+                raise packing.UnsafeShareError.of_step(done.unsafe, self.config.root, self.config.dir)
             if not done.problems:
                 break
             more = f" (and {len(done.problems) - 3} more)" if len(done.problems) > 3 else ""
@@ -386,4 +399,3 @@ class TierRun:
             self.store.close()  # its spare files: the next run makes its own
         self.flag.uninstall()
         self._lock.release()
-

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_asyncckpt.tiers import store
+from lightning_asyncckpt.tiers import store, trusted_dirs
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def write_record(holder: Path, record: RunRecord) -> None:
     """Writes the run record of a holder directory (made 0700 if missing), atomically, 0600, never through a
     symlink."""
     holder = Path(holder)
-    holder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    trusted_dirs.make(holder, holder.parent.parent.parent)  # 0700 whatever the umask, never through a link
     tmp = holder / (RECORD + ".tmp")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()  # a crashed write's; unlink removes a link itself, never its target

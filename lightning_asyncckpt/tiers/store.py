@@ -6,6 +6,11 @@
 each, the topology it was saved under, the run that wrote it). The manifest is written (atomically) last, so a share without one
 is unfinished and never used. Removal touches only this rank's own holder directory.
 
+Every directory here is made 0700 and every file 0600, and none is opened through a link
+(:mod:`lightning_asyncckpt.tiers.trusted_dirs`): another local user can neither read a share nor plant one.
+A commit that fails (a full directory) leaves no partial file: what it wrote is removed, and its error names
+the file and the directory.
+
 The ``.pt`` files are mapped and reused (:mod:`lightning_asyncckpt.tiers.mapped`): a save copies into a
 reserved file, then commits it under its name.
 """
@@ -17,12 +22,13 @@ import json
 import mmap
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from lightning_asyncckpt.tiers import packing
+from lightning_asyncckpt.tiers import packing, trusted_dirs
 from lightning_asyncckpt.tiers.mapped import FilePool, MappedFile
 
 _NAME = re.compile(r"step-(\d{10})\.owner-(\d+)\.json")
@@ -47,8 +53,13 @@ class Held:
 class LocalStore:
     """(one rank) Reserves, commits, lists, reads and removes the shares this rank holds."""
 
-    def __init__(self, root: Path, rank: int, keep_free: int = 0) -> None:
+    def __init__(self, root: Path, rank: int, keep_free: int = 0, base: Path | None = None) -> None:
+        """``base``: the directory the user gave (``LocalTier.dir``), below which every directory is the
+        tier's own (made here, 0700, never through a link); where None, the nearest of ``root`` and its
+        parents that exists."""
         self.dir = holder_dir(root, rank)
+        self.base = Path(base) if base is not None else _nearest_existing(Path(root))
+        trusted_dirs.make(self.dir, self.base)  # the pool makes its files ahead here, before the first save
         self.pool = FilePool(self.dir, keep_free)
 
     def _file(self, step: int, owner: int, suffix: str) -> Path:
@@ -57,7 +68,7 @@ class LocalStore:
     def reserve(self, step: int, owner: int, nbytes: int) -> MappedFile:
         """(any thread) A mapped file for a share's tensors, not yet listed; raises ``OSError`` (ENOSPC)
         before anything is written."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        trusted_dirs.make(self.dir, self.base)  # again: it may have been removed since (the CLI's --remove)
         return self.pool.take(self._file(step, owner, ".pt.tmp"), nbytes)
 
     def release(self, mapped: MappedFile) -> None:
@@ -66,10 +77,22 @@ class LocalStore:
             self.pool.give_back(mapped.path)
 
     def commit(self, held: Held, mapped: MappedFile, head: bytes) -> None:
-        """(any thread) Gives a reserved file its name and writes the header, then the manifest."""
-        _write_atomic(self._file(held.step, held.owner, ".head"), head)  # may fail (ENOSPC): .pt not named yet
-        self.pool.rename(mapped.path, self._file(held.step, held.owner, ".pt"))
-        _write_atomic(self._file(held.step, held.owner, ".json"), json.dumps(asdict(held)).encode())
+        """(any thread) Gives a reserved file its name and writes the header, then the manifest. Where that
+        fails (ENOSPC), what it wrote is removed and the file is reserved again, unnamed (the caller releases
+        it); the error names the file and the directory."""
+        head_file, pt = self._file(held.step, held.owner, ".head"), self._file(held.step, held.owner, ".pt")
+        _write_atomic(head_file, head)  # may fail (ENOSPC): .pt not named yet
+        try:
+            self.pool.rename(mapped.path, pt)
+        except OSError:
+            head_file.unlink(missing_ok=True)
+            raise
+        try:
+            _write_atomic(self._file(held.step, held.owner, ".json"), json.dumps(asdict(held)).encode())
+        except OSError:
+            head_file.unlink(missing_ok=True)
+            self.pool.rename(pt, self._file(held.step, held.owner, ".pt.tmp"))  # unnamed again: never listed
+            raise
 
     def write(self, held: Held, flat: torch.Tensor, head: bytes) -> None:
         """Reserve, copy ``flat`` in and commit: one share written whole."""
@@ -137,18 +160,33 @@ class LocalStore:
         total = 0
         for p in self.dir.iterdir():
             with contextlib.suppress(FileNotFoundError):
-                total += p.stat().st_size if p.is_file() else 0
+                st = p.lstat()
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
         return total
 
     def close(self) -> None:
         self.pool.close()
 
 
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
+    """``data`` as ``path`` (0600), through ``<path>.tmp``: never through a link, and nothing left behind where
+    it fails; an ``OSError`` names the file and its directory."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        tmp.unlink(missing_ok=True)  # a crashed save's: O_EXCL never opens an existing file (or a link)
+        with os.fdopen(trusted_dirs.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(e.errno, f"{e.strerror or e}: writing {path.name} ({len(data)} bytes) in {path.parent}") from e
 
 
 def _share_name(step: int, owner: int) -> str:
@@ -161,7 +199,7 @@ def read_manifest(path: Path) -> Held | None:
     if not _NAME.fullmatch(Path(path).name):
         return None
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(trusted_dirs.read_file(Path(path)))
         return Held(int(raw["step"]), int(raw["owner"]), int(raw["nbytes"]), int(raw["crc32"]),
                     tuple(raw["topology"]), str(raw["mode"]), int(raw["head_nbytes"]), int(raw["head_crc32"]),
                     str(raw.get("run", "")))
@@ -178,7 +216,9 @@ def files_whole(directory: Path, held: Held) -> bool:
     """Whether the share's tensor and header files in ``directory`` have the sizes its manifest says."""
     pt, head, _ = share_files(directory, held)
     try:
-        return pt.stat().st_size == held.nbytes and head.stat().st_size == held.head_nbytes
+        pts, heads = pt.lstat(), head.lstat()  # a link is no share
+        return (stat.S_ISREG(pts.st_mode) and stat.S_ISREG(heads.st_mode) and pts.st_size == held.nbytes
+                and heads.st_size == held.head_nbytes)
     except OSError:
         return False
 
@@ -202,9 +242,9 @@ def map_share(directory: Path, held: Held) -> tuple[bytes, torch.Tensor]:
     """A share's header and a private (copy-on-write) mapping of its tensors' bytes in ``directory`` (any
     holder's; nothing of it is changed or removed)."""
     pt, head_file, _ = share_files(directory, held)
-    head = head_file.read_bytes()
+    head = trusted_dirs.read_file(head_file)
     if not held.nbytes:
         return head, torch.empty(0, dtype=torch.uint8)
-    with open(pt, "rb") as f:
+    with os.fdopen(trusted_dirs.open_file(pt, os.O_RDONLY), "rb") as f:
         mapping = mmap.mmap(f.fileno(), held.nbytes, access=mmap.ACCESS_COPY)
     return head, torch.frombuffer(mapping, dtype=torch.uint8)

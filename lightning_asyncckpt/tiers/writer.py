@@ -89,6 +89,7 @@ class ShareWriter:
     def _job(self, step: int, mode: str, copied: list[Copied], failure: str | None,
              copy: BackgroundCopy | None) -> None:
         start = time.perf_counter()
+        committed: set[int] = set()  # id() of each file committed under its name
         try:
             problem = copy.wait(self.timeout_s) if copy is not None else None
             if problem is not None:  # its bytes are torn or missing: exchanged (the peers wait), never committed
@@ -107,15 +108,24 @@ class ShareWriter:
                 commits = self._replicate(step, copied[0], torn=problem is not None)
             if failure is not None:
                 self.error = failure
+                self._release(copied, committed)
                 return
             for owner, file, head, head_crc, flat_crc in commits:
                 self._commit(step, mode, owner, file, head, head_crc, flat_crc)
+                committed.add(id(file))
             self.newest_done = step
             self.store.pool.prepare([c.file.nbytes for c in copied])  # the next save's files, off its stall
         except BaseException as e:  # noqa: BLE001 - kept, and raised on every rank at the next boundary
             self.error = f"local save of step {step}: {type(e).__name__}: {e}"
+            self._release(copied, committed)
         finally:
             self.last_write_s = time.perf_counter() - start
+
+    def _release(self, copied: list[Copied], committed: set[int]) -> None:
+        """A failed save's files that were not committed: back to the pool (spares), none left half-named."""
+        for c in copied:
+            if id(c.file) not in committed:
+                self.store.release(c.file)
 
     def _replicate(self, step: int, own: Copied, torn: bool = False) -> list[tuple]:
         """A sharded share: NVRx's clique replication sends the own share; each peer's arrives straight in a
