@@ -182,3 +182,27 @@ def test_lightnings_callable_map_location_is_read_as_cpu_where_it_means_that():
     moving = lambda storage, loc: storage.cuda()  # noqa: E731
     assert map_location.for_file(moving) is moving
     assert map_location.for_file("cuda:1") == "cuda:1" and map_location.for_file({"cuda:0": "cpu"}) == {"cuda:0": "cpu"}
+
+
+def test_a_sharded_snapshot_keeps_the_wrapper_around_copies_of_its_inner_tensors():
+    ck, opt = _checkpoint("AdamW8bit", width=64)
+    snap = staging.Stager(shared=False, copy_cpu=True).snapshot_tree({"optimizer": ck["optimizer_states"][0]})
+    want = ck["optimizer_states"][0]["state"][0]["exp_avg"]
+    got = snap.skeleton["optimizer"]["state"][0]["exp_avg"]
+    assert type(got) is type(want) and got.shape == want.shape and got.dtype == want.dtype
+    assert "optimizer.state.0.exp_avg.codes" in snap.tensors
+    assert got.codes.data_ptr() != want.codes.data_ptr() and torch.equal(got.codes, want.codes)  # a copy
+
+
+class Tagged(torch.Tensor):
+    """A plain ``as_subclass`` subclass (no wrapper, not TransformerEngine's): ``torch.save`` keeps its type."""
+
+
+def test_another_subclass_is_written_whole_as_torch_save_writes_it(tmp_path):
+    ck = {"state_dict": {"w": torch.randn(16, 16).as_subclass(Tagged), "b": torch.randn(16)}}
+    TorchCheckpointIO().save_checkpoint(ck, tmp_path / "stock.ckpt")
+    _, write = _write(ck, tmp_path / "ours.ckpt")
+    write()
+    back = torch.load(tmp_path / "ours.ckpt", weights_only=False)
+    assert type(back["state_dict"]["w"]) is Tagged and torch.equal(back["state_dict"]["w"], ck["state_dict"]["w"])
+    assert (tmp_path / "ours.ckpt").read_bytes() == (tmp_path / "stock.ckpt").read_bytes()
