@@ -16,7 +16,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import TinyModel, loader, trainer
-from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, LocalTier
 
 optim = pytest.importorskip("torchao.optim", reason="torchao is a test extra")
 
@@ -26,8 +26,8 @@ DATA = dict(width=WIDTH, n=32, batch_size=8)  # 4 steps per epoch: the checkpoin
 
 
 class AoModel(TinyModel):
-    def __init__(self, optimizer: str = "AdamW8bit"):
-        super().__init__(width=WIDTH)
+    def __init__(self, optimizer: str = "AdamW8bit", width: int = WIDTH):
+        super().__init__(width=width)
         self.save_hyperparameters()
 
     def configure_optimizers(self):
@@ -55,14 +55,15 @@ def eager_steps(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, *args, **kwargs: fn)  # torchao compiles its step at each call
 
 
-def _fit(tmp_path, name, optimizer, plugins, max_steps, ckpt_path=None, every=4):
+def _fit(tmp_path, name, optimizer, plugins, max_steps, ckpt_path=None, every=4, width=WIDTH, dirpath=None, n=32):
     L.seed_everything(3)
     losses = Losses()
     callbacks = [losses] + ([AsyncFinalizerCallback()] if plugins else [])
     if every:
-        callbacks.append(ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=every, save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=dirpath or tmp_path / name, every_n_train_steps=every, save_top_k=-1,
+                                         save_last=True))
     t = trainer(tmp_path / name, plugins, callbacks, max_steps=max_steps, enable_checkpointing=bool(every))
-    t.fit(AoModel(optimizer), loader(**DATA), ckpt_path=ckpt_path)
+    t.fit(AoModel(optimizer, width), loader(**{**DATA, "width": width, "n": n}), ckpt_path=ckpt_path)
     return losses
 
 
@@ -113,3 +114,32 @@ def test_stock_cannot_resume_torchao_states_the_plugin_can(tmp_path):
     finally:
         io.teardown()
     assert "OptimState8bit" in resumed.start_state
+
+
+# make test-all: 25 to 95 s here (the lazy rule and a local share are unit-tested in test_subclasses.py)
+@pytest.mark.slow
+def test_a_lazy_local_tier_resume_keeps_torchao_states_and_trains_on_exactly(tmp_path):
+    """Width 256: each 8-bit ``codes`` is 64 KiB, the least a lazy snapshot leaves to its background copy. 6 steps
+    an epoch: the local step 6 ends one (Lightning restarts an epoch resumed in its middle from its first batch)."""
+    stock = _fit(tmp_path, "stock", "AdamW8bit", [], max_steps=8, width=256, n=48)
+    (tmp_path / "local").mkdir()
+
+    def io():
+        return AsyncCheckpointIO("nvrx", snapshot="lazy", timeout_s=120,
+                                 local=LocalTier(tmp_path / "local", every_n_train_steps=2))
+
+    first = io()
+    try:  # persistent at 4, local at 2, 4 and 6
+        _fit(tmp_path, "first", "AdamW8bit", [first], max_steps=6, width=256, dirpath=tmp_path / "c", n=48)
+        assert first.history and all(r.lazy_nbytes > 0 for r in first.history)  # the codes were copied lazily
+    finally:
+        first.teardown()
+    again = io()
+    try:
+        resumed = _fit(tmp_path, "again", "AdamW8bit", [again], max_steps=8, ckpt_path="last", width=256,
+                       dirpath=tmp_path / "c", n=48)
+    finally:
+        again.teardown()
+    assert "OptimState8bit" in resumed.start_state, resumed.start_state
+    assert sorted(resumed.by_step) == [7, 8]  # from the local step 6
+    assert [resumed.by_step[s] for s in (7, 8)] == [stock.by_step[s] for s in (7, 8)]
