@@ -20,8 +20,8 @@ it saved was 0.04 to 0.07 s against a write of about 1 s, which no run resolved.
 The rule (:class:`TrackedState`): a tensor of the checkpoint is copied lazily when it holds at least
 :data:`LAZY_MIN_BYTES` and is exactly (same storage, offset, shape, stride, dtype) a parameter of a
 tracked optimizer's ``param_groups`` or a tensor of its ``state``, or an inner tensor of such a state
-when that is a wrapper subclass (torchao's low-bit states: the snapshot stages their inner tensors). Anything else, and everything when no
-optimizer is tracked, is copied at save time.
+when that is a wrapper subclass (torchao's low-bit states: the snapshot stages their inner tensors).
+Anything else, and everything when no optimizer is tracked, is copied at save time.
 
 The same rule serves every layout: a single writer's file, a collective save's share of a replicated
 state (``AsyncDDPStrategy``), and a sharded save's local shards (``AsyncModelParallelStrategy``), whose
