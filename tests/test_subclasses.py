@@ -118,11 +118,12 @@ def test_a_local_tier_share_keeps_the_subclasses():
     assert type(got) is type(want) and torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
 
 
-def test_a_dcp_checkpoint_keeps_the_subclasses_at_about_stocks_size(tmp_path):
+@pytest.mark.parametrize("engine, worker", [("nvrx", "persistent"), ("mcore", "fork")], ids=["nvrx", "mcore"])
+def test_a_dcp_checkpoint_keeps_the_subclasses_at_about_stocks_size(tmp_path, engine, worker):
     ck, _ = _checkpoint("AdamW8bit", width=512)
     dcp.save(ck, checkpoint_id=tmp_path / "stock")  # stock DCP: each state one torch.save of the subclass
     stock_size = sum(f.stat().st_size for f in (tmp_path / "stock").iterdir())
-    aio = AsyncCheckpointIO("nvrx", format="dcp", timeout_s=120)
+    aio = AsyncCheckpointIO(engine, worker=worker, format="dcp", timeout_s=120)
     try:
         aio.save_checkpoint(ck, tmp_path / "ours")
         aio.finalize(blocking=True)
