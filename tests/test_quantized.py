@@ -1,4 +1,4 @@
-"""Quantized tensor subclasses (TransformerEngine FP8 / MXFP8) are written dequantized, as plain tensors.
+"""TransformerEngine's quantized tensor subclasses (FP8 / MXFP8) are written dequantized, as plain tensors.
 
 TransformerEngine does not install without CUDA, so these tests use a faithful emulation of its
 quantized tensors: ``_make_wrapper_subclass`` wrappers with no storage of their own, holding uint8 data
@@ -24,7 +24,10 @@ aten = torch.ops.aten
 
 
 class EmulatedFloat8Tensor(torch.Tensor):
-    """Like TE's ``Float8Tensor``: FP8 (E4M3) bits in a uint8 tensor, one inverse scale, a nominal dtype."""
+    """Like TE's ``Float8Tensor``: FP8 (E4M3) bits in a uint8 tensor, one inverse scale, a nominal dtype.
+    Defined, as TE's are, in a ``transformer_engine`` module: that is how they are recognized."""
+
+    __module__ = "transformer_engine.pytorch.tensor.float8_tensor"
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, device: str | None = None):
@@ -107,10 +110,12 @@ def _quantized_state(device: str) -> dict:
         (lambda: torch.ones(2, dtype=torch.float16), False),
         (lambda: torch.nn.Parameter(torch.ones(2)), False),
         (lambda: torch.ones(2).as_subclass(type("Plain", (torch.Tensor,), {})), False),
+        # a dequantize of its own outside TransformerEngine (torchao's optimizer states have one): kept whole
+        (lambda: torch.ones(2).as_subclass(type("OwnDequantize", (torch.Tensor,), {"dequantize": lambda self: self})), False),
     ],
-    ids=["float8", "inherited-cuda", "mxfp8", "bf16", "fp16", "parameter", "plain-subclass"],
+    ids=["float8", "inherited-cuda", "mxfp8", "bf16", "fp16", "parameter", "plain-subclass", "not-transformer-engine"],
 )
-def test_detection_looks_for_an_own_dequantize_below_torch_tensor(make, expected):
+def test_detection_looks_for_a_transformer_engine_class_below_torch_tensor(make, expected):
     t = make()
     assert hasattr(t, "dequantize")  # every tensor has it: that is why it is not the test
     assert staging.is_quantized(t) is expected

@@ -9,6 +9,7 @@ from typing import Any
 from lightning_asyncckpt.format import commit, remote
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.integration.lightning_api import TorchCheckpointIO
+from lightning_asyncckpt.integration.map_location import for_file as map_location_for_file
 
 
 def load(path: Path | str, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -21,7 +22,8 @@ def load(path: Path | str, map_location: Any | None = None, weights_only: bool |
             with remote.localize(path) as local:
                 return load(local, map_location=map_location, weights_only=weights_only)
     if isinstance(path, str) or path.is_file():  # stock's file: read as stock reads it (onto the CPU unless told otherwise)
-        kwargs = {} if map_location is None else {"map_location": map_location}
+        # Lightning's callable map_location as "cpu", so that tensor subclasses (torchao's) load too
+        kwargs = {"map_location": map_location_for_file(map_location)}
         return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint at {str(path)!r} not found.")

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lightning_asyncckpt.pipeline import plan_cache
 from lightning_asyncckpt.pipeline.agreement import Agreement
-from lightning_asyncckpt.snapshot import staging, tree
+from lightning_asyncckpt.snapshot import staging, subclasses, tree
 
 
 def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything: bool) -> tuple[dict, dict]:
@@ -33,19 +33,23 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
     the dict is items too, so that the plain DCP view is the checkpoint dict and nothing else; each part
     without tensors (``loops``, ``callbacks``, hyper-parameters, ``param_groups``) is one item, not one per
     leaf, since every item costs a ``torch.save`` frame and a ``.metadata`` entry. The paths cover every
-    rank's tensors."""
+    rank's tensors. A wrapper subclass (torchao's optimizer states) is its inner tensors here, one item each
+    (``<key>.codes``, ...); the skeleton beside them rebuilds it."""
     items: dict[str, Any] = dict(tensors)
     paths: dict[str, tuple] = {}
     names = tree.FqnNamer()
 
     def has_tensor(obj: Any) -> bool:
-        if isinstance(obj, torch.Tensor):
-            return tree.stageable(obj)  # a sparse or nested one stays in the skeleton: a leaf
+        if isinstance(obj, torch.Tensor):  # a sparse or nested one stays in the skeleton: a leaf
+            return tree.stageable(obj) or subclasses.is_wrapper(obj)
         values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
         return any(has_tensor(v) for v in values)
 
     def visit(obj: Any, path: tuple) -> None:
-        if isinstance(obj, torch.Tensor) and tree.stageable(obj):
+        if subclasses.is_wrapper(obj):  # its inner tensors are the items, as staging.split names them
+            for n in subclasses.inner_names(obj):
+                visit(getattr(obj, n), (*path, n))
+        elif isinstance(obj, torch.Tensor) and tree.stageable(obj):
             paths[names(path)] = path
         elif isinstance(obj, (dict, list, tuple)) and has_tensor(obj):
             for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):

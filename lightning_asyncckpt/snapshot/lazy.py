@@ -19,8 +19,9 @@ it saved was 0.04 to 0.07 s against a write of about 1 s, which no run resolved.
 
 The rule (:class:`TrackedState`): a tensor of the checkpoint is copied lazily when it holds at least
 :data:`LAZY_MIN_BYTES` and is exactly (same storage, offset, shape, stride, dtype) a parameter of a
-tracked optimizer's ``param_groups`` or a tensor of its ``state``. Anything else, and everything when no
-optimizer is tracked, is copied at save time.
+tracked optimizer's ``param_groups`` or a tensor of its ``state``, or an inner tensor of such a state
+when that is a wrapper subclass (torchao's low-bit states: the snapshot stages their inner tensors).
+Anything else, and everything when no optimizer is tracked, is copied at save time.
 
 The same rule serves every layout: a single writer's file, a collective save's share of a replicated
 state (``AsyncDDPStrategy``), and a sharded save's local shards (``AsyncModelParallelStrategy``), whose
@@ -46,6 +47,8 @@ from typing import Any
 
 import torch
 
+from lightning_asyncckpt.snapshot import subclasses
+
 SNAPSHOT_MODES = ("eager", "lazy")
 
 # Smaller tensors are copied at save time: the copy costs less than keeping track of it.
@@ -62,6 +65,38 @@ def _key(t: torch.Tensor) -> tuple:
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a wrapper subclass's data, depth first (``t`` itself if plain)."""
+    if not subclasses.is_wrapper(t):
+        return [t]
+    return [x for n in subclasses.inner_names(t) for x in _inner(getattr(t, n))]
+
+
+def _watch(v: torch.Tensor) -> dict[tuple, list[torch.Tensor]]:
+    """The checkpoint tensors that optimizer tensor ``v`` proves (by their keys), each with the tensors whose
+    version counters prove it unchanged. A wrapper subclass (torchao's low-bit state, possibly a ``DTensor``'s
+    local shard) is staged through its inner tensors: each is proven by the wrapper's counter (the
+    optimizer's in-place updates of the wrapper bump it, compiled ones included, where the inner tensors'
+    counters stay) and by every inner tensor's own (an edit of ``v.codes`` bumps only that one)."""
+    local = v.to_local() if _is_dtensor(v) else v
+    outer = [v, local] if local is not v else [v]
+    if not subclasses.is_wrapper(local):
+        return {_key(v): outer}
+    inner = _inner(local)
+    proof = [*outer, *_wrappers(local), *inner]
+    return {_key(x): proof for x in inner}
+
+
+def _wrappers(t: torch.Tensor) -> list[torch.Tensor]:
+    """Wrapper subclasses nested inside wrapper ``t`` (not ``t`` itself)."""
+    out = []
+    for n in subclasses.inner_names(t):
+        x = getattr(t, n)
+        if subclasses.is_wrapper(x):
+            out += [x, *_wrappers(x)]
+    return out
 
 
 class TrackedState:
@@ -91,7 +126,7 @@ class TrackedState:
                     tensors = [p, *(v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))]
                     for v in tensors:
                         if v.device.type != "meta":
-                            watched[_key(v)] = [v, v.to_local()] if _is_dtensor(v) else [v]
+                            watched.update(_watch(v))
         if not watched:
             return None
 

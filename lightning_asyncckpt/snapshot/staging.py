@@ -5,8 +5,9 @@ A checkpoint is split (:mod:`lightning_asyncckpt.snapshot.tree`) into a ``skelet
 The tensors handed to the writer are copies taken at save time into reused host buffers, so the
 training step may change every parameter as soon as ``snapshot`` returns. CUDA tensors are copied into
 pinned buffers on a side stream (ordered after the kernels already queued on the current stream).
-Quantized tensor subclasses (TransformerEngine's FP8 / MXFP8 / NVFP4 tensors) are written dequantized,
-in the dtype they report, so that the checkpoint holds plain tensors that any reader can load.
+TransformerEngine's quantized tensors (FP8 / MXFP8 / NVFP4) are written dequantized, in the dtype they
+report, so that the checkpoint holds plain tensors that any reader can load; other tensor subclasses
+(torchao's low-bit optimizer states) are written as they are (:mod:`lightning_asyncckpt.snapshot.subclasses`).
 """
 
 from __future__ import annotations
@@ -18,22 +19,18 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_asyncckpt.snapshot import subclasses
 from lightning_asyncckpt.snapshot.buffer_pool import BufferPool, Lease
 from lightning_asyncckpt.snapshot.tree import SKELETON_KEY, FqnNamer, join, partition, share, split, walk
 
 __all__ = ["SKELETON_KEY", "Deferred", "Snapshot", "Stager", "dequantized", "is_quantized", "join", "partition", "split"]
 
 def is_quantized(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a quantized tensor subclass (TransformerEngine's ``Float8Tensor``,
-    ``MXFP8Tensor``, blockwise and NVFP4 tensors): its class, or a parent class below ``torch.Tensor``,
-    defines its own ``dequantize``. Every tensor inherits ``torch.Tensor.dequantize``, so asking whether
-    the attribute exists would match plain tensors too (and upcast bf16 to fp32)."""
-    for cls in type(t).__mro__:
-        if cls is torch.Tensor:
-            return False
-        if "dequantize" in cls.__dict__:
-            return True
-    return False
+    """Whether ``t`` is written dequantized: one of TransformerEngine's quantized tensors (``Float8Tensor``,
+    ``MXFP8Tensor``, blockwise and NVFP4 tensors), recognized by its type's module
+    (:func:`subclasses.is_transformer_engine`). Having a ``dequantize`` of its own is not the test: torchao's
+    low-bit optimizer states have one too, and stock writes them as they are (so do we)."""
+    return subclasses.is_transformer_engine(t)
 
 
 def dequantized(t: torch.Tensor) -> torch.Tensor:
@@ -191,6 +188,7 @@ class Stager:
         Returns the staged tensor and whether a CUDA copy is still in flight."""
         quantized = is_quantized(t)
         if quantized:
+            subclasses.warn_dequantized(name, t)
             t = dequantized(t)  # on the current stream, like the training step's kernels
             self._ordered.discard(t.device)  # the side stream must wait for this kernel too
         if not self.copy_cpu and t.device.type == "cpu" and (quantized or _is_whole_storage(t)):
@@ -223,7 +221,8 @@ class Stager:
     def snapshot_tree(self, state: dict[str, Any], defer: Defer | None = None, after: Lease | None = None) -> Snapshot:
         """Copies every tensor of ``state`` in place of the original, keeping the structure (for a save
         that DCP plans as is, e.g. a sharded model's state). A ``DTensor`` keeps its mesh, placements and
-        global shape; only its local shard is copied. ``skeleton`` is the copied tree. ``defer`` and
+        global shape; only its local shard is copied. A wrapper subclass (torchao's optimizer states) is kept,
+        rebuilt around copies of its inner tensors. ``skeleton`` is the copied tree. ``defer`` and
         ``after`` as in :meth:`snapshot`; ``defer`` is asked about each local shard."""
         from torch.distributed.tensor import DTensor
 
@@ -236,9 +235,12 @@ class Stager:
 
         def take(path: tuple, t: torch.Tensor) -> torch.Tensor:
             nonlocal nbytes, pending_cuda
-            name = namer(path)
             local = t.to_local() if isinstance(t, DTensor) else t
             local = local.detach()
+            if subclasses.is_wrapper(local):  # a DTensor's local wrapper (torchao's state under FSDP2)
+                copy = walk(local, path, take)  # its inner tensors are staged; the wrapper is kept
+                return _rewrap(t, copy) if isinstance(t, DTensor) else copy
+            name = namer(path)
             if local.device.type == "meta":
                 return t
             nbytes += local.numel() * local.element_size()
@@ -297,6 +299,8 @@ class Stager:
             return self._stage(bs, name, t)
         buf = self._buffer(bs, name, t)
         if watch is None:  # it may change before the optimizer step (a buffer, a scalar): copied now
+            if is_quantized(t):
+                subclasses.warn_dequantized(name, t)
             with torch.no_grad():
                 t, watch = dequantized(t).detach().to("cpu", copy=True), []
         deferred.append(Deferred(name, t, buf, watch))

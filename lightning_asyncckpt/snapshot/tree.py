@@ -8,7 +8,10 @@ tensors: pure structure, no copies (the copies are :mod:`lightning_asyncckpt.sna
   non-tensor objects, and loading it needs nothing but torch.
 
 Only dense strided tensors are split out (:func:`stageable`). Sparse, nested and ``torch.quantize_*``
-tensors stay in the skeleton as they are: serialized with it, by ``torch.save`` itself, at save time.
+tensors, and tensor subclasses that are neither traceable wrappers nor TransformerEngine's, stay in the
+skeleton as they are: serialized with it, by ``torch.save`` itself, at save time. A traceable wrapper
+subclass (torchao's low-bit optimizer states) is walked into: its inner tensors are the leaves, and the
+skeleton holds the wrapper rebuilt around their placeholders (:mod:`lightning_asyncckpt.snapshot.subclasses`).
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from typing import Any
 
 import torch
 
+from lightning_asyncckpt.snapshot import subclasses
+
 SKELETON_KEY = "lightning_asyncckpt.skeleton"
 
 
 def stageable(t: torch.Tensor) -> bool:
-    """Whether ``t`` can be copied into a staging buffer of its shape and dtype: dense and strided. The
-    others (sparse COO/CSR/..., nested, ``torch.quantize_per_tensor``) are left to ``torch.save``."""
-    return t.layout is torch.strided and not t.is_nested and not t.is_quantized
+    """Whether ``t`` can be copied into a staging buffer of its shape and dtype: dense, strided, and plain
+    (:func:`subclasses.is_plain`). The others (sparse COO/CSR/..., nested, ``torch.quantize_per_tensor``,
+    other tensor subclasses) are left to ``torch.save``; :func:`walk` takes wrapper subclasses apart first."""
+    return t.layout is torch.strided and not t.is_nested and not t.is_quantized and subclasses.is_plain(t)
 
 
 def walk(obj: Any, path: tuple, on_tensor: Callable[[tuple, Any], Any], objects: bool = False, leaf: type = torch.Tensor) -> Any:
@@ -34,7 +40,12 @@ def walk(obj: Any, path: tuple, on_tensor: Callable[[tuple, Any], Any], objects:
     lists and tuples (namedtuples) are descended into, keeping their types, and with ``objects`` dataclass
     instances too (a ``torch.save`` file: its tensors are then staged like any other, and one that is also
     held elsewhere stays one object; a DCP directory keeps a dataclass whole, as one item). ``leaf``: the
-    type ``on_tensor`` is called for instead of tensors (the writer's placeholders)."""
+    type ``on_tensor`` is called for instead of tensors (the writer's placeholders). A wrapper subclass
+    (:func:`subclasses.is_wrapper`) is walked into when ``leaf`` is ``torch.Tensor``: its inner tensors are
+    named ``<path>.<attribute>`` and the wrapper is rebuilt around what ``on_tensor`` returns for them."""
+    if leaf is torch.Tensor and subclasses.is_wrapper(obj):
+        inner = {n: walk(getattr(obj, n), (*path, n), on_tensor, objects, leaf) for n in subclasses.inner_names(obj)}
+        return subclasses.rebuild(obj, inner)
     if isinstance(obj, leaf):
         return on_tensor(path, obj) if leaf is not torch.Tensor or stageable(obj) else obj
     if isinstance(obj, dict):

@@ -130,9 +130,17 @@ def _address(view: memoryview) -> int:
 
 def storage_regions(tensors: object) -> list[tuple[int, int]]:
     """``(address, nbytes)`` of the host storages of ``tensors`` (an iterable of torch tensors; other devices
-    and empty storages left out): the regions a :class:`Recorder` may keep references into."""
+    and empty storages left out): the regions a :class:`Recorder` may keep references into. A wrapper subclass
+    (torchao's optimizer states, in a sharded save's items) owns no storage: its inner tensors' are its regions."""
+    # imported here: this module imports no torch at import time
+    from lightning_asyncckpt.snapshot.subclasses import inner_names, is_wrapper
+
+    def plain(ts: object) -> object:
+        for t in ts:
+            yield from plain(getattr(t, n) for n in inner_names(t)) if is_wrapper(t) else (t,)
+
     out = []
-    for t in tensors:
+    for t in plain(tensors):
         storage = t.untyped_storage()
         if t.device.type == "cpu" and storage.nbytes() > 0:
             out.append((storage.data_ptr(), storage.nbytes()))

@@ -13,8 +13,10 @@ the writer gives it back, so that its file is stock's file for every dict stock 
   ``torch.save`` then writes what it writes for the original dict: the same storages, whole, in the same
   order, byte for byte for a CPU checkpoint.
 
-Sparse, nested and ``torch.quantize_*`` tensors are not staged (``tree.stageable``): they are serialized
-with the skeleton at save time, by ``torch.save`` itself. Runs in the trainer and the writer (no Lightning).
+Sparse, nested and ``torch.quantize_*`` tensors, and subclasses other than wrappers and TransformerEngine's,
+are not staged (``tree.stageable``): they are serialized with the skeleton at save time, by ``torch.save``
+itself. A wrapper subclass (torchao's optimizer states) is staged through its inner tensors and rebuilt by
+``staging.join``: ``torch.save`` then pickles it as stock's does. Runs in the trainer and the writer (no Lightning).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_asyncckpt.snapshot import staging, tree
+from lightning_asyncckpt.snapshot import staging, subclasses, tree
 
 STORAGES_KEY = "lightning_asyncckpt.storages"  # the staged whole storages, in the dict being staged only
 log = logging.getLogger(__name__)
@@ -81,7 +83,9 @@ def prepare(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], FileLayout]:
 
     def collect(path: tuple, t: torch.Tensor) -> torch.Tensor:
         nonlocal unstaged
-        if not tree.stageable(t):
+        if subclasses.is_wrapper(t):
+            pass  # staged through its inner tensors (tree.walk), never a StorageView
+        elif not tree.stageable(t):
             unstaged += 1
         elif t.device.type != "meta" and type(t) in (torch.Tensor, torch.nn.Parameter):
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(t)
@@ -90,7 +94,7 @@ def prepare(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], FileLayout]:
     tree.walk(checkpoint, (), collect, objects=True, leaf=(torch.Tensor,))  # a tuple: every tensor, stageable or not
     if unstaged and not _warned:
         _warned.append(True)
-        log.warning("lightning-asyncckpt: %d sparse, nested or quantized tensor(s) are copied inside the save call by"
+        log.warning("lightning-asyncckpt: %d sparse, nested, quantized or subclass tensor(s) are copied inside the save call by"
                     " torch.save itself, not staged for the background write (the file is stock's either way;"
                     " said once per process)", unstaged)
 
