@@ -100,6 +100,10 @@ class JobLock:
             fd, self._fd = self._fd, None
             if fd in _HELD_FDS:  # else a forked child's, closed at the fork: its number may be another file's now
                 _HELD_FDS.discard(fd)
+                # unlock the open file itself first: a child forked a moment ago shares it until its at-fork
+                # hook closes its copy, and a plain close would leave the lock held by that copy meanwhile
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
 
 
