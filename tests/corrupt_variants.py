@@ -30,8 +30,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-MARKER_ENV = "CORRUPT_VARIANTS_MARKER"
-
 
 @dataclasses.dataclass
 class Variant:
@@ -355,6 +353,59 @@ def run_cli(command: str, variants: list[Variant], timeout_s: int) -> list[dict]
     return results
 
 
+def run_fit(originals: dict[str, str], variants: list[Variant], timeout_s: int) -> list[dict]:
+    """A real ``Trainer.fit(ckpt_path=variant)`` with the plugin for each variant: the model's weights and the
+    optimizer's state right after the restore are compared with the original checkpoint's."""
+    import lightning as L
+
+    from helpers import TinyModel, loader, trainer
+    from lightning_asyncckpt import AsyncCheckpointIO
+
+    class Restored(L.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.state = {"state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
+                          "optimizer": trainer.optimizers[0].state_dict()["state"]}
+            raise _Stop()
+
+    reference = {kind: _load(p) for kind, p in originals.items()}
+    results = []
+    for v in variants:
+        ref = reference[v.original]
+        restored = Restored()
+        t = trainer(Path(v.path).parent / f"fit-{v.name}", [AsyncCheckpointIO(worker="fork")], [restored],
+                    max_steps=ref["global_step"] + 1, enable_checkpointing=False)
+        signal.alarm(timeout_s)
+        try:
+            t.fit(TinyModel(width=32), loader(width=32), ckpt_path=v.path)
+            outcome, message = "wrong", "fit ran without restoring"
+        except _Stop:
+            want = {"state_dict": ref["state_dict"], "optimizer": ref["optimizer_states"][0]["state"]}
+            outcome, message = ("equal" if same(_plain(restored.state), _plain(want)) else "wrong"), ""
+        except _Hang:
+            outcome, message = "hang", ""
+        except BaseException as e:  # noqa: BLE001
+            outcome, message = "refused", f"{type(e).__name__}: {e}"
+            if "_Hang" in traceback.format_exc():
+                outcome = "hang"
+        finally:
+            signal.alarm(0)
+        results.append({"name": v.name, "outcome": outcome, "message": message})
+    return results
+
+
+class _Stop(Exception):
+    pass
+
+
+def _plain(obj: Any) -> Any:
+    """Dicts with their keys in one order, so that a restored state compares with the saved one."""
+    if isinstance(obj, dict):
+        return {k: _plain(obj[k]) for k in sorted(obj, key=repr)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    return obj
+
+
 def main(argv: list[str]) -> None:
     import warnings
 
@@ -365,7 +416,8 @@ def main(argv: list[str]) -> None:
     import torch.distributed.checkpoint  # noqa: F401 - imported before the alarms: an import cut short breaks torch
 
     signal.signal(signal.SIGALRM, _alarm)
-    results = run_load(originals, vs, timeout_s) if op == "load" else run_cli(op, vs, timeout_s)
+    runs = {"load": run_load, "fit": run_fit}
+    results = runs[op](originals, vs, timeout_s) if op in runs else run_cli(op, vs, timeout_s)
     for r in results:
         print(json.dumps(r), flush=True)
 

@@ -4,8 +4,9 @@ run, so that the two cannot disagree.
 
 - A ``torch.save`` file (and each DCP item, and the skeleton and ``meta.pt`` beside them) is a zip archive whose
   central directory holds each record's size and CRC32. ``torch.load`` checks none of them: a flipped bit in a
-  weight loads silently. :func:`scan_torch_zip` reads every record where torch's own reader finds it and checks
-  it against its CRC32 (ISA-L where installed: about 20 GB/s from the page cache, through a memory map: no copy).
+  weight loads silently. :func:`~lightning_asyncckpt.format.zip_records.scan_torch_zip` reads every record where
+  torch's own reader finds it and checks it against its CRC32 (ISA-L where installed, through a memory map of the
+  page cache: no copy).
 - A DCP directory's ``.metadata`` names the file and byte range of each item. A crafted one could point outside
   the checkpoint (an absolute path, ``..``, a symlink) or at a FIFO or device, which would block the reader or
   read another file: :func:`shard_path` accepts only a regular file inside the directory, and every file is
@@ -20,61 +21,37 @@ path checks stay). A problem is raised as :class:`CorruptCheckpointError`, namin
 
 from __future__ import annotations
 
-import contextlib
 import io
-import mmap
 import os
 import stat
-import zipfile
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format.zip_records import (
+    ArchiveError,
+    ZipCheck,
+    crc32,
+    first_line,
+    mapped,
+    scan_torch_zip,
+)
+
+__all__ = ["ArchiveError", "CorruptCheckpointError", "ZipCheck", "check_directory", "check_file", "check_items",
+           "check_path", "crc32", "decode", "first_line", "open_regular", "scan_torch_zip", "shard_path",
+           "side_file_problems"]
 
 META_FILE = "meta.pt"
 ZIP_MAGIC = b"PK\x03\x04"
-_CHUNK = 16 << 20
 _REPLICATED_LAYOUTS = ("single-writer", "distributed")  # layouts whose structure is the skeleton file
-
-
-def _crc32() -> Callable[..., int]:
-    try:
-        from isal import isal_zlib
-
-        return isal_zlib.crc32
-    except ImportError:
-        return zlib.crc32
-
-
-crc32 = _crc32()
 
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint that must not be used: a record or item that does not match its CRC32 or size, a missing or
     damaged part, or a path that leads outside the checkpoint or to something other than a regular file. The
     message names the file and the record or item."""
-
-
-class ArchiveError(ValueError):
-    """A ``torch.save`` payload whose zip archive cannot be opened at all (no record was checked)."""
-
-
-@dataclass
-class ZipCheck:
-    """Outcome of :func:`scan_torch_zip`: ``bad`` names each record that is not what the archive says."""
-
-    records: int = 0
-    crc_checked: int = 0  # records that carry a CRC32 (all, unless written with CRC32 turned off)
-    bytes_read: int = 0
-    bad: list[str] = field(default_factory=list)
-
-
-def first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 # -- opening without following links out or blocking ----------------------------------------------------------
@@ -118,122 +95,6 @@ def shard_path(root: Path, rel: Any) -> Path:
     if os.path.commonpath([real_root, os.path.realpath(path.parent)]) != real_root:
         raise CorruptCheckpointError(f"{where} leads outside the checkpoint directory {root}")
     return path
-
-
-# -- zip archives ----------------------------------------------------------------------------------------------
-class _View(io.RawIOBase):
-    """A seekable file over bytes in memory (a memory map's), without copying them."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), len(self.view) - self.pos))
-        buffer[:n] = self.view[self.pos:self.pos + n]
-        self.pos += n
-        return n
-
-
-@contextlib.contextmanager
-def mapped(f: BinaryIO) -> Iterator[memoryview | None]:
-    """The whole open file as a read-only memoryview (its pages, no copy), or None where it cannot be mapped."""
-    try:
-        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    except (OSError, ValueError):  # an empty file, or a filesystem without mmap
-        yield None
-        return
-    view = memoryview(mm)
-    try:
-        yield view
-    finally:
-        view.release()
-        mm.close()
-
-
-def scan_torch_zip(data: bytes | memoryview | BinaryIO) -> ZipCheck:
-    """Reads every record of a ``torch.save`` payload (in memory, or an open file: through a memory map, else in
-    chunks) from where torch's own reader finds it (the bytes ``torch.load`` uses) and checks it against the
-    size and CRC32 of the archive's central directory. Raises :class:`ArchiveError` if the archive cannot be
-    opened; ``OSError`` if the file cannot be read."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return _scan(_View(memoryview(data)), memoryview(data))
-    with mapped(data) as view:
-        return _scan(_View(view), view) if view is not None else _scan(data, None)
-
-
-def _scan(f: Any, view: memoryview | None) -> ZipCheck:
-    import torch
-
-    try:
-        with zipfile.ZipFile(f) as zf:
-            directory = {m.filename.split("/", 1)[-1]: m for m in zf.infolist()}
-    except OSError:
-        raise
-    except Exception as e:  # noqa: BLE001 - BadZipFile, or any error of a damaged archive's fields
-        raise ArchiveError(f"damaged zip directory ({first_line(e)})") from None
-    try:
-        f.seek(0)  # torch's reader reads the archive from where the file is
-        reader = torch._C.PyTorchFileReader(f)
-        names = reader.get_all_records()
-    except Exception as e:  # noqa: BLE001
-        raise ArchiveError(f"torch cannot open it ({first_line(e)})") from None
-    if sorted(names) != sorted(directory):
-        raise ArchiveError(f"torch reads the records {sorted(names)}, the zip directory lists {sorted(directory)}")
-    check = ZipCheck(records=len(names))
-    for name in names:
-        member = directory[name]
-        try:
-            size, crc = _read_record(reader, f, view, name, member)
-        except OSError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            check.bad.append(f"record {name!r} cannot be read ({first_line(e)})")
-            continue
-        check.bytes_read += size
-        if size != member.file_size:
-            check.bad.append(f"record {name!r} has {size} bytes, the zip directory says {member.file_size}")
-        elif member.CRC:
-            check.crc_checked += 1
-            if crc != member.CRC:
-                check.bad.append(f"record {name!r} does not match its CRC32: its bytes changed after the save")
-    return check
-
-
-def _read_record(reader: Any, f: Any, view: memoryview | None, name: str, member: zipfile.ZipInfo) -> tuple[int, int]:
-    """(size, CRC32) of the record ``name`` as torch reads it: a stored record (as torch writes them) from the
-    offset torch's reader gives (what ``torch.load(mmap=True)`` maps), else the whole record."""
-    if member.compress_type != zipfile.ZIP_STORED or not hasattr(reader, "get_record_offset"):
-        record = reader.get_record(name)
-        return len(record), zlib.crc32(record)
-    offset = reader.get_record_offset(name)
-    if view is not None:
-        data = view[offset:offset + member.file_size]
-        try:
-            return len(data), crc32(data)
-        finally:
-            data.release()
-    f.seek(offset)
-    size, crc, left = 0, 0, member.file_size
-    while left > 0:
-        chunk = f.read(min(left, _CHUNK))
-        if not chunk:
-            break
-        size, crc, left = size + len(chunk), zlib.crc32(chunk, crc), left - len(chunk)
-    return size, crc
 
 
 def is_torch_zip(path: Path) -> bool:
@@ -345,7 +206,7 @@ def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, cr
             if end > size:
                 check.problems.append(f"{where}: truncated (needs bytes {storage.offset}..{end}, the file has {size})")
                 continue
-            raw = view[storage.offset:end] if view is not None else memoryview(b"")
+            raw = view[storage.offset:end] if view is not None else memoryview(_pread(f, storage.offset, storage.length))
             check.bytes_read += len(raw)
             try:
                 problem = _item_problem(path, storage, raw, check, crc)
@@ -357,6 +218,12 @@ def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, cr
                 raw.release()
             if problem is not None:
                 check.problems.append(f"{where}: {problem}")
+
+
+def _pread(f: BinaryIO, offset: int, length: int) -> bytes:
+    """Bytes of a file that cannot be memory-mapped (some network filesystems)."""
+    f.seek(offset)
+    return f.read(length)
 
 
 def side_file_problems(path: Path, crc: bool = True) -> list[str]:
