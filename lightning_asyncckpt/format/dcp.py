@@ -68,7 +68,14 @@ def load(path: Path, map_location: Any = None, weights_only: bool | None = None,
     :class:`~lightning_asyncckpt.format.integrity.CorruptCheckpointError`, naming the file and the item).
     """
     metadata = read_metadata(path, allow_pickle=weights_only is False, hint=_PICKLE_HINT)
-    integrity.check_directory(path, metadata, crc=verify)
+    integrity.check_directory(path, metadata, crc=False)  # paths and sizes, before anything is read
+    if not verify:
+        return _load(path, metadata, map_location, weights_only)
+    return integrity.while_loading(lambda: integrity.check_directory(path, metadata),
+                                   lambda: _load(path, metadata, map_location, weights_only))
+
+
+def _load(path: Path, metadata: Metadata, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
     reader = _Reader(path, metadata)
     state: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():

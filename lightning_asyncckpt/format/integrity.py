@@ -24,10 +24,11 @@ from __future__ import annotations
 import io
 import os
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.zip_records import (
@@ -46,6 +47,7 @@ __all__ = ["ArchiveError", "CorruptCheckpointError", "ZipCheck", "check_director
 META_FILE = "meta.pt"
 ZIP_MAGIC = b"PK\x03\x04"
 _REPLICATED_LAYOUTS = ("single-writer", "distributed")  # layouts whose structure is the skeleton file
+T = TypeVar("T")
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -282,3 +284,32 @@ def check_path(path: Path, crc: bool = True, allow_pickle: bool = False) -> None
             check_directory(path, read_metadata(path, allow_pickle=allow_pickle), crc=crc)
     elif os.path.lexists(path):
         check_file(path, crc=crc)
+
+
+def while_loading(check: Callable[[], Any], load: Callable[[], T]) -> T:
+    """(any rank) ``load()``, with the CRC32 pass ``check()`` run beside it in a thread (ISA-L's CRC32 releases the
+    GIL: on a machine with a core to spare the check costs no time), and its result returned only once ``check``
+    passed: nothing loaded is used before it is verified. A problem ``check`` found is raised rather than the
+    error it caused in ``load`` (a truncated file fails both). Run the path checks (``crc=False``) before: they
+    keep ``load`` from blocking on a FIFO or reading outside the checkpoint."""
+    found: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            check()
+        except BaseException as e:  # noqa: BLE001 - handed to the loading thread
+            found.append(e)
+
+    thread = threading.Thread(target=run, name="asyncckpt-verify-on-load", daemon=True)
+    thread.start()
+    try:
+        result = load()
+    except BaseException:
+        thread.join()
+        if found:
+            raise found[0] from None
+        raise
+    thread.join()
+    if found:
+        raise found[0]
+    return result

@@ -26,11 +26,14 @@ def load(path: Path | str, map_location: Any | None = None, weights_only: bool |
                 return load(local, map_location=map_location, weights_only=weights_only, verify=verify)
     if isinstance(path, str) or not path.is_dir() and path.exists():
         # stock's file: read as stock reads it (onto the CPU unless told otherwise), once checked
-        if not isinstance(path, str):
-            integrity.check_file(path, crc=verify)
         kwargs = {} if map_location is None else {"map_location": map_location}
+        if not isinstance(path, str):
+            integrity.check_file(path, crc=False)  # a regular file, before it is opened for the load
         try:
-            return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
+            if isinstance(path, str) or not verify:
+                return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
+            return integrity.while_loading(lambda: integrity.check_file(path),
+                                           lambda: TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs))
         except pickle.UnpicklingError as e:  # torch's message does not say which file
             raise pickle.UnpicklingError(f"{path}: {e}") from None
         except Exception as e:
