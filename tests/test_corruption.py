@@ -31,7 +31,7 @@ _PER_VARIANT_S = 15
 def _run(op: str, originals: Path, variants: Path, count: int) -> list[dict]:
     """Runs the runner's ``op`` on every variant in one process, with a hard timeout."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, os.path.join(TESTS, "corrupt_variants.py"), op, str(originals),
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "corrupt_runner.py"), op, str(originals),
                            str(variants), str(_PER_VARIANT_S)], capture_output=True, text=True, env=env,
                           timeout=60 + count * _PER_VARIANT_S, cwd=os.path.dirname(variants))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -195,13 +195,14 @@ def test_hypothesis_damage_never_loads_silently(originals, tmp_path_factory):
     import shutil
     import signal
 
+    import corrupt_runner as cr
     import corrupt_variants as cv
     from hypothesis import HealthCheck, given, settings
 
     from lightning_asyncckpt.tools import cli
 
     root, paths = originals
-    reference = {kind: cv._load(p) for kind, p in paths.items()}
+    reference = {kind: cr._load(p) for kind, p in paths.items()}
     work = tmp_path_factory.mktemp("hyp")
     counter = iter(range(10**6))
 
@@ -228,12 +229,12 @@ def test_hypothesis_damage_never_loads_silently(originals, tmp_path_factory):
             with open(victim, "r+b") as f:
                 f.seek(pos)
                 f.write(data[: size - pos])
-        signal.signal(signal.SIGALRM, cv._alarm)
+        signal.signal(signal.SIGALRM, cr._alarm)
         signal.alarm(60)
         try:
             try:
-                loaded, message = cv._load(str(target)), ""
-            except cv._Hang:
+                loaded, message = cr._load(str(target)), ""
+            except cr._Hang:
                 raise
             except BaseException as e:  # noqa: BLE001
                 loaded, message = None, f"{type(e).__name__}: {e}"
@@ -243,7 +244,7 @@ def test_hypothesis_damage_never_loads_silently(originals, tmp_path_factory):
         finally:
             signal.alarm(0)
         if loaded is not None:
-            assert cv.same(loaded, reference[kind]), f"{damage}: a silent wrong load"
+            assert cr.same(loaded, reference[kind]), f"{damage}: a silent wrong load"
             assert code == 0, f"{damage}: loads as the original, verify says {err.getvalue()}"
         else:
             assert str(target) in message, f"{damage}: the error does not name the checkpoint: {message}"
@@ -255,6 +256,7 @@ def test_hypothesis_damage_never_loads_silently(originals, tmp_path_factory):
 
 
 def test_verify_on_load_false_skips_the_crc32_but_never_the_path_checks(originals, tmp_path):
+    import corrupt_runner as cr
     import corrupt_variants as cv
     import torch
 
@@ -269,7 +271,7 @@ def test_verify_on_load_false_skips_the_crc32_but_never_the_path_checks(original
         AsyncCheckpointIO(worker="fork").load_checkpoint(path)
     loaded = AsyncCheckpointIO(worker="fork", verify_on_load=False).load_checkpoint(path)  # stock's behaviour
     original = torch.load(paths["file"], weights_only=True)
-    assert not cv.same(loaded, original)
+    assert not cr.same(loaded, original)
     os.mkfifo(tmp_path / "fifo.ckpt")
     with pytest.raises(CorruptCheckpointError, match=r"fifo\.ckpt: not a regular file \(a FIFO\)"):
         AsyncCheckpointIO(worker="fork", verify_on_load=False).load_checkpoint(tmp_path / "fifo.ckpt")
