@@ -124,3 +124,5 @@ def _load_file(source: Any, weights_only: bool | None, what: str = "") -> Any:
         return torch.load(source, weights_only=weights_only) if weights_only is not None else torch.load(source)
     except pickle.UnpicklingError as e:
         raise pickle.UnpicklingError(f"{what or source}: {e}") from None
+    except Exception as e:  # torch's errors do not say which file: the checkpoint cannot be used
+        raise integrity.CorruptCheckpointError(f"{what or source}: cannot be read ({integrity.first_line(e)})") from e

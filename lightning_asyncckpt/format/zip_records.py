@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import mmap
+import struct
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -127,6 +128,10 @@ def _scan(f: Any, view: memoryview | None) -> ZipCheck:
     for name in names:
         member = directory[name]
         try:
+            header = _local_header_problem(reader, f, name, member)
+            if header is not None:  # torch's reader checks it when it extracts the record: the load would fail
+                check.bad.append(f"record {name!r}: {header}")
+                continue
             size, crc = _read_record(reader, f, view, name, member)
         except OSError:
             raise
@@ -141,6 +146,21 @@ def _scan(f: Any, view: memoryview | None) -> ZipCheck:
             if crc != member.CRC:
                 check.bad.append(f"record {name!r} does not match its CRC32: its bytes changed after the save")
     return check
+
+
+def _local_header_problem(reader: Any, f: Any, name: str, member: zipfile.ZipInfo) -> str | None:
+    """What is wrong with the record's local header (its signature, its name, where its data begins by it and by
+    torch's reader), or None."""
+    f.seek(member.header_offset)
+    header = f.read(30)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        return "its local header is damaged (no signature)"
+    n, m = struct.unpack_from("<HH", header, 26)
+    if f.read(n) != member.orig_filename.encode("utf-8", "surrogateescape"):
+        return "its local header is damaged (another name)"
+    if hasattr(reader, "get_record_offset") and reader.get_record_offset(name) != member.header_offset + 30 + n + m:
+        return "its local header is damaged (its data is not where the zip directory says)"
+    return None
 
 
 def _read_record(reader: Any, f: Any, view: memoryview | None, name: str, member: zipfile.ZipInfo) -> tuple[int, int]:
