@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # 2026-12-07, 740 s in 3 against 777 s in 2 (one run each).
 PYTEST_WORKERS ?= 3
 
-.PHONY: demo environments test test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train bench-tiers gpu-check lint clean
+.PHONY: demo environments test fuzz test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train bench-tiers gpu-check lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -41,7 +41,12 @@ environments:
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(PL_STAMP)
 
 test: environments
-	$(VENV)/bin/python -m pytest -q -m "not slow and not faults" -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -m "not slow and not faults and not fuzz" -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# the full corruption suite: hypothesis-generated truncations and bit flips of real checkpoints, each loaded,
+# verified and inspected in a subprocess with a timeout, and real Trainer.fit(ckpt_path=...) resumes
+fuzz: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m fuzz -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests/test_corruption.py
 
 # the full fault-injection matrix: {ddp, mp} x {nvrx, mcore} x {persistent, fork} x every fault kind and rank
 test-faults: $(STAMP)

@@ -10,6 +10,7 @@ import pickle
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 from cli_checkpoints import ckpts_fixture  # noqa: F401 - the fixture ckpts
 from cli_checkpoints import copy_dir as _copy
@@ -18,6 +19,7 @@ from helpers import assert_user_error
 from helpers import run_cli as run
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.format.integrity import CorruptCheckpointError
 
 
 def _item(path: Path, fqn: str):
@@ -78,8 +80,11 @@ def test_verify_detects_flipped_tensor_data_by_crc32(ckpts, tmp_path, capsys):
     path = _copy(ckpts.single, tmp_path / "a.ckpt")
     weight = ckpts.ckpt["state_dict"]["layer.weight"]
     _flip_tensor_data(path, "state_dict.layer.weight", weight)
-    # the library's reader (DCP, torch.load) checks no CRC: it loads the changed value without an error
-    assert not torch.equal(dcp_format.load(path, weights_only=True)["state_dict"]["layer.weight"], weight)
+    # DCP and torch.load check no CRC: without the library's check the changed value loads without an error;
+    # with it (the default) the load refuses, naming the shard and the item, as verify does
+    assert not torch.equal(dcp_format.load(path, weights_only=True, verify=False)["state_dict"]["layer.weight"], weight)
+    with pytest.raises(CorruptCheckpointError, match=r"\.distcp: item 'state_dict.layer.weight': corrupt: record"):
+        dcp_format.load(path, weights_only=True)
     code, _, err = run(capsys, "verify", path)
     assert code == 1
     assert "item 'state_dict.layer.weight': corrupt: record 'data/0' does not match its CRC32" in err

@@ -116,11 +116,14 @@ def info_bytes(info: dict) -> bytes:
 
 
 def read_info(path: Path) -> dict | None:
-    """The ``INFO_FILE`` of a checkpoint directory, or None (written by another tool, or unreadable)."""
+    """The ``INFO_FILE`` of a checkpoint directory, or None (written by another tool, or unreadable; a FIFO or a
+    symlink there is not read: it could block or lead outside)."""
+    from lightning_asyncckpt.format.integrity import CorruptCheckpointError, open_regular
+
     try:
-        with open(path / INFO_FILE) as f:
-            info = json.load(f)
-    except (OSError, ValueError):
+        with open_regular(path / INFO_FILE, follow=False) as f:
+            info = json.loads(f.read(1 << 20))
+    except (OSError, ValueError, CorruptCheckpointError):
         return None
     return info if isinstance(info, dict) else None
 

@@ -14,7 +14,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_asyncckpt.format import paths
+from lightning_asyncckpt.format import integrity, paths
 from lightning_asyncckpt.integration import lightning_api, tier_fabric_load
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO
@@ -96,6 +96,8 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
         step = restore_key.step_of(path)
         if step is not None:  # a local step's key loaded again: it is not a file
             raise restore_key.not_held(path, step)
+        # paths inside the checkpoint, regular files, CRC32 (io.verify_on_load), before Fabric's reader reads
+        integrity.check_path(self.broadcast(path), crc=io.verify_on_load, allow_pickle=weights_only is False)
         return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 

@@ -90,6 +90,12 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
             a tenth of a contended core) but commits later. nvidia-resiliency-ext 0.6+ runs its own worker
             at 10; measured on a CPU-bound Trainer, 10 did not lower training's overhead and made commits
             about 1.5 times later (``benchmarks/README.md``), hence 0 here.
+        verify_on_load: before a checkpoint is loaded through this plugin (``ckpt_path=``, ``load_checkpoint``,
+            ``fabric.load`` through the package's strategies), check every zip record against its CRC32 and
+            size, and refuse a mismatch (``CorruptCheckpointError`` naming the file and the record), as the CLI's
+            ``verify`` does; stock Lightning loads a flipped bit silently. ``False`` skips the CRC32 pass (one
+            read of the checkpoint's bytes from the page cache; ``benchmarks/bench_verify_load.py``); the checks
+            that item paths stay inside the checkpoint and name regular files always run.
 
     Construct it on every rank; it starts nothing until the first save, ``warmup`` or the callback's
     ``setup``. With torch, Lightning or the engine outside the supported versions it raises
@@ -100,9 +106,11 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         self, strategy: str = "auto", *, worker: str = "persistent", thread_count: int = 1, timeout_s: float = 1800.0,
         max_pending: int = 2, poll_interval_s: float = 0.02, drain_timeout_s: float = 300.0,
         format: str = "auto", faults: FaultPolicy | None = None, snapshot: str = "eager", worker_nice: int = 0,
-        local: LocalTier | None = None,
+        local: LocalTier | None = None, verify_on_load: bool = True,
     ) -> None:
         CheckpointIO.__init__(self)
+        if not isinstance(verify_on_load, bool):
+            raise TypeError(f"AsyncCheckpointIO(verify_on_load=...) takes True or False; got {verify_on_load!r}.")
         if local is not None and not isinstance(local, LocalTier):
             raise TypeError(f"AsyncCheckpointIO(local=...) takes a LocalTier(dir=..., ...) or None; got {local!r}.")
         worker_mode = engines.parse_worker(worker)
@@ -120,6 +128,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         self.copy_hook: Any = None  # a lazy snapshot's copy thread calls it before copying (testing.HoldCopy)
         self._returned = 0  # history[:_returned] was returned by finalize()
         self.local = local
+        self.verify_on_load = verify_on_load  # read by every load path of the plugin and the strategies
         self.tier: TierRun | None = None  # the local tier's run, made at setup on every rank (tier_trainer, tier_fabric)
         autoattach.install()  # the finalizer in the next Trainer, even without the package's entry point
 
@@ -218,7 +227,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
             poller.settle_for(self._run, self.settings, self._agreement.rank, path)
         if self._agreement.active:
             paths.wait_until_landed(path, self.settings.timeout_s, self.settings.poll_interval_s)
-        return loading.load(path, map_location=map_location, weights_only=weights_only)
+        return loading.load(path, map_location=map_location, weights_only=weights_only, verify=self.verify_on_load)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_asyncckpt.format import commit, metadata, paths, remote
+from lightning_asyncckpt.format import commit, integrity, metadata, paths, remote
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
@@ -176,10 +176,14 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         return self._load_local(io, path, weights_only)
 
     def _load_local(self, io: AsyncCheckpointIO, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        if path.is_dir() and commit.is_committed(path) and weights_only is not False:
-            metadata.read_metadata(path)  # refuses a .metadata that would run code, before stock unpickles it
-        if path.is_dir() and commit.is_committed(path) and not (path / META_FILE).is_file():
-            return self._load_full(io, path, weights_only)  # a full checkpoint written by AsyncCheckpointIO
+        if path.is_dir() and commit.is_committed(path):
+            # refuses a .metadata that would run code, before stock unpickles it
+            md = metadata.read_metadata(path, allow_pickle=weights_only is False)
+            if not (path / META_FILE).is_file():
+                return self._load_full(io, path, weights_only)  # a full checkpoint written by AsyncCheckpointIO
+            integrity.check_directory(path, md, crc=io.verify_on_load)  # paths, sizes, CRC32, before stock reads
+        elif path.exists() and not path.is_dir():
+            integrity.check_file(path, crc=io.verify_on_load)
         return self._load_stock(path, weights_only)
 
     def _load_stock(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
@@ -219,7 +223,7 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
 
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
-        checkpoint = dcp_format.load(path, weights_only=weights_only)
+        checkpoint = dcp_format.load(path, weights_only=weights_only, verify=io.verify_on_load)
         _load_raw_module_state(checkpoint.pop("state_dict"), self.model, world_size=self.world_size, strict=strict)
         options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
         for idx, optimizer in enumerate(self.optimizers):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format.integrity import decode as decode
 
 META_FILE = "meta.pt"  # dcp_format.META_FILE, without importing torch for it
 PICKLE_HINT = "pass allow_pickle=True if you trust this checkpoint"
@@ -29,16 +30,6 @@ def read_range(path: Path, offset: int, length: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
         return f.read(length)
-
-
-def decode(path: Path, info: Any, raw: bytes) -> bytes:
-    """The item's bytes after DCP's storage transforms (none unless an extension wrote it)."""
-    descriptors = getattr(info, "transform_descriptors", None)
-    if not descriptors:
-        return raw
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    return FileSystemReader(str(path)).transforms.transform_load_stream(None, descriptors, io.BytesIO(raw)).read()
 
 
 def torch_load(data: bytes | Path, allow_pickle: bool, what: str, hint: str = PICKLE_HINT) -> Any:

@@ -1,7 +1,11 @@
 """Verifying a checkpoint (the CLI's ``verify``). A committed checkpoint directory: every item of every shard
 file is read and checked against ``.metadata`` (byte range, torch.save zip records and their CRC32, tensor
-shape and dtype). A ``torch.save`` file: every zip record is read and checked against its CRC32, and the file
-is loaded with ``weights_only=True``.
+shape and dtype), and the skeleton and ``meta.pt`` beside them. A ``torch.save`` file: every zip record is read
+and checked against its CRC32, and the file is loaded with ``weights_only=True``.
+
+The checks that a load also runs (paths inside the checkpoint, regular files, sizes and CRC32, the skeleton) are
+:mod:`lightning_asyncckpt.format.integrity`'s, so that ``verify`` fails what a load would refuse; this module adds
+what only ``verify`` does: deserializing each item and comparing it with ``.metadata``.
 
 torch is imported by the functions that need it, not by importing this module.
 """
@@ -10,19 +14,20 @@ from __future__ import annotations
 
 import io
 import pickle
-import zipfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format import commit, integrity
+from lightning_asyncckpt.format.integrity import (
+    ArchiveError,
+    CorruptCheckpointError,
+    ZipCheck,
+    scan_torch_zip,
+)
 from lightning_asyncckpt.format.metadata import MetadataError, read_metadata
 from lightning_asyncckpt.tools.items import (
-    META_FILE,
-    ZIP_MAGIC,
     ItemError,
-    decode,
     dtype_name,
     first_line,
     is_zip_file,
@@ -30,7 +35,8 @@ from lightning_asyncckpt.tools.items import (
 )
 from lightning_asyncckpt.units import human_bytes
 
-_CHUNK = 16 << 20
+__all__ = ["ArchiveError", "VerifyReport", "ZipCheck", "check_torch_zip", "scan_torch_zip", "verify_checkpoint",
+           "verify_file"]
 
 
 @dataclass
@@ -59,20 +65,6 @@ class VerifyReport:
                 f"({human_bytes(self.bytes_read)}); {crc}{loads}")
 
 
-class ArchiveError(ValueError):
-    """A ``torch.save`` payload whose zip archive cannot be opened at all (no record was checked)."""
-
-
-@dataclass
-class ZipCheck:
-    """Outcome of :func:`scan_torch_zip`: ``bad`` names each record that is not what the archive says."""
-
-    records: int = 0
-    crc_checked: int = 0  # records that carry a CRC32 (all, unless written with CRC32 turned off)
-    bytes_read: int = 0
-    bad: list[str] = field(default_factory=list)
-
-
 def check_torch_zip(data: bytes | BinaryIO) -> bool:
     """Reads every record of a ``torch.save`` payload with torch's own zip reader (the bytes ``torch.load``
     would use) and checks each against the size and CRC32 in the archive's central directory.
@@ -86,83 +78,17 @@ def check_torch_zip(data: bytes | BinaryIO) -> bool:
     return check.crc_checked > 0
 
 
-def scan_torch_zip(data: bytes | BinaryIO) -> ZipCheck:
-    """:func:`check_torch_zip` of a payload in memory or of an open file (read record by record, in chunks,
-    from where torch's reader finds it: a file of any size), reporting every bad record. Raises
-    :class:`ArchiveError` if the archive cannot be opened; ``OSError`` if the file cannot be read."""
-    import torch
-
-    f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    try:
-        with zipfile.ZipFile(f) as zf:
-            directory = {m.filename.split("/", 1)[-1]: m for m in zf.infolist()}
-    except OSError:
-        raise
-    except Exception as e:  # noqa: BLE001 - BadZipFile, or any error of a damaged archive's fields
-        raise ArchiveError(f"damaged zip directory ({first_line(e)})") from None
-    try:
-        f.seek(0)  # torch's reader reads the archive from where the file is
-        reader = torch._C.PyTorchFileReader(f)
-        names = reader.get_all_records()
-    except Exception as e:  # noqa: BLE001
-        raise ArchiveError(f"torch cannot open it ({first_line(e)})") from None
-    if sorted(names) != sorted(directory):
-        raise ArchiveError(f"torch reads the records {sorted(names)}, the zip directory lists {sorted(directory)}")
-    check = ZipCheck(records=len(names))
-    for name in names:
-        member = directory[name]
-        try:
-            size, crc = _read_record(reader, f, name, member)
-        except OSError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            check.bad.append(f"record {name!r} cannot be read ({first_line(e)})")
-            continue
-        check.bytes_read += size
-        if size != member.file_size:
-            check.bad.append(f"record {name!r} has {size} bytes, the zip directory says {member.file_size}")
-        elif member.CRC:
-            check.crc_checked += 1
-            if crc != member.CRC:
-                check.bad.append(f"record {name!r} does not match its CRC32: its bytes changed after the save")
-    return check
-
-
-def _read_record(reader: Any, f: BinaryIO, name: str, member: zipfile.ZipInfo) -> tuple[int, int]:
-    """(size, CRC32) of the record ``name`` as torch reads it: a stored record (as torch writes them) streamed
-    from the offset torch's reader gives (what ``torch.load(mmap=True)`` maps), else the whole record."""
-    if member.compress_type != zipfile.ZIP_STORED or not hasattr(reader, "get_record_offset"):
-        record = reader.get_record(name)
-        return len(record), zlib.crc32(record)
-    f.seek(reader.get_record_offset(name))
-    size, crc, left = 0, 0, member.file_size
-    while left > 0:
-        chunk = f.read(min(left, _CHUNK))
-        if not chunk:
-            break
-        size, crc, left = size + len(chunk), zlib.crc32(chunk, crc), left - len(chunk)
-    return size, crc
-
-
-def _check_item(path: Path, index: Any, storage: Any, md: Any, raw: bytes, report: VerifyReport) -> str | None:
-    """Checks one item's bytes; returns what is wrong, or ``None``."""
+def _check_item(path: Path, index: Any, storage: Any, md: Any, raw: memoryview) -> str | None:
+    """Deserializes one item whose bytes passed :func:`integrity.check_items` and compares it with the
+    metadata; returns what is wrong, or ``None``."""
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        data = decode(path, storage, raw)
-    except Exception as e:  # noqa: BLE001
-        return f"cannot undo the storage transforms {storage.transform_descriptors} ({first_line(e)})"
     if md is None:
         return "is not an entry of the metadata's state_dict_metadata"
-    if data[:4] != ZIP_MAGIC:  # DCP's planner writes tensors and objects alike with torch.save
-        return "corrupt (not a torch.save payload: no zip header)"
+    data = integrity.decode(path, storage, raw)
     try:
-        report.crc_checked += check_torch_zip(data)
-    except ValueError as e:
-        return f"corrupt: {e}"
-    try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        obj = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if not isinstance(md, TensorStorageMetadata) and "Unsupported global" in str(e):
             return None  # an object weights_only may not rebuild: its records were read and checked above
@@ -185,9 +111,10 @@ def _check_item(path: Path, index: Any, storage: Any, md: Any, raw: bytes, repor
 
 def verify_checkpoint(path: Path, hint: str = "") -> VerifyReport:
     """Reads every item of every shard file of the committed checkpoint ``path`` and checks it against
-    ``.metadata``: its byte range lies within the file, its zip records match their CRC32, and a tensor
-    deserializes (``weights_only=True``) with the shape and dtype the metadata gives. A ``.metadata`` that
-    names other types than DCP's is a problem (``hint`` appended)."""
+    ``.metadata``: the checks of a load (:mod:`~lightning_asyncckpt.format.integrity`: its file lies inside the
+    checkpoint and is a regular file, its byte range lies within it, its zip records match their CRC32; the
+    skeleton and ``meta.pt``), then a tensor deserializes (``weights_only=True``) with the shape and dtype the
+    metadata gives. A ``.metadata`` that names other types than DCP's is a problem (``hint`` appended)."""
     report = VerifyReport()
     try:
         metadata = read_metadata(path, hint=hint)
@@ -198,36 +125,27 @@ def verify_checkpoint(path: Path, hint: str = "") -> VerifyReport:
         report.problems.append(str(e))
         return report
     try:
-        by_file = _items_by_file(path, metadata, report)
+        _entries_stored(path, metadata, report)
+        check = integrity.check_items(path, metadata, on_item=lambda index, storage, raw: _check_item(
+            path, index, storage, metadata.state_dict_metadata.get(index.fqn), raw))
     except Exception as e:  # noqa: BLE001 - metadata of the right type whose fields are not
         report.problems.append(f"{path / commit.METADATA_FILE}: inconsistent ({type(e).__name__}: {e})")
         return report
-    for rel, entries in sorted(by_file.items()):
-        _verify_file(path, rel, entries, metadata, report)
-    meta = path / META_FILE
-    if meta.is_file():
-        try:
-            data = meta.read_bytes()
-            report.bytes_read += len(data)
-            if data[:4] != ZIP_MAGIC:  # written with torch.save
-                raise ValueError("not a torch.save file (no zip header)")
-            check_torch_zip(data)
-        except (OSError, ValueError) as e:
-            report.problems.append(f"{meta}: corrupt: {e}")
+    report.items, report.files, report.bytes_read = check.items, check.files, check.bytes_read
+    report.crc_checked = check.crc_checked
+    report.problems.extend(check.problems)
+    side = integrity.side_file_problems(path)
+    report.problems.extend(side)
+    for name in (commit.SKELETON_FILE, integrity.META_FILE):  # sound bytes: they must also unpickle, as a load does
+        if (path / name).is_file() and not any(str(path / name) in p for p in side):
+            _load_check(path / name, report, None, what=name)
     return report
 
 
-def _items_by_file(path: Path, metadata: Any, report: VerifyReport) -> dict[str, list[tuple[Any, Any]]]:
-    """The storage items grouped by shard file, in file order; records entries that have no stored item."""
+def _entries_stored(path: Path, metadata: Any, report: VerifyReport) -> None:
+    """Records entries of ``state_dict_metadata`` that have no stored item, or whose chunks do not tile them."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    by_file: dict[str, list[tuple[Any, Any]]] = {}
-    for index, storage in metadata.storage_data.items():
-        if not isinstance(storage.offset, int) or not isinstance(storage.length, int) or storage.offset < 0:
-            raise ValueError(f"item {index.fqn!r} has the byte range {storage.offset!r}+{storage.length!r}")
-        by_file.setdefault(storage.relative_path, []).append((index, storage))
-    for entries in by_file.values():
-        entries.sort(key=lambda e: e[1].offset)
     for fqn, md in metadata.state_dict_metadata.items():  # every chunk of every entry must be stored
         # what DCP's reader looks up (a MetadataIndex compares by fqn and chunk offsets)
         if isinstance(md, TensorStorageMetadata):
@@ -240,7 +158,6 @@ def _items_by_file(path: Path, metadata: Any, report: VerifyReport) -> dict[str,
         for key, chunk in wanted:
             if key not in metadata.storage_data:
                 report.problems.append(f"{path}: item {fqn!r}{chunk} has no storage entry in {commit.METADATA_FILE}")
-    return by_file
 
 
 def _chunks_tile(md: Any) -> bool:
@@ -261,38 +178,6 @@ def _chunks_tile(md: Any) -> bool:
     return total == size
 
 
-def _verify_file(path: Path, rel: str, entries: list[tuple[Any, Any]], metadata: Any, report: VerifyReport) -> None:
-    shard = path / rel
-    try:
-        size = shard.stat().st_size
-        f = open(shard, "rb")  # noqa: SIM115 - closed below
-    except OSError as e:
-        names = ", ".join(repr(i.fqn) for i, _ in entries[:3]) + (", ..." if len(entries) > 3 else "")
-        report.problems.append(f"{shard}: {e.strerror or e} (it holds the items {names})")
-        return
-    report.files += 1
-    with f:
-        for index, storage in entries:
-            report.items += 1
-            where = f"{shard}: item {index.fqn!r}"
-            end = storage.offset + storage.length
-            if end > size:
-                report.problems.append(f"{where}: truncated (needs bytes {storage.offset}..{end}, the file has {size})")
-                continue
-            f.seek(storage.offset)
-            raw = f.read(storage.length)
-            report.bytes_read += len(raw)
-            if len(raw) != storage.length:
-                report.problems.append(f"{where}: short read ({len(raw)} of {storage.length} bytes)")
-                continue
-            try:
-                problem = _check_item(path, index, storage, metadata.state_dict_metadata.get(index.fqn), raw, report)
-            except Exception as e:  # noqa: BLE001 - e.g. metadata fields of the wrong type
-                problem = f"cannot be checked ({type(e).__name__}: {e})"
-            if problem is not None:
-                report.problems.append(f"{where}: {problem}")
-
-
 def verify_file(path: Path) -> VerifyReport:
     """Reads every zip record of the ``torch.save`` file ``path`` and checks it against the size and CRC32 in
     the archive's central directory (``report.items`` counts records), then loads the file with
@@ -301,6 +186,11 @@ def verify_file(path: Path) -> VerifyReport:
     ``torch.save`` file at all (neither a zip archive nor a legacy file that loads), ``OSError`` if unreadable.
     """
     report = VerifyReport(files=1)
+    try:
+        integrity.open_regular(path).close()  # a FIFO or device would block the reads below
+    except CorruptCheckpointError as e:
+        report.problems.append(str(e))
+        return report
     if not is_zip_file(path):
         if path.stat().st_size == 0:
             report.problems.append(f"{path}: empty (0 bytes): truncated, or never written")
@@ -322,7 +212,7 @@ def verify_file(path: Path) -> VerifyReport:
     return report
 
 
-def _load_check(path: Path, report: VerifyReport, raise_as: type[Exception] | None) -> None:
+def _load_check(path: Path, report: VerifyReport, raise_as: type[Exception] | None, what: str = "it") -> None:
     """Loads ``path`` with ``weights_only=True`` (memory-mapped for a zip file, retried without mmap if that
     fails otherwise than unpickling); a failure is a problem of ``report`` (or raised as ``raise_as``)."""
     import torch
@@ -338,7 +228,7 @@ def _load_check(path: Path, report: VerifyReport, raise_as: type[Exception] | No
             torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any error of torch.load is a corrupt file
         if isinstance(e, pickle.UnpicklingError) and "Unsupported global" in str(e):
-            report.notes.append(f"it does not load with weights_only=True ({weights_only_reason(e)}): torch.load "
+            report.notes.append(f"{what} does not load with weights_only=True ({weights_only_reason(e)}): torch.load "
                                 "needs weights_only=False (only for checkpoints you trust)")
         elif raise_as is not None:
             raise raise_as(f"{path}: not a checkpoint (not a torch.save file: {first_line(e)})") from None
