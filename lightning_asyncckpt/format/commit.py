@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_asyncckpt.format.regular_files import CorruptCheckpointError, open_regular
+
 log = logging.getLogger(__name__)
 
 # Leftover names never contain the target's name: ModelCheckpoint's `ckpt_path="last"` picks any entry
@@ -118,8 +120,6 @@ def info_bytes(info: dict) -> bytes:
 def read_info(path: Path) -> dict | None:
     """The ``INFO_FILE`` of a checkpoint directory, or None (written by another tool, or unreadable; a FIFO or a
     symlink there is not read: it could block or lead outside)."""
-    from lightning_asyncckpt.format.integrity import CorruptCheckpointError, open_regular
-
     try:
         with open_regular(path / INFO_FILE, follow=False) as f:
             info = json.loads(f.read(1 << 20))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import os
-import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format.regular_files import CorruptCheckpointError, open_regular
 from lightning_asyncckpt.format.zip_records import (
     ArchiveError,
     ZipCheck,
@@ -48,40 +48,6 @@ META_FILE = "meta.pt"
 ZIP_MAGIC = b"PK\x03\x04"
 _REPLICATED_LAYOUTS = ("single-writer", "distributed")  # layouts whose structure is the skeleton file
 T = TypeVar("T")
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint that must not be used: a record or item that does not match its CRC32 or size, a missing or
-    damaged part, or a path that leads outside the checkpoint or to something other than a regular file. The
-    message names the file and the record or item."""
-
-
-# -- opening without following links out or blocking ----------------------------------------------------------
-def open_regular(path: Path, follow: bool = True) -> BinaryIO:
-    """Opens ``path`` for reading without blocking (``O_NONBLOCK``: a FIFO would wait for a writer) and, unless
-    ``follow``, without following a symlink; raises :class:`CorruptCheckpointError` for anything that is not a
-    regular file (FIFO, device, directory, socket), ``OSError`` if it cannot be opened."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        if not follow and os.path.islink(path):
-            raise CorruptCheckpointError(f"{path}: a symlink, where the checkpoint's own file must be") from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{path}: not a regular file ({_kind(mode)}): not a checkpoint")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def shard_path(root: Path, rel: Any) -> Path:
