@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format.entries import chunk_bytes, entry_problems
 from lightning_asyncckpt.format.zip_records import (
     ArchiveError,
     ZipCheck,
@@ -151,11 +152,13 @@ def decode(path: Path, info: Any, raw: bytes | memoryview) -> bytes | memoryview
     return FileSystemReader(str(path)).transforms.transform_load_stream(None, descriptors, stream).read()
 
 
-def _item_problem(path: Path, storage: Any, raw: memoryview, check: ItemsCheck, crc: bool) -> str | None:
+def _item_problem(path: Path, storage: Any, raw: memoryview, check: ItemsCheck, crc: bool, need: int) -> str | None:
     try:
         data = decode(path, storage, raw)
     except Exception as e:  # noqa: BLE001
         return f"cannot undo the storage transforms {storage.transform_descriptors} ({first_line(e)})"
+    if getattr(storage, "transform_descriptors", None) and need > len(data):  # others: compared with `length`
+        return f"holds {len(data)} bytes, its tensor chunk needs {need}: refused before anything is allocated"
     if bytes(data[:4]) != ZIP_MAGIC:  # DCP's planner writes tensors and objects alike with torch.save
         return "corrupt (not a torch.save payload: no zip header)"
     if not crc:
@@ -175,6 +178,9 @@ def check_items(path: Path, metadata: Any, crc: bool = True,
     CRC32; then ``on_item(index, storage, bytes)`` (``verify``'s deserialization) may name another problem.
     Problems name the file and the item."""
     check = ItemsCheck()
+    # the entries first: a tensor declared larger than its stored bytes is refused before a load allocates it
+    check.problems.extend(entry_problems(path / commit.METADATA_FILE, metadata))
+    need = chunk_bytes(metadata)
     by_file: dict[str, list[tuple[Any, Any]]] = {}
     for index, storage in metadata.storage_data.items():
         if not isinstance(storage.offset, int) or not isinstance(storage.length, int) or storage.offset < 0 \
@@ -185,11 +191,12 @@ def check_items(path: Path, metadata: Any, crc: bool = True,
         by_file.setdefault(storage.relative_path, []).append((index, storage))
     for rel, entries in sorted(by_file.items(), key=lambda e: str(e[0])):
         entries.sort(key=lambda e: e[1].offset)
-        _check_file_items(path, rel, entries, check, crc, on_item)
+        _check_file_items(path, rel, entries, check, crc, on_item, need)
     return check
 
 
-def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, crc: bool, on_item: Any) -> None:
+def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, crc: bool, on_item: Any,
+                      need: dict[Any, int]) -> None:
     try:
         shard = shard_path(path, rel)
         f = open_regular(shard, follow=False)
@@ -211,7 +218,7 @@ def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, cr
             raw = view[storage.offset:end] if view is not None else memoryview(_pread(f, storage.offset, storage.length))
             check.bytes_read += len(raw)
             try:
-                problem = _item_problem(path, storage, raw, check, crc)
+                problem = _item_problem(path, storage, raw, check, crc, need.get(index, 0))
                 if problem is None and on_item is not None:
                     problem = on_item(index, storage, raw)
             except Exception as e:  # noqa: BLE001 - e.g. metadata fields of the wrong type
