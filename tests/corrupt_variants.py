@@ -135,6 +135,20 @@ def _rewrite_tensor(path: Path, size: list[int] | None = None, chunk: tuple[list
         pickle.dump(md, f)
 
 
+def _rewrite_storage(path: Path, change) -> None:
+    """Rewrites ``.metadata`` with the storage entries ``change(metadata, largest, second largest)`` returns (the
+    keys of the two largest items, which lie in the same shard)."""
+    from lightning_asyncckpt.format.metadata import read_metadata
+
+    md = read_metadata(path)
+    largest = sorted(md.storage_data, key=lambda k: -md.storage_data[k].length)
+    first = largest[0]
+    second = next(k for k in largest[1:] if md.storage_data[k].relative_path == md.storage_data[first].relative_path)
+    md.storage_data.update(change(md, first, second))
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
 def huge_tensor(path: Path) -> Path:
     """``.metadata`` declares the largest tensor as 2**40 elements in one chunk (4 TiB of float32), its stored
     item unchanged: a load must refuse it before allocating anything."""
@@ -299,6 +313,13 @@ def _dir_variants(src: Path, out: Path, marker: str) -> list[Variant]:
     _rewrite_tensor(new("metadata-chunk-larger-than-stored"), [64 * size[0], *size[1:]],
                     ([0] * len(size), [64 * size[0], *size[1:]]))  # tiles its size, needs 64x the stored bytes
     _rewrite_tensor(new("metadata-chunk-outside"), None, ([size[0], *[0] * (len(size) - 1)], size))
+    # one stored item read for two entries: a byte range shared, or a shard read again through a hard link
+    _rewrite_storage(new("metadata-items-overlap"), lambda md, first, second: {second: dataclasses.replace(
+        md.storage_data[second], offset=md.storage_data[first].offset, length=md.storage_data[first].length)})
+    p = new("shard-hardlink")
+    os.link(p / Path(shards[0]).name, p / "again.distcp")
+    _rewrite_storage(p, lambda md, first, second: {k: dataclasses.replace(v, relative_path="again.distcp")
+                                                   for k, v in md.storage_data.items() if k.fqn == second.fqn})
     link = out / "dir-symlink-to-original.ckpt"
     os.symlink(src, link)
     vs.append(Variant("dir-symlink-to-original", str(link), "dir", "equal"))

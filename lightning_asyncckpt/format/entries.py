@@ -5,9 +5,11 @@ A load allocates each tensor at the size ``.metadata`` declares (this package's 
 before it reads a byte of it: a damaged or crafted ``.metadata`` declaring a tensor of 2**40 elements would make
 the load allocate terabytes, or grow the process until the kernel kills it. :func:`entry_problems` accepts a
 tensor only if its chunks lie within its size and tile it exactly, each chunk has its stored item, and each
-chunk's bytes (elements x element size) fit in the bytes stored for it (``length`` in ``storage_data``; an item
-that DCP's storage transforms wrote is compared with its decoded bytes, :func:`chunk_bytes`). A tensor then
-allocates no more than the checkpoint holds on disk.
+chunk's elements fit in the bytes stored for it at one bit each (``length`` in ``storage_data``; an item that
+DCP's storage transforms wrote is compared with its decoded bytes, :func:`chunk_elements`). One bit, not the
+dtype's size: stock DCP stores a tensor subclass as it is, and torchao's 4-bit optimizer states hold a float32
+tensor's elements in half a byte each. With the items' byte ranges disjoint (``integrity`` checks that), a load
+allocates at most ``8 x element size`` times the bytes the checkpoint holds, however its ``.metadata`` was made.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def _itemsize(md: Any) -> int | None:
     return dtype.itemsize if isinstance(dtype, torch.dtype) else None
 
 
-def chunk_bytes(metadata: Any) -> dict[Any, int]:
-    """{storage index: bytes of the tensor chunk it holds} for every chunk whose entry is well formed: what the
-    stored item must hold at least."""
+BITS_PER_BYTE = 8  # the densest a tensor's elements are stored without a storage transform: one bit each
+
+
+def chunk_elements(metadata: Any) -> dict[Any, int]:
+    """{storage index: elements of the tensor chunk it holds} for every chunk whose entry is well formed: the
+    stored item must hold at least one bit for each."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     out = {}
@@ -49,7 +54,7 @@ def chunk_bytes(metadata: Any) -> dict[Any, int]:
         for i, c in enumerate(md.chunks):
             offsets, sizes = _dims(getattr(c, "offsets", None)), _dims(getattr(c, "sizes", None))
             if offsets is not None and sizes is not None:
-                out[MetadataIndex(fqn, tuple(offsets), i)] = _numel(sizes) * _itemsize(md)
+                out[MetadataIndex(fqn, tuple(offsets), i)] = _numel(sizes)
     return out
 
 
@@ -90,6 +95,11 @@ def _tiling_problem(md: Any) -> str | None:
     return None
 
 
+def too_large(where: str, chunk: Any, elements: int, stored: int) -> str:
+    return (f"{where}: its chunk of size {list(chunk.sizes)} at {list(chunk.offsets)} declares {elements} elements, "
+            f"more than the {stored} bytes stored for it hold at one bit each: refused before anything is allocated")
+
+
 def _name(path: Any) -> str:
     return str(path).rsplit("/", 1)[-1]
 
@@ -104,7 +114,7 @@ def entry_problems(metadata_file: Any, metadata: Any) -> list[str]:
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     if not isinstance(metadata.state_dict_metadata, dict):
         return [f"{metadata_file}: the entries are a {type(metadata.state_dict_metadata).__name__}, not a dict"]
-    need = chunk_bytes(metadata)
+    need = chunk_elements(metadata)
     for fqn, md in metadata.state_dict_metadata.items():
         where = f"{metadata_file}: item {fqn!r}"
         if not isinstance(md, TensorStorageMetadata):
@@ -121,7 +131,6 @@ def entry_problems(metadata_file: Any, metadata: Any) -> list[str]:
             if stored is None:
                 problems.append(f"{where} chunk at {list(c.offsets)} has no storage entry in {_name(metadata_file)}")
             elif not getattr(stored, "transform_descriptors", None) and isinstance(stored.length, int) \
-                    and need[key] > stored.length:
-                problems.append(f"{where}: its chunk of size {list(c.sizes)} at {list(c.offsets)} needs {need[key]} "
-                                f"bytes, {stored.length} are stored for it: refused before anything is allocated")
+                    and need[key] > BITS_PER_BYTE * stored.length:
+                problems.append(too_large(where, c, need[key], stored.length))
     return problems
