@@ -235,6 +235,7 @@ def _dir_variants(src: Path, out: Path, marker: str) -> list[Variant]:
     import torch
 
     from lightning_asyncckpt.format import commit
+    from lightning_asyncckpt.format.metadata import read_metadata
 
     vs: list[Variant] = []
 
@@ -313,6 +314,11 @@ def _dir_variants(src: Path, out: Path, marker: str) -> list[Variant]:
     _rewrite_tensor(new("metadata-chunk-larger-than-stored"), [64 * size[0], *size[1:]],
                     ([0] * len(size), [64 * size[0], *size[1:]]))  # tiles its size, needs 64x the stored bytes
     _rewrite_tensor(new("metadata-chunk-outside"), None, ([size[0], *[0] * (len(size) - 1)], size))
+    p = new("metadata-entry-without-size")  # a damaged pickle can rename a field of an entry
+    md = read_metadata(p)
+    del md.state_dict_metadata[items[0][0]].size
+    with open(p / ".metadata", "wb") as f:
+        pickle.dump(md, f)
     # one stored item read for two entries: a byte range shared, or a shard read again through a hard link
     _rewrite_storage(new("metadata-items-overlap"), lambda md, first, second: {second: dataclasses.replace(
         md.storage_data[second], offset=md.storage_data[first].offset, length=md.storage_data[first].length)})

@@ -49,7 +49,8 @@ def chunk_elements(metadata: Any) -> dict[Any, int]:
 
     out = {}
     for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata) or _itemsize(md) is None or not isinstance(md.chunks, list):
+        if not isinstance(md, TensorStorageMetadata) or _itemsize(md) is None \
+                or not isinstance(getattr(md, "chunks", None), list):
             continue
         for i, c in enumerate(md.chunks):
             offsets, sizes = _dims(getattr(c, "offsets", None)), _dims(getattr(c, "sizes", None))
@@ -64,13 +65,13 @@ def _overlap(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]) -> 
 
 def _tiling_problem(md: Any) -> str | None:
     """Why the chunks of the tensor entry ``md`` do not lie within its size or do not tile it exactly, or None."""
-    size = _dims(md.size)
+    size = _dims(getattr(md, "size", None))
     if size is None:
-        return f" has the size {md.size!r}"
+        return f" has the size {getattr(md, 'size', None)!r}"
     if _itemsize(md) is None:
         return f" has the dtype {getattr(getattr(md, 'properties', None), 'dtype', None)!r}"
-    if not isinstance(md.chunks, list):
-        return f" has the chunks {md.chunks!r}"
+    if not isinstance(getattr(md, "chunks", None), list):
+        return f" has the chunks {getattr(md, 'chunks', None)!r}"
     boxes = []
     for c in md.chunks:
         offsets, sizes = _dims(getattr(c, "offsets", None)), _dims(getattr(c, "sizes", None))
@@ -111,9 +112,10 @@ def entry_problems(metadata_file: Any, metadata: Any) -> list[str]:
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     problems = []
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    if not isinstance(metadata.state_dict_metadata, dict):
-        return [f"{metadata_file}: the entries are a {type(metadata.state_dict_metadata).__name__}, not a dict"]
+    for name in ("state_dict_metadata", "storage_data"):  # fields a damaged pickle may have renamed
+        if not isinstance(getattr(metadata, name, None), dict):
+            return [f"{metadata_file}: its {name} is a {type(getattr(metadata, name, None)).__name__}, not a dict"]
+    storage = metadata.storage_data
     need = chunk_elements(metadata)
     for fqn, md in metadata.state_dict_metadata.items():
         where = f"{metadata_file}: item {fqn!r}"

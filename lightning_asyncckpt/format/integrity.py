@@ -181,6 +181,8 @@ def check_items(path: Path, metadata: Any, crc: bool = True,
     check = ItemsCheck()
     # the entries first: a tensor declared larger than its stored bytes is refused before a load allocates it
     check.problems.extend(entry_problems(path / commit.METADATA_FILE, metadata))
+    if check.problems and not isinstance(getattr(metadata, "storage_data", None), dict):
+        return check
     need, seen = chunk_elements(metadata), {}
     by_file: dict[str, list[tuple[Any, Any]]] = {}
     for index, storage in metadata.storage_data.items():
