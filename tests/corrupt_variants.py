@@ -113,6 +113,49 @@ def _rewrite_metadata(path: Path, change) -> None:
         pickle.dump(md, f)
 
 
+def _rewrite_tensor(path: Path, size: list[int] | None = None, chunk: tuple[list[int], list[int]] | None = None) -> None:
+    """Rewrites ``.metadata`` (with DCP's own types) so that its largest tensor declares ``size``, and its first
+    chunk ``chunk`` (offsets, sizes), the chunk's storage entry moved to the new offsets."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    from lightning_asyncckpt.format.metadata import read_metadata
+
+    md = read_metadata(path)
+    fqn = _items(path)[0][0]
+    entry = md.state_dict_metadata[fqn]
+    if size is not None:
+        entry.size = torch.Size(size)
+    if chunk is not None:
+        old = entry.chunks[0]
+        entry.chunks[0] = ChunkStorageMetadata(offsets=torch.Size(chunk[0]), sizes=torch.Size(chunk[1]))
+        stored = md.storage_data.pop(MetadataIndex(fqn, old.offsets))
+        md.storage_data[MetadataIndex(fqn, torch.Size(chunk[0]), 0)] = stored
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def _rewrite_storage(path: Path, change) -> None:
+    """Rewrites ``.metadata`` with the storage entries ``change(metadata, largest, second largest)`` returns (the
+    keys of the two largest items, which lie in the same shard)."""
+    from lightning_asyncckpt.format.metadata import read_metadata
+
+    md = read_metadata(path)
+    largest = sorted(md.storage_data, key=lambda k: -md.storage_data[k].length)
+    first = largest[0]
+    second = next(k for k in largest[1:] if md.storage_data[k].relative_path == md.storage_data[first].relative_path)
+    md.storage_data.update(change(md, first, second))
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def huge_tensor(path: Path) -> Path:
+    """``.metadata`` declares the largest tensor as 2**40 elements in one chunk (4 TiB of float32), its stored
+    item unchanged: a load must refuse it before allocating anything."""
+    _rewrite_tensor(path, [2**40], ([0], [2**40]))
+    return path
+
+
 def _items(path: Path) -> list[tuple[str, Path, int, int]]:
     """(fqn, shard, offset, length) of each item of a DCP directory, largest first."""
     from lightning_asyncckpt.format.metadata import read_metadata
@@ -120,6 +163,12 @@ def _items(path: Path) -> list[tuple[str, Path, int, int]]:
     md = read_metadata(path)
     items = [(i.fqn, path / s.relative_path, s.offset, s.length) for i, s in md.storage_data.items()]
     return sorted(items, key=lambda e: -e[3])
+
+
+def _metadata_entry(path: Path, fqn: str):
+    from lightning_asyncckpt.format.metadata import read_metadata
+
+    return read_metadata(path).state_dict_metadata[fqn]
 
 
 def _tensor_records(path: Path, base: int = 0, length: int | None = None) -> list[tuple[str, int, int, int]]:
@@ -186,6 +235,7 @@ def _dir_variants(src: Path, out: Path, marker: str) -> list[Variant]:
     import torch
 
     from lightning_asyncckpt.format import commit
+    from lightning_asyncckpt.format.metadata import read_metadata
 
     vs: list[Variant] = []
 
@@ -257,6 +307,25 @@ def _dir_variants(src: Path, out: Path, marker: str) -> list[Variant]:
     p = new("info-fifo", "any")  # who wrote it: read by inspect, and by the load for the layout
     (p / commit.INFO_FILE).unlink()
     os.mkfifo(p / commit.INFO_FILE)
+    # crafted .metadata: tensor sizes that do not match the stored bytes (each would allocate before reading)
+    huge_tensor(new("metadata-huge-tensor"))
+    size = list(_metadata_entry(src, items[0][0]).size)
+    _rewrite_tensor(new("metadata-size-doubled"), [2 * size[0], *size[1:]])  # its one chunk fills half of it
+    _rewrite_tensor(new("metadata-chunk-larger-than-stored"), [64 * size[0], *size[1:]],
+                    ([0] * len(size), [64 * size[0], *size[1:]]))  # tiles its size, needs 64x the stored bytes
+    _rewrite_tensor(new("metadata-chunk-outside"), None, ([size[0], *[0] * (len(size) - 1)], size))
+    p = new("metadata-entry-without-size")  # a damaged pickle can rename a field of an entry
+    md = read_metadata(p)
+    del md.state_dict_metadata[items[0][0]].size
+    with open(p / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    # one stored item read for two entries: a byte range shared, or a shard read again through a hard link
+    _rewrite_storage(new("metadata-items-overlap"), lambda md, first, second: {second: dataclasses.replace(
+        md.storage_data[second], offset=md.storage_data[first].offset, length=md.storage_data[first].length)})
+    p = new("shard-hardlink")
+    os.link(p / Path(shards[0]).name, p / "again.distcp")
+    _rewrite_storage(p, lambda md, first, second: {k: dataclasses.replace(v, relative_path="again.distcp")
+                                                   for k, v in md.storage_data.items() if k.fqn == second.fqn})
     link = out / "dir-symlink-to-original.ckpt"
     os.symlink(src, link)
     vs.append(Variant("dir-symlink-to-original", str(link), "dir", "equal"))

@@ -277,3 +277,44 @@ def test_verify_on_load_false_skips_the_crc32_but_never_the_path_checks(original
         AsyncCheckpointIO(worker="fork", verify_on_load=False).load_checkpoint(tmp_path / "fifo.ckpt")
     with pytest.raises(TypeError, match=r"verify_on_load=\.\.\.\) takes True or False; got 'no'"):
         AsyncCheckpointIO(verify_on_load="no")
+
+
+_LOAD_AND_MEASURE = """
+import json, resource, sys
+from lightning_asyncckpt import AsyncCheckpointIO
+out = {}
+for verify in (True, False):
+    try:
+        AsyncCheckpointIO(worker="fork", verify_on_load=verify).load_checkpoint(sys.argv[1])
+        out[str(verify)] = "loaded"
+    except BaseException as e:
+        out[str(verify)] = f"{type(e).__name__}: {e}"
+out["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps(out))
+"""
+
+
+def test_a_metadata_declaring_a_huge_tensor_is_refused_before_anything_is_allocated(originals, tmp_path):
+    """A ``.metadata`` whose largest tensor declares 2**40 elements (its stored item unchanged) is refused naming
+    the file and the item, with or without the CRC32 pass, and the loading process stays small (its address
+    space capped at 4 GB, so that a load that allocates first cannot hurt the machine)."""
+    import resource
+
+    import corrupt_variants as cv
+
+    _, paths = originals
+    path = cv.huge_tensor(cv._copy(Path(paths["dir"]), tmp_path / "huge.ckpt"))
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4_000_000_000, 4_000_000_000))
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE, str(path)], capture_output=True, text=True,
+                          env=env, timeout=300, preexec_fn=cap)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    for verify in ("True", "False"):
+        assert result[verify].startswith(f"CorruptCheckpointError: {path}/.metadata: item "), result[verify]
+        assert str(2**40) in result[verify] and "before anything is allocated" in result[verify], result[verify]
+    assert result["maxrss_kib"] < 2 * 1024 * 1024, f"peak RSS {result['maxrss_kib']} KiB"
+

@@ -1,5 +1,5 @@
 """What a checkpoint is on storage, and where it may go: paths, object stores, atomic publish and
 leftovers, DCP metadata and loading, the layouts, and the integrity checks a load and ``verify`` share
-(``integrity``, ``zip_records``, ``regular_files``). Imported by the trainer and the writer alike; no
+(``integrity``, ``zip_records``, ``regular_files``, ``entries``). Imported by the trainer and the writer alike; no
 Lightning imports.
 """

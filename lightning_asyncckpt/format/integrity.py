@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format.entries import BITS_PER_BYTE, chunk_elements, entry_problems
 from lightning_asyncckpt.format.regular_files import CorruptCheckpointError, open_regular
 from lightning_asyncckpt.format.zip_records import (
     ArchiveError,
@@ -117,11 +118,14 @@ def decode(path: Path, info: Any, raw: bytes | memoryview) -> bytes | memoryview
     return FileSystemReader(str(path)).transforms.transform_load_stream(None, descriptors, stream).read()
 
 
-def _item_problem(path: Path, storage: Any, raw: memoryview, check: ItemsCheck, crc: bool) -> str | None:
+def _item_problem(path: Path, storage: Any, raw: memoryview, check: ItemsCheck, crc: bool, need: int) -> str | None:
     try:
         data = decode(path, storage, raw)
     except Exception as e:  # noqa: BLE001
         return f"cannot undo the storage transforms {storage.transform_descriptors} ({first_line(e)})"
+    if getattr(storage, "transform_descriptors", None) and need > BITS_PER_BYTE * len(data):  # others: `length`
+        return (f"holds {len(data)} bytes, fewer than its tensor chunk's {need} elements at one bit each: refused "
+                "before anything is allocated")
     if bytes(data[:4]) != ZIP_MAGIC:  # DCP's planner writes tensors and objects alike with torch.save
         return "corrupt (not a torch.save payload: no zip header)"
     if not crc:
@@ -141,6 +145,11 @@ def check_items(path: Path, metadata: Any, crc: bool = True,
     CRC32; then ``on_item(index, storage, bytes)`` (``verify``'s deserialization) may name another problem.
     Problems name the file and the item."""
     check = ItemsCheck()
+    # the entries first: a tensor declared larger than its stored bytes is refused before a load allocates it
+    check.problems.extend(entry_problems(path / commit.METADATA_FILE, metadata))
+    if check.problems and not isinstance(getattr(metadata, "storage_data", None), dict):
+        return check
+    need, seen = chunk_elements(metadata), {}
     by_file: dict[str, list[tuple[Any, Any]]] = {}
     for index, storage in metadata.storage_data.items():
         if not isinstance(storage.offset, int) or not isinstance(storage.length, int) or storage.offset < 0 \
@@ -151,11 +160,14 @@ def check_items(path: Path, metadata: Any, crc: bool = True,
         by_file.setdefault(storage.relative_path, []).append((index, storage))
     for rel, entries in sorted(by_file.items(), key=lambda e: str(e[0])):
         entries.sort(key=lambda e: e[1].offset)
-        _check_file_items(path, rel, entries, check, crc, on_item)
+        _check_file_items(path, rel, entries, check, crc, on_item, need, seen)
     return check
 
 
-def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, crc: bool, on_item: Any) -> None:
+def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, crc: bool, on_item: Any,
+                      need: dict[Any, int], seen: dict[tuple[int, int], Path]) -> None:
+    """The items of one file, in the order of their offsets. Their byte ranges must not overlap, and no file may
+    be read under two names (a hard link): else one stored chunk could back any number of declared tensors."""
     try:
         shard = shard_path(path, rel)
         f = open_regular(shard, follow=False)
@@ -166,7 +178,12 @@ def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, cr
         return
     check.files += 1
     with f, mapped(f) as view:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size, other = st.st_size, seen.setdefault((st.st_dev, st.st_ino), shard)
+        if other != shard:
+            check.problems.append(f"{shard}: the same file as {other} (a hard link): each item's bytes are stored once")
+            return
+        previous_end = 0
         for index, storage in entries:
             check.items += 1
             where = f"{shard}: item {index.fqn!r}"
@@ -174,10 +191,15 @@ def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, cr
             if end > size:
                 check.problems.append(f"{where}: truncated (needs bytes {storage.offset}..{end}, the file has {size})")
                 continue
+            if storage.offset < previous_end:
+                check.problems.append(f"{where}: its bytes {storage.offset}..{end} overlap the item before it "
+                                      f"(which ends at {previous_end}): each item's bytes are stored once")
+                continue
+            previous_end = end
             raw = view[storage.offset:end] if view is not None else memoryview(_pread(f, storage.offset, storage.length))
             check.bytes_read += len(raw)
             try:
-                problem = _item_problem(path, storage, raw, check, crc)
+                problem = _item_problem(path, storage, raw, check, crc, need.get(index, 0))
                 if problem is None and on_item is not None:
                     problem = on_item(index, storage, raw)
             except Exception as e:  # noqa: BLE001 - e.g. metadata fields of the wrong type

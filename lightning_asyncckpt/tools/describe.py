@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.commit import SKELETON_FILE, read_info
-from lightning_asyncckpt.format.metadata import read_metadata
+from lightning_asyncckpt.format.metadata import MetadataError, read_metadata
 from lightning_asyncckpt.tools.items import (
     META_FILE,
     PICKLE_HINT,
@@ -88,7 +88,7 @@ def describe(path: Path, allow_pickle: bool = False, hint: str = PICKLE_HINT) ->
         info["written_by"] = writer.get("writer")
     if not (path / commit.METADATA_FILE).is_file():
         return info
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
     metadata = read_metadata(path, allow_pickle, hint)
     ranks = {m.group(1) for s in metadata.storage_data.values() if (m := SHARD_RE.match(s.relative_path))}
@@ -96,6 +96,10 @@ def describe(path: Path, allow_pickle: bool = False, hint: str = PICKLE_HINT) ->
     tensors = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
+            if not isinstance(getattr(md, "size", None), tuple) or not isinstance(getattr(md, "properties", None),
+                                                                                   TensorProperties):
+                raise MetadataError(f"cannot read {path / commit.METADATA_FILE}: not DCP metadata (the entry {fqn!r} "
+                                    "has no size or properties)")
             numel = 1
             for d in md.size:
                 numel *= d

@@ -125,7 +125,6 @@ def verify_checkpoint(path: Path, hint: str = "") -> VerifyReport:
         report.problems.append(str(e))
         return report
     try:
-        _entries_stored(path, metadata, report)
         check = integrity.check_items(path, metadata, on_item=lambda index, storage, raw: _check_item(
             path, index, storage, metadata.state_dict_metadata.get(index.fqn), raw))
     except Exception as e:  # noqa: BLE001 - metadata of the right type whose fields are not
@@ -140,42 +139,6 @@ def verify_checkpoint(path: Path, hint: str = "") -> VerifyReport:
         if (path / name).is_file() and not any(str(path / name) in p for p in side):
             _load_check(path / name, report, None, what=name)
     return report
-
-
-def _entries_stored(path: Path, metadata: Any, report: VerifyReport) -> None:
-    """Records entries of ``state_dict_metadata`` that have no stored item, or whose chunks do not tile them."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    for fqn, md in metadata.state_dict_metadata.items():  # every chunk of every entry must be stored
-        # what DCP's reader looks up (a MetadataIndex compares by fqn and chunk offsets)
-        if isinstance(md, TensorStorageMetadata):
-            wanted = [(MetadataIndex(fqn, c.offsets, i), f" chunk at {list(c.offsets)}") for i, c in enumerate(md.chunks)]
-        else:
-            wanted = [(MetadataIndex(fqn), "")]
-        if isinstance(md, TensorStorageMetadata) and not _chunks_tile(md):
-            report.problems.append(f"{path}: item {fqn!r}: its chunks {[list(c.sizes) for c in md.chunks]} at "
-                                   f"{[list(c.offsets) for c in md.chunks]} do not fill its size {list(md.size)}")
-        for key, chunk in wanted:
-            if key not in metadata.storage_data:
-                report.problems.append(f"{path}: item {fqn!r}{chunk} has no storage entry in {commit.METADATA_FILE}")
-
-
-def _chunks_tile(md: Any) -> bool:
-    """Whether a tensor's chunks lie within its size and add up to it (DCP stores no overlapping chunks)."""
-    total = 0
-    for c in md.chunks:
-        if len(c.offsets) != len(md.size) or len(c.sizes) != len(md.size):
-            return False
-        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(c.offsets, c.sizes, md.size)):
-            return False
-        numel = 1
-        for n in c.sizes:
-            numel *= n
-        total += numel
-    size = 1
-    for d in md.size:
-        size *= d
-    return total == size
 
 
 def verify_file(path: Path) -> VerifyReport:
