@@ -126,7 +126,8 @@ class TierRun:
         if self.run is None:
             record, problem = run_identity.begin(self.store.dir, self.rank, self.gather, destination, resuming)
             checks.agree(problem, self.gather)
-            self.run = self.writer.run = record.run
+            self.run = record.run
+            self.writer.begin_run(record.run)
 
     def gather(self, obj: Any) -> list[Any]:
         """(all ranks) Every rank's ``obj`` over the tier's group."""

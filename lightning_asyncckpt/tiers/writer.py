@@ -46,7 +46,7 @@ class ShareWriter:
                  timeout_s: float = 600.0) -> None:
         self.store, self.rank, self.group, self.topology = store, rank, group, topology
         self.timeout_s = timeout_s  # for a lazy save's background copy
-        self.run = ""  # the run id its manifests name (TierRun.begin sets it before the first save)
+        self.run = ""  # the run id its manifests name (named by begin_run before the first save)
         self.newest_done = -1  # the newest step whose shares this rank holds in full
         self.error: str | None = None
         self.last_write_s: float | None = None
@@ -85,6 +85,10 @@ class ShareWriter:
         assert not self.busy, "a share is still being written"
         self._thread = threading.Thread(target=job, name=name, daemon=True)
         self._thread.start()
+
+    def begin_run(self, run: str) -> None:
+        """(the training thread, once, before the first save) The run id every manifest written from now names."""
+        self.run = run
 
     def _job(self, step: int, mode: str, copied: list[Copied], failure: str | None,
              copy: BackgroundCopy | None) -> None:
