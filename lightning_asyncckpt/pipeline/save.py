@@ -100,9 +100,10 @@ class SaveRequest:
     copy_hook: Callable[[], None] | None = None  # a lazy snapshot's copy thread calls it before it copies (testing.HoldCopy)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Staged:
-    """What the scheduler made of the state at save time (on the training thread)."""
+    """What the scheduler made of the state at save time (on the training thread). A value: each step
+    replaces it (:meth:`Save.snapshotted`, ...)."""
 
     snapshot: staging.Snapshot | None = None
     skeleton: bytes | None = None  # the skeleton, torch.save'd at save time (None for a sharded save)
@@ -112,9 +113,10 @@ class Staged:
     planned: DcpPlan | None = None  # a DCP save planned at save time
 
 
-@dataclass
+@dataclass(frozen=True)
 class Costs:
-    """What the save cost, as it goes (the record's figures, :class:`~.records.SaveRecord`)."""
+    """What the save cost, as it goes (the record's figures, :class:`~.records.SaveRecord`). A value:
+    each step replaces it."""
 
     stall_s: float = 0.0  # how long training was held: the save call (plus the wait before the step)
     lazy_nbytes: int = 0  # bytes its lazy snapshot copied after the save call returned
@@ -211,37 +213,37 @@ class Save:
     def prepared(self, checkpoint: dict[str, Any], shape: file_layout.FileLayout) -> None:
         """(scheduler) A ``torch.save`` file's dict, as stock's file has it, and its aliases and devices."""
         self.request = replace(self.request, checkpoint=checkpoint)
-        self.staged.shape = shape
+        self.staged = replace(self.staged, shape=shape)
 
     def snapshotted(self, snapshot: staging.Snapshot) -> None:
-        self.staged.snapshot = snapshot
+        self.staged = replace(self.staged, snapshot=snapshot)
 
     def serialized(self, skeleton: bytes) -> None:
-        self.staged.skeleton = skeleton
+        self.staged = replace(self.staged, skeleton=skeleton)
 
     def planned_now(self, planned: DcpPlan) -> None:
         """(scheduler) Planned at save time, while every rank is here (a lazy DCP save)."""
-        self.staged.planned = planned
+        self.staged = replace(self.staged, planned=planned)
 
     def following(self, order: int) -> None:
         """(scheduler) Its lazy copy waits for the write of ``order``, whose buffers it reuses."""
-        self.staged.follows = order
+        self.staged = replace(self.staged, follows=order)
 
     def handed_over(self, ticket: Ticket, plan: WritePlan | None, result_path: Path, gate: Gate | None,
                     stall_s: float) -> None:
         """(scheduler) The worker has its write: ``WRITING``."""
         self.ticket, self.plan, self.result_path, self.gate = ticket, plan, result_path, gate
-        self.costs.stall_s = stall_s
+        self.costs = replace(self.costs, stall_s=stall_s)
         self.to(S.WRITING)
 
     def copy_started(self, copy: lazy.BackgroundCopy, stall_s: float) -> None:
         """(scheduler) A lazy snapshot's background copy runs; the save call returns now."""
-        self.staged.copy = copy
-        self.costs.stall_s, self.costs.lazy_nbytes = stall_s, copy.nbytes
+        self.staged = replace(self.staged, copy=copy)
+        self.costs = replace(self.costs, stall_s=stall_s, lazy_nbytes=copy.nbytes)
 
     def stalled(self, seconds: float) -> None:
         """(settle_copy) The wait for its lazy copy held training this much longer."""
-        self.costs.stall_s += seconds
+        self.costs = replace(self.costs, stall_s=self.costs.stall_s + seconds)
 
     def ungated(self) -> None:
         """(settle_copy) Its worker died with it queued behind its gate: the gate goes, it is handed over anew."""
@@ -251,7 +253,7 @@ class Save:
 
     def reported(self, write_s: float, file_nbytes: int) -> None:
         """(poller) The worker's own figures for the write."""
-        self.costs.write_s, self.costs.file_nbytes = write_s, file_nbytes
+        self.costs = replace(self.costs, write_s=write_s, file_nbytes=file_nbytes)
 
     def wrote(self, results: list) -> None:
         """(poller) This rank's part of a collective save is on disk: ``WRITTEN``."""
@@ -268,7 +270,7 @@ class Save:
             raise TransitionError(f"save {self.order} to {self.path}: {self.state.value} -> {state.value} is not a transition")
         self.state = state
         if state is S.WRITING:
-            self.costs.handed_at = time.monotonic()
+            self.costs = replace(self.costs, handed_at=time.monotonic())
 
     # -- read ------------------------------------------------------------------------------------------
     @property
