@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -88,7 +87,7 @@ class Ledger:
         self._committed_calls.add(call)
 
 
-def global_step(state: Any) -> int | None:
+def global_step(state: object) -> int | None:
     """The step a checkpoint was taken at: Lightning's ``global_step``, or a Fabric loop's ``step``."""
     if not isinstance(state, dict):
         return None

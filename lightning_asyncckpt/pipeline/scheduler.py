@@ -26,7 +26,7 @@ from lightning_asyncckpt.pipeline.failures import Failed, filesystem_failures
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.serialize import torch_bytes
-from lightning_asyncckpt.pipeline.settings import Settings
+from lightning_asyncckpt.pipeline.settings import Settings, SnapshotMode
 from lightning_asyncckpt.snapshot import lazy, staging
 from lightning_asyncckpt.write import file_layout
 from lightning_asyncckpt.write.gate import Gate
@@ -194,7 +194,7 @@ def _follow(run: Run, settings: Settings, save: Save) -> lazy.AfterWrite | None:
 def _lazy_rule(run: Run, settings: Settings) -> staging.Defer | None:
     """Which tensors a lazy snapshot leaves to the background copy (any layout). A forked writer's
     snapshot is the fork itself: taken at save time."""
-    if settings.snapshot != "lazy" or not run.stager.copy_cpu:
+    if settings.snapshot_mode is not SnapshotMode.LAZY or not run.stager.copy_cpu:
         return None
     return run.tracked.rule()
 
