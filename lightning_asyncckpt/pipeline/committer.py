@@ -30,7 +30,16 @@ def commit_save(run: Run, save: Save, all_results: list, rank: int, coordinator:
 
     A remote DCP directory is published by uploading its ``.metadata`` in the run's background thread
     (the training thread does no remote I/O): the coordinator records it once that upload is done
-    (:func:`settle_publishing`); a failed upload is raised on every rank by the next finalize."""
+    (:func:`settle_publishing`); a failed upload is raised on every rank by the next finalize.
+
+    Args:
+        all_results: every rank's write results (one list per rank).
+        rank: this rank.
+        coordinator: this rank writes the metadata and publishes (rank 0; the only rank of a single writer).
+
+    Returns:
+        None once committed (or being published), else the failure.
+    """
     if coordinator:
         try:
             save.faults.check(save.faults.before_metadata, save.path)

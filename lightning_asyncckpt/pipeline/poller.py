@@ -27,8 +27,13 @@ log = logging.getLogger(__name__)
 
 def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until: int | None = None) -> None:
     """(this rank) Polls own writes in order; commits finished single-writer saves, marks finished parts of
-    collective saves as written (the ranks commit them together), records failures. ``blocking`` waits
-    for every write (up to the save of order ``until``)."""
+    collective saves as written (the ranks commit them together), records failures.
+
+    Args:
+        rank: this rank.
+        blocking: wait for every write (else only settle those that ended).
+        until: the order of the last save to wait for (None: all).
+    """
     settle_publishing(run, rank, blocking and until is None, settings.timeout_s)
     while True:
         save = run.pending.next_to_poll(until)

@@ -203,7 +203,7 @@ class Run:
     def _drop_pending(self, rank: int) -> None:
         """The saves still pending (only left when aborting) are dropped, their writers stopped, and their
         hidden paths removed where this rank owns them."""
-        dropped = self.pending.take_where(lambda s: True)
+        dropped = self.pending.take_all()
         for save in dropped:
             if not save.ended:
                 save.to(SaveState.DROPPED)

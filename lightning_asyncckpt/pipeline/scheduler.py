@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -35,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 def submit(
-    run: Run, agreement: Agreement, settings: Settings, save: Save, storage_options: dict[str, Any] | None,
+    run: Run, agreement: Agreement, settings: Settings, save: Save, storage_options: object,
     on_first_collective: Callable[[], None],
 ) -> None:
     """(the saving ranks; every rank for a collective save) The save-time half of a save: validate, wait for
@@ -44,7 +43,16 @@ def submit(
 
     Alone (no process group), a write failure raises :class:`CheckpointWriteError` here and bad input its
     own error. With a process group, a failure is recorded for the next finalize, which raises it on every
-    rank: raising on one rank alone would leave the others waiting in Lightning's barrier."""
+    rank: raising on one rank alone would leave the others waiting in Lightning's barrier.
+
+    Args:
+        run: the run the save belongs to.
+        agreement: the ranks (``Agreement.alone()`` without a process group).
+        settings: the plugin's settings.
+        save: the save, ``REQUESTED``; it leaves ``WRITING`` (or ``COPYING``), or ended.
+        storage_options: as the caller passed them (checked by ``paths.check_save_path``).
+        on_first_collective: called on every rank at the first collective save, once its token is agreed.
+    """
     rank, collective = agreement.rank, save.collective
     try:
         snapshot, local_error = None, None
