@@ -81,8 +81,7 @@ class FakeEngine:
 @pytest.fixture
 def plane(tmp_path):
     """A run on one rank with the fake engine, and a ``save(path, value, hook=None)`` that schedules one."""
-    run = Run(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, history=[])
-    run.engine = FakeEngine()
+    run = Run(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, history=[], engine=FakeEngine())
     settings = Settings(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, timeout_s=60, max_pending=4)
     alone = Agreement.alone()
 
@@ -162,8 +161,8 @@ def test_a_lazy_copy_that_cannot_start_raises_its_error_and_leaves_nothing(tmp_p
     and leaves no file."""
     from lightning_asyncckpt.snapshot import lazy
 
-    run = Run(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, history=[])
-    run.engine = engine = FakeEngine()
+    engine = FakeEngine()
+    run = Run(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, history=[], engine=engine)
     settings = Settings(engines.EngineName.NVRX, engines.WorkerMode.PERSISTENT, snapshot="lazy", timeout_s=60)
     param = torch.nn.Parameter(torch.zeros(1 << 15))  # above the lazy threshold
     opt = torch.optim.SGD([param], lr=0.1)  # tracked weakly: kept alive here

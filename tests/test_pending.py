@@ -16,21 +16,20 @@ from lightning_asyncckpt.pipeline.save import TRANSITIONS, Save, SaveState, Tran
 
 
 def _save(order: int, seq: int | None = None, collective: bool = False) -> Save:
-    save = Save({}, Path(f"/c/{order}"), Layout.SINGLE_WRITER, collective, seq, called_at=0.0, order=order,
-                tmp=Path(f"/c/.t{order}"), ticket=Ticket(call_idx=order, scheduled_at=0.0), result_path=Path(f"/r/{order}"))
-    save.to(SaveState.WRITING)
+    save = Save({}, Path(f"/c/{order}"), Layout.SINGLE_WRITER, collective, seq, called_at=0.0)
+    save.placed(order, Path(f"/c/.t{order}"), rank=0)
+    save.handed_over(Ticket(call_idx=order, scheduled_at=0.0), None, Path(f"/r/{order}"), gate=None, stall_s=0.0)
     return save
 
 
 def _written(save: Save) -> None:
-    save.written = []
-    save.to(SaveState.WRITTEN)
+    save.wrote([])
 
 
 def test_a_save_takes_the_announced_number_or_a_collective_one_counts_itself():
     count = SaveCount()
     assert count.claim(collective=False) is None  # rank 0 saving what no rank announced: uncounted
-    count.announced += 1  # every rank was told of a save (on_save_checkpoint)
+    count.announce()  # every rank was told of a save (on_save_checkpoint)
     assert count.unsettled()
     assert count.claim(collective=False) == 1
     assert count.claim(collective=True) == 2  # Fabric's collective save: every rank is here, it counts itself
@@ -67,7 +66,7 @@ def test_ready_through_stops_below_the_oldest_unwritten_counted_save():
 
 def test_a_save_moves_only_along_its_transitions():
     save = _save(1)
-    assert save.state is SaveState.WRITING and save.handed_at > 0
+    assert save.state is SaveState.WRITING and save.costs.handed_at > 0
     save.to(SaveState.ABANDONED)  # its lazy copy failed: the worker skips it
     with pytest.raises(TransitionError, match="abandoned -> committed"):
         save.to(SaveState.COMMITTED)  # an abandoned save never commits

@@ -3,4 +3,10 @@
 ``pipeline.SavePipeline`` is its interface; ``scheduler`` takes a save in, ``poller`` watches the
 writes, ``finalizer`` agrees across the ranks, ``committer`` publishes and retains, ``drain`` lands
 what is in flight on the way out. ``agreement`` owns every collective. No Lightning imports.
+
+``run.Run`` is a run's state, made of small parts that each own theirs and change it only through their
+methods: ``workers`` (the engine, the scratch directory), ``temp_names`` (the save order, the token, the
+hidden paths), ``pending``, ``failures``, ``retention`` (removals), ``remote_ops`` (the object-store
+thread and its publishes), ``records.Ledger`` (the committed records). ``save.Save`` is one save: its
+request, then what each step makes of it.
 """

@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.format import commit, remote
+from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.failures import Failed
 from lightning_asyncckpt.pipeline.records import SaveRecord, written_bytes
@@ -31,7 +30,16 @@ def commit_save(run: Run, save: Save, all_results: list, rank: int, coordinator:
 
     A remote DCP directory is published by uploading its ``.metadata`` in the run's background thread
     (the training thread does no remote I/O): the coordinator records it once that upload is done
-    (:func:`settle_publishing`); a failed upload is raised on every rank by the next finalize."""
+    (:func:`settle_publishing`); a failed upload is raised on every rank by the next finalize.
+
+    Args:
+        all_results: every rank's write results (one list per rank).
+        rank: this rank.
+        coordinator: this rank writes the metadata and publishes (rank 0; the only rank of a single writer).
+
+    Returns:
+        None once committed (or being published), else the failure.
+    """
     if coordinator:
         try:
             save.faults.check(save.faults.before_metadata, save.path)
@@ -40,9 +48,8 @@ def commit_save(run: Run, save: Save, all_results: list, rank: int, coordinator:
             save.faults.check(save.faults.before_publish, save.path)
             if isinstance(save.path, str):  # a remote file was visible once uploaded; a directory now
                 if not save.writes_file:
-                    upload = run.background(remote.publish_metadata, save.tmp, save.path)
+                    run.remote.publish(save, all_results)
                     save.to(SaveState.PUBLISHING)
-                    run.publishing.append((save, upload, all_results, time.monotonic()))
                     return None
             else:
                 (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
@@ -57,37 +64,25 @@ def settle_publishing(run: Run, rank: int, blocking: bool, timeout_s: float, url
     (``blocking``: waits for each; ``url``: only for those up to the last one to that URL). A failed
     upload, or one still running ``timeout_s`` after it began, is recorded for the next finalize to raise
     on every rank."""
-    last = max((i for i, p in enumerate(run.publishing) if p[0].path == url), default=-1) if url else None
-    while run.publishing and (last is None or last >= 0):
-        save, upload, all_results, since = run.publishing[0]
-        left = since + timeout_s - time.monotonic()
-        if not upload.done() and left > 0 and not (blocking or last is not None):
-            return
-        run.publishing.pop(0)
-        last = None if last is None else last - 1
-        try:
-            upload.result(timeout=max(left, 0))
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the next finalize (a timeout too)
-            if isinstance(e, (TimeoutError, FutureTimeout)):  # the same class from Python 3.11 on
-                e = TimeoutError(f"the upload of {remote.METADATA} did not finish within timeout_s={timeout_s:g}s")
-            record_failure(run, save, RankFailure.from_exception(rank, e), rank)
-            continue
-        record_commit(run, save, all_results, rank)
+    for publish, error in run.remote.settled(blocking, timeout_s, url):
+        if error is not None:
+            record_failure(run, publish.save, RankFailure.from_exception(rank, error), rank)
+        else:
+            record_commit(run, publish.save, publish.results, rank)
 
 
 def record_commit(run: Run, save: Save, all_results: list, rank: int) -> None:
     """The save is a checkpoint now: its record, and the removals that waited for it."""
+    costs = save.costs
     record = SaveRecord(
-        path=str(save.path), step=save.step, stall_s=save.stall_s, write_s=time.monotonic() - save.handed_at,
-        nbytes=save.file_nbytes if save.writes_file else written_bytes(all_results), local_nbytes=save.nbytes, pending=len(run.pending) - (save in run.pending),
-        worker_s=save.write_s, lazy_nbytes=save.lazy_nbytes,
+        path=str(save.path), step=save.step, stall_s=costs.stall_s, write_s=time.monotonic() - costs.handed_at,
+        nbytes=costs.file_nbytes if save.writes_file else written_bytes(all_results), local_nbytes=save.nbytes,
+        pending=len(run.pending) - (save in run.pending), worker_s=costs.write_s, lazy_nbytes=costs.lazy_nbytes,
     )
     save.to(SaveState.COMMITTED)
-    run.history.append(record)
+    run.ledger.record(record, save.call)
     if save.remote and isinstance(save.tmp, Path):
         commit.try_remove(save.tmp, "the uploaded spool directory")  # this rank's local copy
-    run.committed_calls.add(save.call)
-    run.last_ok_order = save.order
     if rank == 0:
         log.info("lightning-asyncckpt: %s", record.summary())
     log.debug(
@@ -95,7 +90,7 @@ def record_commit(run: Run, save: Save, all_results: list, rank: int) -> None:
         " staged here, %d pending", save.path, record.stall_s, record.worker_s, record.write_s,
         record.local_nbytes, record.pending,
     )
-    run_removals(run)
+    run.retention.committed(save.order)  # the removals that waited for it
 
 
 def commit_collective(run: Run, agreement: Agreement, save: Save) -> None:
@@ -114,7 +109,7 @@ def commit_collective(run: Run, agreement: Agreement, save: Save) -> None:
             commit.try_remove(save.tmp, "the failed save")
         drop_collective_pending(run, agreement.rank)
         agreement.all_max([0])  # every rank has stopped its writers
-        remove_doomed(run)
+        run.retention.remove_doomed()
         raise CheckpointWriteError(str(save.path), [failure])
     if not coordinator:
         commit_save(run, save, all_results, agreement.rank, coordinator=False)
@@ -125,8 +120,7 @@ def drop_collective_pending(run: Run, rank: int) -> None:
     consistently: stop them everywhere (their directories go once every rank has stopped)."""
     dropped = run.pending.take_where(lambda s: s.collective)
     for save in dropped:
-        if run.engine is not None:
-            run.engine.kill(save.ticket)
+        run.workers.kill(save.ticket)
         run.stager.release(save.buffer_set)
         discard_tmp(run, save, rank)
         save.to(SaveState.DROPPED)
@@ -136,23 +130,18 @@ def drop_collective_pending(run: Run, rank: int) -> None:
 
 def discard_tmp(run: Run, save: Save, rank: int) -> None:
     """Removes a failed save's partial directory. Other ranks may still be writing into a collective
-    save's directory: the coordinator removes it once every rank has stopped (``remove_doomed``)."""
+    save's directory: the coordinator removes it once every rank has stopped (``Retention.remove_doomed``)."""
     if not isinstance(save.tmp, Path):
         return  # a remote file, never visible: the worker discarded the upload (a killed one leaves an incomplete upload)
     if save.collective and not save.remote:  # a remote one's parts are in each rank's own spool
         if rank == 0:
-            run.doomed.append(save.tmp)
+            run.retention.doom(save.tmp)
     else:
         commit.try_remove(save.tmp, "the failed save")
 
 
-def remove_doomed(run: Run) -> None:
-    for tmp in run.doomed:
-        commit.try_remove(tmp, "the failed save")
-    run.doomed = []
-
-
 def record_failure(run: Run, save: Save, failure: RankFailure, rank: int) -> None:
+    """(this rank) ``save`` failed: what it left goes, and the failure is recorded for the next finalize."""
     discard_tmp(run, save, rank)
     try:
         os.unlink(save.result_path)
@@ -168,18 +157,4 @@ def request_removal(run: Run, path: Path | str) -> None:
     """(the ranks Lightning calls ``remove_checkpoint`` on) ``path`` goes once every save scheduled so far
     has committed: a checkpoint still being written is never deleted, and the newest committed one is
     kept until a newer one commits."""
-    run.removals.append((path, run.order))
-    run_removals(run)
-
-
-def run_removals(run: Run) -> None:
-    if run.removals_held:
-        return  # the logger relay has calls to make first (``SavePipeline.hold_removals``)
-    keep = []
-    for path, after in run.removals:
-        if after <= run.last_ok_order:
-            run.remove(path, "the checkpoint that ModelCheckpoint removed")
-        else:
-            keep.append((path, after))
-    run.removals = keep
-
+    run.retention.request(path, run.order)

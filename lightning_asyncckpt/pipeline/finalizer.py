@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from lightning_asyncckpt.pipeline.agreement import Agreement
-from lightning_asyncckpt.pipeline.committer import commit_collective, drop_collective_pending, remove_doomed
+from lightning_asyncckpt.pipeline.committer import commit_collective, drop_collective_pending
 from lightning_asyncckpt.pipeline.poller import settle_local
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import SaveState
@@ -58,7 +58,7 @@ def finalize(
             # rank takes this branch.
             time.sleep(settings.poll_interval_s)
             continue
-        count.reported = max(count.reported, -neg_ready)
+        count.agreed_through(-neg_ready)
         if not blocking or (not any_pending and count.reported >= count.announced):
             return
         time.sleep(settings.poll_interval_s)
@@ -69,5 +69,5 @@ def raise_agreed_failures(run: Run, agreement: Agreement) -> None:
     same error."""
     drop_collective_pending(run, agreement.rank)
     error = run.failures.gather(agreement)
-    remove_doomed(run)  # every rank has stopped its writers before the gather
+    run.retention.remove_doomed()  # every rank has stopped its writers before the gather
     raise error

@@ -66,6 +66,11 @@ class PendingQueue:
             out.append(save)
         return out
 
+    def take_all(self) -> list[Save]:
+        """Removes and returns every save, oldest first."""
+        taken, self._saves = list(self._saves), deque()
+        return taken
+
     def take_where(self, pred: Callable[[Save], bool]) -> list[Save]:
         """Removes and returns the saves for which ``pred`` holds, keeping the others in order."""
         taken = [s for s in self._saves if pred(s)]

@@ -23,7 +23,6 @@ from lightning_asyncckpt.faults.policy import FaultPolicy
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import poller, scheduler, settle_copy
 from lightning_asyncckpt.pipeline.agreement import Agreement
-from lightning_asyncckpt.pipeline.committer import run_removals
 from lightning_asyncckpt.pipeline.drain import AtExit, ExitGroup, drain
 from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
@@ -93,9 +92,7 @@ class SavePipeline:
         run = self._run
         if run is None:
             return  # no run: nothing to remove (a closed run ran its removals)
-        run.removals_held = held
-        if not held:
-            run_removals(run)
+        run.retention.hold(held)
 
     def begin_run(self, collective: bool) -> None:
         """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
@@ -112,7 +109,7 @@ class SavePipeline:
     def announce(self) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts a save that the plugin will be called for
         on some rank, so that every rank knows a save is pending."""
-        self._ensure_run().count.announced += 1
+        self._ensure_run().count.announce()
 
     def prepare(self, like: dict[str, Any], distributed: bool) -> None:
         """(writing ranks, before the first save) Allocates staging buffers for checkpoints like ``like``
@@ -240,8 +237,8 @@ class SavePipeline:
     def _ensure_run(self) -> Run:
         if self._run is None:
             s = self.settings
-            self._run = Run(s.engine_name, s.worker_mode, self.history, self._committed_calls, worker_nice=s.worker_nice)
-            self._run.tracked = self._tracked
+            self._run = Run(s.engine_name, s.worker_mode, self.history, self._committed_calls, worker_nice=s.worker_nice,
+                            tracked=self._tracked)
             self._handling_at_start = sys.exc_info()[1]
         return self._run
 

@@ -11,6 +11,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
@@ -26,8 +27,13 @@ log = logging.getLogger(__name__)
 
 def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until: int | None = None) -> None:
     """(this rank) Polls own writes in order; commits finished single-writer saves, marks finished parts of
-    collective saves as written (the ranks commit them together), records failures. ``blocking`` waits
-    for every write (up to the save of order ``until``)."""
+    collective saves as written (the ranks commit them together), records failures.
+
+    Args:
+        rank: this rank.
+        blocking: wait for every write (else only settle those that ended).
+        until: the order of the last save to wait for (None: all).
+    """
     settle_publishing(run, rank, blocking and until is None, settings.timeout_s)
     while True:
         save = run.pending.next_to_poll(until)
@@ -64,8 +70,7 @@ def settle_local(run: Run, settings: Settings, rank: int, blocking: bool, until:
                 commit.try_remove(save.tmp, "the dropped save")
             continue
         if failure is None and save.collective:
-            save.written = results
-            save.to(SaveState.WRITTEN)
+            save.wrote(results)
             continue
         run.pending.remove(save)
         if failure is None:
@@ -117,19 +122,27 @@ def wait_for_room(run: Run, settings: Settings, rank: int) -> None:
             return  # cannot progress locally (it waits for a collective commit): go on rather than spin
 
 
-def read_outcome(save: Save, rank: int) -> tuple[list, RankFailure | None]:
-    """The worker's report for ``save``: its write results, or what went wrong."""
+class Outcome(NamedTuple):
+    """The worker's report for one save: its write results, or what went wrong (``failure``)."""
+
+    results: list
+    failure: RankFailure | None
+
+
+def read_outcome(save: Save, rank: int) -> Outcome:
+    """The worker's report for ``save``: its write results, or what went wrong. Its own figures (write
+    time, file size) go to the save."""
+    assert save.result_path is not None
     try:
         with open(save.result_path, "rb") as f:
             outcome = pickle.load(f)
         os.unlink(save.result_path)
     except FileNotFoundError:
-        return [], RankFailure(rank, "WorkerDied", "the checkpoint worker exited without reporting a result")
+        return Outcome([], RankFailure(rank, "WorkerDied", "the checkpoint worker exited without reporting a result"))
     if not outcome["ok"]:
-        return [], RankFailure(rank, outcome["error_type"], outcome["message"], outcome["errno"])
-    save.write_s = float(outcome.get("write_s", 0.0))
-    save.file_nbytes = int(outcome.get("nbytes", 0))
-    return outcome["results"], None
+        return Outcome([], RankFailure(rank, outcome["error_type"], outcome["message"], outcome["errno"]))
+    save.reported(float(outcome.get("write_s", 0.0)), int(outcome.get("nbytes", 0)))
+    return Outcome(outcome["results"], None)
 
 
 def fail_all(run: Run, rank: int, lost: Save, failure: RankFailure) -> None:
@@ -138,7 +151,7 @@ def fail_all(run: Run, rank: int, lost: Save, failure: RankFailure) -> None:
     assert run.engine is not None
     run.engine.reset_after_failure()
     for save in run.pending.take_where(lambda s: s.state is not SaveState.WRITTEN):
-        run.engine.kill(save.ticket)
+        run.workers.kill(save.ticket)
         if run.copying is save and save is not lost and save.state is SaveState.WRITING:
             # queued behind the lost write, its copy not yet settled: the training thread hands it to the
             # next worker (its buffers still hold its snapshot)

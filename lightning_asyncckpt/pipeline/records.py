@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -66,7 +65,29 @@ class SaveRecord:
         )
 
 
-def global_step(state: Any) -> int | None:
+class Ledger:
+    """What this rank's saves came to, kept by the plugin across its runs: the records of the committed
+    saves, oldest first, and the numbers of the save calls that committed (``SavePipeline.saves_settled``).
+    Both are the plugin's own containers, shared: a record outlives the run that made it."""
+
+    def __init__(self, history: list[SaveRecord], committed_calls: set[int] | None = None) -> None:
+        self._history = history
+        self._committed_calls = committed_calls if committed_calls is not None else set()
+
+    @property
+    def history(self) -> list[SaveRecord]:
+        return self._history
+
+    def __len__(self) -> int:
+        return len(self._history)
+
+    def record(self, record: SaveRecord, call: int) -> None:
+        """(this rank, at a commit) The record of a save that committed, from save call ``call``."""
+        self._history.append(record)
+        self._committed_calls.add(call)
+
+
+def global_step(state: object) -> int | None:
     """The step a checkpoint was taken at: Lightning's ``global_step``, or a Fabric loop's ``step``."""
     if not isinstance(state, dict):
         return None

@@ -1,30 +1,32 @@
 """``Run``: the state of one run of saves, made when saving starts and dropped when it stops.
 
-A run owns the engine (its worker), the stager's buffers, the pending queue, the failure log, the
-cross-rank save count, the results directory and the token that names its temporary directories. One
-place makes all of it and one place (:meth:`Run.close`) lets all of it go, so that nothing of an
-earlier run (a Trainer's ``fit`` before a ``test``, a torn-down plugin saving once more) leaks into the
-next.
+A run is made of small parts, each owning its state and changed only through its methods: the writers
+(``workers.Workers``: the engine and the scratch directory), the stager's buffers, the pending queue, the
+failure log, the cross-rank save count (:class:`SaveCount`), the names of its hidden directories and
+their token (``temp_names.TempNames``), retention (``retention.Retention``), the object-store thread and
+its publishes (``remote_ops.RemoteOps``), and the lazy snapshot being copied. One place makes all of it
+and one place (:meth:`Run.close`) lets all of it go, so that nothing of an earlier run (a Trainer's
+``fit`` before a ``test``, a torn-down plugin saving once more) leaks into the next.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 from lightning_asyncckpt import engines
-from lightning_asyncckpt.format import commit, remote
-from lightning_asyncckpt.pipeline import scratch
+from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.pipeline.failures import FailureLog
 from lightning_asyncckpt.pipeline.pending import PendingQueue
 from lightning_asyncckpt.pipeline.plan_cache import PlanCache
-from lightning_asyncckpt.pipeline.records import SaveRecord
-from lightning_asyncckpt.pipeline.save import SaveState
+from lightning_asyncckpt.pipeline.records import Ledger, SaveRecord
+from lightning_asyncckpt.pipeline.remote_ops import RemoteOps
+from lightning_asyncckpt.pipeline.retention import Retention
+from lightning_asyncckpt.pipeline.save import Save, SaveState
+from lightning_asyncckpt.pipeline.temp_names import TempNames
+from lightning_asyncckpt.pipeline.workers import Workers
 from lightning_asyncckpt.snapshot.lazy import TrackedState
 from lightning_asyncckpt.snapshot.staging import Stager
 
@@ -55,68 +57,93 @@ class SaveCount:
             return self.announced
         return None
 
+    def announce(self) -> None:
+        """(all ranks, as Lightning builds a checkpoint) A save that the plugin will be called for on some rank."""
+        self.announced += 1
+
+    def agreed_through(self, seq: int) -> None:
+        """(all ranks, in finalize) Every rank agreed that the saves up to ``seq`` are settled."""
+        self.reported = max(self.reported, seq)
+
     def unsettled(self) -> bool:
         return self.announced > self.reported
+
+    def all_reported(self) -> bool:
+        return self.reported >= self.announced
 
     def settle_all(self) -> None:
         self.reported = self.consumed = self.announced
 
 
-@dataclass(eq=False)
+class Unsettled(NamedTuple):
+    """A save not yet committed or failed: where it goes, and the save call it came from."""
+
+    path: Path | str
+    call: int
+
+
 class Run:
-    engine_name: engines.EngineName
-    worker_mode: engines.WorkerMode
-    history: list[SaveRecord]  # the IO's, shared: records outlive the run
-    committed_calls: set[int] = field(default_factory=set)  # the IO's, shared: save calls that committed
-    token: str = field(default_factory=commit.new_token)
-    token_agreed: bool = False  # collective saves write into rank 0's token's directories
-    collective_count: int = 0
-    order: int = 0  # saves scheduled on this rank
-    last_ok_order: int = 0  # the newest save committed on this rank
-    count: SaveCount = field(default_factory=SaveCount)
-    pending: PendingQueue = field(default_factory=PendingQueue)
-    failures: FailureLog = field(default_factory=FailureLog)
-    removals: list[tuple[Path | str, int]] = field(default_factory=list)  # (path, after order): retention
-    removals_held: bool = False  # deferred logger calls come first (see logger_relay)
-    doomed: list[Path] = field(default_factory=list)  # partial dirs of failed collective saves (coordinator)
-    engine: engines.Engine | None = None
-    worker_nice: int = 0  # the writer processes' CPU priority
-    results_dir: Path | None = None
-    cleaned_dirs: set[Path | str] = field(default_factory=set)
-    stager: Stager = field(init=False)
-    # remote directories whose .metadata is being uploaded (coordinator): (save, upload, write results, since)
-    publishing: list[tuple[Any, Future, list, float]] = field(default_factory=list)
-    tracked: TrackedState = field(default_factory=TrackedState)  # what a lazy snapshot may copy later
-    plans: PlanCache = field(default_factory=PlanCache)  # collective saves' plans, reused while the structure holds
-    copying: Any = None  # save.Save whose lazy copy is not settled yet (one at most: a save waits for it)
-    _remote_ops: ThreadPoolExecutor | None = None
+    """One run of saves on this rank. Its parts are public for the pipeline's steps to call; each changes
+    its own state only."""
 
-    def __post_init__(self) -> None:
-        persistent = self.worker_mode is engines.WorkerMode.PERSISTENT
+    def __init__(self, engine_name: engines.EngineName, worker_mode: engines.WorkerMode, history: list[SaveRecord],
+                 committed_calls: set[int] | None = None, *, worker_nice: int = 0, tracked: TrackedState | None = None,
+                 engine: engines.Engine | None = None) -> None:
+        """Args:
+            engine_name, worker_mode, worker_nice: the writers (``Settings``).
+            history, committed_calls: the plugin's records and committed save calls, shared: they outlive the run.
+            tracked: what a lazy snapshot may copy later (the plugin's, for every run).
+            engine: an engine made already (tests give a fake one); else made at the first save.
+        """
+        persistent = worker_mode is engines.WorkerMode.PERSISTENT
+        self.workers = Workers(engine_name, worker_mode, worker_nice, engine)
+        self.ledger = Ledger(history, committed_calls)
+        self.tracked = tracked if tracked is not None else TrackedState()
         self.stager = Stager(shared=persistent, copy_cpu=persistent)
+        self.plans = PlanCache()  # collective saves' plans, reused while the structure holds
+        self.count = SaveCount()
+        self.names = TempNames()
+        self.pending = PendingQueue()
+        self.failures = FailureLog()
+        self.remote = RemoteOps()
+        self.retention = Retention(self.remote.remove)
+        self._copying: Save | None = None  # the lazy copy not settled yet (one at most: a save waits for it)
 
+    # -- read ------------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> engines.Engine | None:
+        return self.workers.engine
+
+    @property
+    def results_dir(self) -> Path | None:
+        return self.workers.results_dir
+
+    @property
+    def history(self) -> list[SaveRecord]:
+        return self.ledger.history
+
+    @property
+    def order(self) -> int:
+        """The order of the newest save scheduled on this rank."""
+        return self.names.order
+
+    @property
+    def copying(self) -> Save | None:
+        """The save whose lazy copy is not settled yet, if any (``settle_copy.finish_copy`` settles it)."""
+        return self._copying
+
+    # -- the run's life --------------------------------------------------------------------------------
     def start(self, rank: int, dirpath: Path | str | None) -> engines.Engine:
-        """(writing ranks) The engine (its worker starts at the first write or ``warmup``), the results
-        directory, and for rank 0 the leftovers of dead saves in ``dirpath`` removed, once per directory.
-        A remote ``dirpath`` is checked instead (a missing bucket is an error here, at save time)."""
-        if self.results_dir is None:
-            base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-            self.results_dir = scratch.make_scratch_dir(base)  # first removes those of dead trainers
-        if self.engine is None:
-            self.engine = engines.create(self.engine_name, self.worker_mode, rank, self.worker_nice, str(self.results_dir))
-        if isinstance(dirpath, str) and dirpath not in self.cleaned_dirs:
-            remote.check_directory(dirpath)
-            spool = remote.spool_root()
-            if spool not in self.cleaned_dirs:  # parts of dead runs' directory saves on this node
-                commit.cleanup_leftovers(spool, keep_prefix=commit.tmp_for(spool / "x", self.token).name)
-                self.cleaned_dirs.add(spool)
-            self.cleaned_dirs.add(dirpath)
-        elif dirpath is not None and dirpath not in self.cleaned_dirs:
-            dirpath.mkdir(parents=True, exist_ok=True)
-            if rank == 0:
-                commit.cleanup_leftovers(dirpath, keep_prefix=commit.tmp_for(dirpath, self.token).name)
-            self.cleaned_dirs.add(dirpath)
-        return self.engine
+        """(writing ranks, as a save starts) The engine (its worker starts at the first write or
+        ``warmup``), the results directory, and ``dirpath`` swept of dead saves' leftovers
+        (:meth:`TempNames.sweep`).
+
+        Returns:
+            The run's engine.
+        """
+        engine = self.workers.start(rank)
+        self.names.sweep(rank, dirpath)
+        return engine
 
     def prepare(self, like: dict, rank: int, world_size: int) -> None:
         """Allocates staging buffers for checkpoints like ``like`` (this rank's share of ``world_size``), once."""
@@ -124,83 +151,74 @@ class Run:
             nbytes = self.stager.prepare(like, rank=rank, world_size=world_size)
             log.debug("lightning-asyncckpt: prepared %d bytes of staging buffers", nbytes)
 
-    def unsettled(self) -> list[tuple[Path | str, int]]:
-        """``(path, save call)`` of every save not yet committed or failed: the pending ones, the lazy
-        snapshot being copied (not yet handed to the worker), and remote directories being published."""
-        out = [(s.path, s.call) for s in [*self.pending, *(p[0] for p in self.publishing)]]
-        if self.copying is not None and self.copying.state in (SaveState.COPYING, SaveState.LOST):  # not handed over
-            out.append((self.copying.path, self.copying.call))
+    def copy_started(self, save: Save) -> None:
+        """(scheduler) ``save``'s lazy copy runs until ``settle_copy.finish_copy`` takes it."""
+        self._copying = save
+
+    def take_copy(self) -> Save | None:
+        """(settle_copy) The save whose lazy copy is to be settled now; the run holds it no more."""
+        save, self._copying = self._copying, None
+        return save
+
+    def unsettled(self) -> list[Unsettled]:
+        """Every save not yet committed or failed: the pending ones, the lazy snapshot being copied (not yet
+        handed to the worker), and remote directories being published."""
+        out = [Unsettled(s.path, s.call) for s in [*self.pending, *self.remote.saves()]]
+        copying = self._copying
+        if copying is not None and copying.state in (SaveState.COPYING, SaveState.LOST):  # not handed over
+            out.append(Unsettled(copying.path, copying.call))
         return out
-
-    def remove(self, path: Path | str, what: str) -> None:
-        """(this rank, retention) Removes a checkpoint: a local one now; a remote one in one background
-        thread, so that object-store calls stay off the training thread (``close`` waits for them)."""
-        if isinstance(path, Path):
-            commit.try_remove(path, what)
-        else:
-            self.background(remote.remove, path, what)
-
-    def background(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Runs ``fn`` in the run's one thread for object-store calls, in the order they were asked for
-        (a publish before the removals that wait for it); ``close`` waits for all of them."""
-        if self._remote_ops is None:
-            self._remote_ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncckpt-remote")
-        return self._remote_ops.submit(fn, *args)
 
     def worker_pids(self) -> list[int]:
         """PIDs of this run's live writers: the persistent worker, or the forked ones of pending saves."""
-        if self.engine is None:
-            return []
-        forked = [s.ticket.process for s in self.pending if s.ticket.process is not None]
-        return self.engine.worker_pids() + [p.pid for p in forked if p.is_alive()]
+        return self.workers.pids(s.ticket for s in self.pending)
 
     def close(self, rank: int, abort: bool) -> None:
         """(this rank) Stops the worker, drops what is still pending (only left when aborting), runs the
         removals that were waiting for committed saves, and frees every buffer."""
-        if self.copying is not None:  # every way out waits for it first: a last resort, the save is dropped
-            self.copying.copy.cancel()  # one still waiting for the write before it never starts
-            self.copying.copy.wait(COPY_AT_CLOSE_S)  # its thread writes into buffers that go now
-            if not self.copying.ended and self.copying not in self.pending:
-                self.copying.to(SaveState.DROPPED)
-            self.copying = None
+        self._stop_copy()
         try:
-            if self.engine is not None:
-                self.engine.close(abort=abort)
+            self.workers.stop(abort)
         finally:  # a worker that would not stop cleanly still leaves no buffers or scratch files behind
-            self._release(rank, abort)
+            self._drop_pending(rank)
+            if abort:
+                self.failures.clear()  # logged when recorded; an aborted run does not raise them later
+            self.retention.close()
+            self._drop_publishing()  # after the removals: their remote calls are waited for there
+            self.count.settle_all()
+            self.stager.clear()
+            self.workers.remove_scratch()
 
-    def _release(self, rank: int, abort: bool) -> None:
-        """The rest of :meth:`close`, once the engine is stopped (or failed to stop)."""
-        dropped = self.pending.take_where(lambda s: True)
+    def _stop_copy(self) -> None:
+        """Every way out waits for the lazy copy first: a last resort, the save is dropped."""
+        save = self.take_copy()
+        if save is None:
+            return
+        assert save.copy is not None
+        save.copy.cancel()  # one still waiting for the write before it never starts
+        save.copy.wait(COPY_AT_CLOSE_S)  # its thread writes into buffers that go now
+        if not save.ended and save not in self.pending:
+            save.to(SaveState.DROPPED)
+
+    def _drop_pending(self, rank: int) -> None:
+        """The saves still pending (only left when aborting) are dropped, their writers stopped, and their
+        hidden paths removed where this rank owns them."""
+        dropped = self.pending.take_all()
         for save in dropped:
             if not save.ended:
                 save.to(SaveState.DROPPED)
-            if self.engine is not None:
-                self.engine.kill(save.ticket)
+            self.workers.kill(save.ticket)
             if not isinstance(save.tmp, Path):
                 continue  # a remote file: an unfinished upload is never visible
-            if not save.collective or rank == 0 or save.remote:  # a remote save's parts: this rank's spool  # every rank writes into a collective save's directory
+            # every rank writes into a collective save's directory (a remote save's parts: this rank's spool)
+            if not save.collective or rank == 0 or save.remote:
                 commit.try_remove(save.tmp, "the unfinished save")
         if dropped:
             log.warning("lightning-asyncckpt: %d unfinished save(s) dropped", len(dropped))
-        if abort:
-            self.failures.clear()  # logged when recorded; an aborted run does not raise them later
-        for tmp in self.doomed:
-            commit.try_remove(tmp, "the failed save")
-        self.doomed = []
-        for path, after in self.removals:
-            if after <= self.last_ok_order:
-                self.remove(path, "the checkpoint")
-        self.removals = []
-        if self._remote_ops is not None:
-            self._remote_ops.shutdown(wait=True)  # the publishes and removals asked for are done when the run closes
-            self._remote_ops = None
-        for save, *_ in self.publishing:  # published (or not) on the way out, unrecorded: its spool goes
+
+    def _drop_publishing(self) -> None:
+        """The remote directories being published: published (or not) on the way out, unrecorded; each
+        one's spool goes."""
+        for save in self.remote.close():
             save.to(SaveState.DROPPED)
             commit.try_remove(save.tmp, "the uploaded spool directory")
-        self.publishing = []
-        self.count.settle_all()
-        self.stager.clear()
-        if self.results_dir is not None:
-            shutil.rmtree(self.results_dir, ignore_errors=True)  # our own scratch files in /dev/shm
-            self.results_dir = None

@@ -13,12 +13,11 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.format import commit, paths, remote
+from lightning_asyncckpt.format import commit, paths
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import poller, write_jobs
 from lightning_asyncckpt.pipeline.agreement import Agreement
@@ -26,7 +25,7 @@ from lightning_asyncckpt.pipeline.failures import Failed, filesystem_failures
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.serialize import torch_bytes
-from lightning_asyncckpt.pipeline.settings import Settings
+from lightning_asyncckpt.pipeline.settings import Settings, SnapshotMode
 from lightning_asyncckpt.snapshot import lazy, staging
 from lightning_asyncckpt.write import file_layout
 from lightning_asyncckpt.write.gate import Gate
@@ -35,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 def submit(
-    run: Run, agreement: Agreement, settings: Settings, save: Save, storage_options: Any,
+    run: Run, agreement: Agreement, settings: Settings, save: Save, storage_options: object,
     on_first_collective: Callable[[], None],
 ) -> None:
     """(the saving ranks; every rank for a collective save) The save-time half of a save: validate, wait for
@@ -44,19 +43,28 @@ def submit(
 
     Alone (no process group), a write failure raises :class:`CheckpointWriteError` here and bad input its
     own error. With a process group, a failure is recorded for the next finalize, which raises it on every
-    rank: raising on one rank alone would leave the others waiting in Lightning's barrier."""
+    rank: raising on one rank alone would leave the others waiting in Lightning's barrier.
+
+    Args:
+        run: the run the save belongs to.
+        agreement: the ranks (``Agreement.alone()`` without a process group).
+        settings: the plugin's settings.
+        save: the save, ``REQUESTED``; it leaves ``WRITING`` (or ``COPYING``), or ended.
+        storage_options: as the caller passed them (checked by ``paths.check_save_path``).
+        on_first_collective: called on every rank at the first collective save, once its token is agreed.
+    """
     rank, collective = agreement.rank, save.collective
     try:
         snapshot, local_error = None, None
         try:
-            save.path = paths.check_save_path(save.path, storage_options, save.writes_file)
+            save.validated(paths.check_save_path(save.path, storage_options, save.writes_file))
             run.start(rank, paths.parent(save.path))
             poller.settle_local(run, settings, rank, blocking=False)
             if not agreement.active:
                 run.failures.raise_local()
             poller.wait_for_room(run, settings, rank)
             if isinstance(save.path, str):
-                poller.wait_for_path(run, settings, rank, save.path, run.engine.persistent)
+                poller.wait_for_path(run, settings, rank, save.path, run.workers.persistent)
             if collective:
                 snapshot = take_snapshot(run, agreement, save, _lazy_rule(run, settings))
         except Exception as e:
@@ -115,25 +123,6 @@ def newest_write(run: Run) -> Save | None:
     return unwritten[-1] if unwritten else None
 
 
-def _tmp_dir(run: Run, agreement: Agreement, save: Save, on_first_collective: Callable[[], None]) -> Path | str:
-    """The hidden directory the save is written into: per save for one writer; for a collective save the
-    same on every rank (rank 0's token, agreed at the first one, and a count every rank keeps). A remote
-    file is written at its URL (invisible until complete: an object store has no rename); a remote
-    directory into a local spool directory first, which its worker uploads."""
-    if isinstance(save.path, str) and save.writes_file:
-        return save.path
-    # a spool directory is per rank: the ranks of one node share the spool root
-    base, spool = (remote.spool_root() / "x", f"-r{agreement.rank}") if isinstance(save.path, str) else (save.path, "")
-    if not save.collective:
-        return commit.tmp_for(base, f"{run.token}-{run.order}")
-    if not run.token_agreed:
-        run.token = agreement.all_gather(run.token)[0]
-        run.token_agreed = True
-        on_first_collective()  # every rank is here (Fabric; the Trainer made its exit group at setup)
-    run.collective_count += 1
-    return commit.tmp_for(base, f"{run.token}-c{run.collective_count}{spool}")
-
-
 def schedule(
     run: Run, agreement: Agreement, settings: Settings, save: Save, snapshot: staging.Snapshot | None,
     on_first_collective: Callable[[], None],
@@ -142,24 +131,23 @@ def schedule(
     left running (``run.copying``) and its settling waits for ``settle_copy.finish_copy``. On an error
     nothing of the save is left behind."""
     assert run.engine is not None and run.results_dir is not None
-    run.order += 1
-    save.order = run.order
-    save.tmp = _tmp_dir(run, agreement, save, on_first_collective)
-    if save.writes_file and isinstance(save.tmp, Path):
+    order, tmp = run.names.next_save(agreement, save, on_first_collective)
+    save.placed(order, tmp, agreement.rank if save.collective else 0)
+    if save.writes_file and isinstance(tmp, Path):
         # seen by the other ranks from the moment the save call returns (a load there waits for it to land);
         # the worker opens it again, truncating
-        save.tmp.touch()
-    save.rank = agreement.rank if save.collective else 0
+        tmp.touch()
     follow = None
     try:
         if save.writes_file:  # views and parameters as stock's file has them (metadata only, no copies)
-            save.checkpoint, save.shape = file_layout.prepare(save.checkpoint)
-        save.snapshot = snapshot if snapshot is not None else take_snapshot(run, agreement, save, _lazy_rule(run, settings))
+            save.prepared(*file_layout.prepare(save.checkpoint))
+        save.snapshotted(snapshot if snapshot is not None else take_snapshot(run, agreement, save, _lazy_rule(run, settings)))
+        assert save.snapshot is not None
         if save.layout is not Layout.SHARDED and (save.writes_file or save.rank == 0):
-            save.skeleton = torch_bytes(save.snapshot.skeleton)  # bad input (an object that cannot be pickled) fails here
+            save.serialized(torch_bytes(save.snapshot.skeleton))  # bad input (an object that cannot be pickled) fails here
         if save.snapshot.deferred:
             if not save.writes_file:  # planning reads shapes, not values: now, while every rank is here
-                save.planned = write_jobs.plan_dcp(run, agreement, settings, save)
+                save.planned_now(write_jobs.plan_dcp(run, agreement, settings, save))
             follow = _follow(run, settings, save)  # the write it follows: found before this one is pending
     except BaseException:
         drop(run, save, snapshot if save.snapshot is None else save.snapshot)
@@ -186,7 +174,7 @@ def _start_copy(run: Run, agreement: Agreement, settings: Settings, save: Save,
         gate = Gate(run.results_dir / f"{save.order}.gate")
         hand_over(run, agreement, settings, save, 0.0, gate)  # raises having dropped the save
     try:
-        save.copy = lazy.BackgroundCopy(save.snapshot.deferred, save.copy_hook, follow, gate)
+        copy = lazy.BackgroundCopy(save.snapshot.deferred, save.copy_hook, follow, gate)
     except BaseException:
         if gate is None:
             drop(run, save, save.snapshot)
@@ -195,9 +183,9 @@ def _start_copy(run: Run, agreement: Agreement, settings: Settings, save: Save,
             with contextlib.suppress(OSError):
                 gate.decide(False)
         raise
-    save.stall_s, save.lazy_nbytes = time.perf_counter() - save.called_at, save.copy.nbytes
-    run.copying = save
-    log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", save.path, save.copy.nbytes)
+    save.copy_started(copy, time.perf_counter() - save.called_at)
+    run.copy_started(save)
+    log.debug("lightning-asyncckpt: %s: copying %d bytes lazily", save.path, copy.nbytes)
 
 
 def _follow(run: Run, settings: Settings, save: Save) -> lazy.AfterWrite | None:
@@ -206,15 +194,15 @@ def _follow(run: Run, settings: Settings, save: Save) -> lazy.AfterWrite | None:
     if lease is None or lease.ready.is_set():
         return None
     newest = newest_write(run)
-    assert newest is not None and newest.buffer_set.buffer_set is lease.buffer_set
-    save.follows = newest.order
+    assert newest is not None and newest.buffer_set is not None and newest.buffer_set.buffer_set is lease.buffer_set
+    save.following(newest.order)
     return lazy.AfterWrite(lease.ready, newest.result_path, settings.timeout_s)
 
 
 def _lazy_rule(run: Run, settings: Settings) -> staging.Defer | None:
     """Which tensors a lazy snapshot leaves to the background copy (any layout). A forked writer's
     snapshot is the fork itself: taken at save time."""
-    if settings.snapshot != "lazy" or not run.stager.copy_cpu:
+    if settings.snapshot_mode is not SnapshotMode.LAZY or not run.stager.copy_cpu:
         return None
     return run.tracked.rule()
 
@@ -235,19 +223,18 @@ def hand_over(run: Run, agreement: Agreement, settings: Settings, save: Save, st
     nothing of it is left behind (and the error is raised). ``gate``: the worker waits at it before reading
     the buffers."""
     assert run.engine is not None and run.results_dir is not None and save.snapshot is not None
-    save.result_path = run.results_dir / f"{save.order}.result"
+    result_path = run.results_dir / f"{save.order}.result"
     gated = (gate.path, settings.timeout_s) if gate is not None else None
     try:
         if save.writes_file:
-            save.ticket, save.plan = write_jobs.file_job(run, save, save.result_path, gated), None
+            ticket, plan = write_jobs.file_job(run, save, result_path, gated), None
         else:
-            planned = save.planned or write_jobs.plan_dcp(run, agreement, settings, save)
-            save.ticket, save.plan = write_jobs.dcp_job(run, save, planned, save.result_path, gated), planned.plan
+            planned = save.staged.planned or write_jobs.plan_dcp(run, agreement, settings, save)
+            ticket, plan = write_jobs.dcp_job(run, save, planned, result_path, gated), planned.plan
     except BaseException:
         # bad input (e.g. an object that cannot be pickled): raised here, in the trainer
         drop(run, save, save.snapshot)
         raise
-    save.gate, save.stall_s = gate, stall_s
-    save.to(SaveState.WRITING)
+    save.handed_over(ticket, plan, result_path, gate, stall_s)
     run.pending.append(save)
-    log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", save.path, save.nbytes, save.stall_s)
+    log.debug("lightning-asyncckpt: scheduled %s (%d bytes), stall %.4fs", save.path, save.nbytes, stall_s)

@@ -5,12 +5,11 @@ of that step (the worker's queue would pickle it later, in a feeder thread, whil
 from __future__ import annotations
 
 import io
-from typing import Any
 
 import torch
 
 
-def torch_bytes(obj: Any) -> bytes:
+def torch_bytes(obj: object) -> bytes:
     """(the saving rank, inside the save call) ``torch.save(obj)`` into bytes.
 
     Called through ``torch.save``, as stock ``TorchCheckpointIO`` calls it, once per save in the training

@@ -6,15 +6,30 @@ read by the pipeline's functions, which get this value, never the plugin itself.
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass
 
 from lightning_asyncckpt import engines
-from lightning_asyncckpt.snapshot.lazy import SNAPSHOT_MODES
 
-FORMATS = ("auto", "dcp")
-SNAPSHOTS = SNAPSHOT_MODES
+
+class SaveFormat(str, enum.Enum):
+    """``format=``: what a single-writer save writes."""
+
+    AUTO = "auto"  # stock's formats: a torch.save file where stock writes one
+    DCP = "dcp"  # a DCP directory for every save
+
+
+class SnapshotMode(str, enum.Enum):
+    """``snapshot=``: when the state is copied."""
+
+    EAGER = "eager"  # inside the save call
+    LAZY = "lazy"  # the tracked optimizers' parameters and state in the background, before the next step
+
+
+FORMATS = tuple(f.value for f in SaveFormat)
+SNAPSHOTS = tuple(m.value for m in SnapshotMode)  # as snapshot.lazy.SNAPSHOT_MODES
 # Every wait has a bound, and one a thread can wait for: `threading` refuses timeouts past about 292 years
 # (OverflowError), and a save that may take longer than a year never ends in practice.
 LONGEST_S = 365 * 24 * 3600.0
@@ -68,6 +83,14 @@ class Settings:
                 f"`AsyncCheckpointIO(snapshot={self.snapshot!r})` is not valid; choose one of "
                 f"{', '.join(map(repr, SNAPSHOTS))}."
             )
+
+    @property
+    def save_format(self) -> SaveFormat:
+        return SaveFormat(self.format)
+
+    @property
+    def snapshot_mode(self) -> SnapshotMode:
+        return SnapshotMode(self.snapshot)
 
     @property
     def engine(self) -> str:

@@ -45,22 +45,21 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: fl
     assert save.copy is not None
     waited = time.perf_counter()
     try:  # still run.copying while it waits: the poller tells a write queued behind its gate (LOST) by that
-        if save.follows is not None and save.buffer_set is not None:
+        if save.staged.follows is not None and save.buffer_set is not None:
             _wait_for_buffers(run, settings, agreement.rank, save, settings.timeout_s if within_s is None else within_s)
         problem = save.copy.wait(settings.timeout_s)
     finally:
-        run.copying = None
+        run.take_copy()
     if save.state is S.LOST:  # the worker that had it queued is gone: its gate goes, it is handed over anew
-        save.gate.remove()
-        save.gate = None
+        save.ungated()
     if save.gate is not None:
         problem = _settle_gated(run, save, problem)
         if problem is None:
-            save.stall_s += time.perf_counter() - waited
+            save.stalled(time.perf_counter() - waited)
             return
     elif problem is None:
         try:
-            hand_over(run, agreement, settings, save, save.stall_s + time.perf_counter() - waited)
+            hand_over(run, agreement, settings, save, save.costs.stall_s + time.perf_counter() - waited)
         except Exception as e:  # noqa: BLE001 - as at save time: a write failure, or bad input
             save.to(S.FAILED)
             fail_at_save_time(run, agreement, save, e)
@@ -68,6 +67,7 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: fl
     else:  # the buffers are released only once the thread is done writing into them (else never reused)
         drop(run, save, save.snapshot if save.copy.done() else None)
         save.to(S.FAILED)
+    assert problem is not None
     failure = RankFailure(agreement.rank, save.copy.problem_type, problem)
     log.error("lightning-asyncckpt: save to %s failed: %s", save.path, problem)
     if not agreement.active:
@@ -78,6 +78,7 @@ def finish_copy(run: Run, agreement: Agreement, settings: Settings, within_s: fl
 def _settle_gated(run: Run, save: Save, problem: str | None) -> str | None:
     """A single writer handed over behind its gate: ``None`` once nothing is left to report, else the
     problem to record (the save is then ``ABANDONED``: its worker skips it)."""
+    assert save.copy is not None
     if save.ended or save.state is S.PUBLISHING:  # committed (or being published), or failed with its worker
         if save.copy.done():  # its buffers are free once nothing writes into them
             run.stager.release(save.buffer_set)
@@ -95,6 +96,7 @@ def _settle_gated(run: Run, save: Save, problem: str | None) -> str | None:
 
 def _skip(save: Save) -> bool:
     """Tells the worker to skip ``save``'s write; False when the copy thread has said ``go`` first."""
+    assert save.gate is not None
     try:
         return save.gate.decide(False)
     except OSError:  # the results directory is gone: nothing can be written, the worker gives up on its own

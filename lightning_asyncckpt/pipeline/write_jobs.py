@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lightning_asyncckpt.engines import Ticket
 from lightning_asyncckpt.faults.policy import with_hook
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format import dcp as dcp_format
@@ -20,7 +21,7 @@ from lightning_asyncckpt.pipeline import dcp_plan
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan
 from lightning_asyncckpt.pipeline.run import Run
-from lightning_asyncckpt.pipeline.save import Save
+from lightning_asyncckpt.pipeline.save import ExtraFile, Save
 from lightning_asyncckpt.pipeline.serialize import torch_bytes
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.version import __version__
@@ -28,16 +29,17 @@ from lightning_asyncckpt.write import dcp_writer, torch_file
 from lightning_asyncckpt.write.jobs import DcpJob, FileJob
 
 
-def file_job(run: Run, save: Save, result_path: Path, gate: tuple[str, float] | None) -> Any:
+def file_job(run: Run, save: Save, result_path: Path, gate: tuple[str, float] | None) -> Ticket:
     r"""The worker rebuilds the checkpoint dict and ``torch.save``\ s it: stock's file, byte for byte on CPU.
 """
-    assert run.engine is not None and save.skeleton is not None and save.shape is not None
+    skeleton, shape, snapshot = save.staged.skeleton, save.staged.shape, save.snapshot
+    assert run.engine is not None and skeleton is not None and shape is not None and snapshot is not None
     # The non-tensor state was serialized at save time, once: it is then a snapshot of this step (the
     # worker's queue would pickle it later, in a feeder thread, while training may change a leaf object).
     save.faults.check(save.faults.at_handover, save.path)
-    job = FileJob(save.skeleton, save.snapshot.tensors, str(save.tmp), str(result_path),
-                  with_hook(save.faults, save.write_hook), save.shape.aliases, save.shape.locations,
-                  frozenset(save.shape.same_object), gate, save.shape.kinds)
+    job = FileJob(skeleton, snapshot.tensors, str(save.tmp), str(result_path),
+                  with_hook(save.faults, save.write_hook), shape.aliases, shape.locations,
+                  frozenset(shape.same_object), gate, shape.kinds)
     return run.engine.schedule(torch_file.write_file_job, (job,))
 
 
@@ -45,7 +47,7 @@ def plan_dcp(run: Run, agreement: Agreement, settings: Settings, save: Save) -> 
     """Plans this rank's part of a DCP directory (collectively when all ranks write: every rank calls it
     for the same save, at save time)."""
     snapshot, tmp, rank = save.snapshot, save.tmp, save.rank
-    assert run.engine is not None and isinstance(tmp, Path)
+    assert run.engine is not None and isinstance(tmp, Path) and snapshot is not None
     extra = [(str(tmp / name), data) for name, data in save.extra_files]
     planner_data = None
     if save.layout is Layout.SHARDED:
@@ -53,8 +55,8 @@ def plan_dcp(run: Run, agreement: Agreement, settings: Settings, save: Save) -> 
     else:  # flat items; where they sit in the dict for plain DCP readers; the exact skeleton beside them
         state, planner_data = dcp_plan.replicated_items(snapshot.skeleton, snapshot.tensors, everything=rank == 0)
         if rank == 0:
-            assert save.skeleton is not None
-            extra.append((str(tmp / dcp_format.SKELETON_FILE), save.skeleton))
+            assert save.staged.skeleton is not None
+            extra.append((str(tmp / dcp_format.SKELETON_FILE), save.staged.skeleton))
     plan = dcp_plan.plan_save(
         state, tmp, run.engine.writer_cls, settings.thread_count, run.engine.split_by_size,
         save.collective, flatten=save.layout is Layout.SHARDED, planner_data=planner_data if rank == 0 else None,
@@ -65,7 +67,7 @@ def plan_dcp(run: Run, agreement: Agreement, settings: Settings, save: Save) -> 
     return DcpPlan(plan, extra)
 
 
-def dcp_job(run: Run, save: Save, planned: DcpPlan, result_path: Path, gate: tuple[str, float] | None) -> Any:
+def dcp_job(run: Run, save: Save, planned: DcpPlan, result_path: Path, gate: tuple[str, float] | None) -> Ticket:
     """Hands this rank's planned part of a DCP directory to the worker (its buffers hold the snapshot)."""
     tmp = save.tmp
     assert run.engine is not None
@@ -77,12 +79,12 @@ def dcp_job(run: Run, save: Save, planned: DcpPlan, result_path: Path, gate: tup
     return run.engine.schedule(dcp_writer.write_job, (job,))
 
 
-def meta_file(meta: dict[str, Any]) -> tuple[str, bytes]:
+def meta_file(meta: dict[str, Any]) -> ExtraFile:
     """(global rank 0 of a sharded save) ``meta.pt``, serialized now: a snapshot of the non-tensor state."""
-    return dcp_format.META_FILE, torch_bytes(meta)
+    return ExtraFile(dcp_format.META_FILE, torch_bytes(meta))
 
 
-def writer_info(run: Run, agreement: Agreement, settings: Settings, save: Save) -> dict[str, Any]:
+def writer_info(run: Run, agreement: Agreement, settings: Settings, save: Save) -> dict[str, object]:
     """The provenance file's content: who wrote the checkpoint, how, and when."""
     world = agreement.world_size
     return {
