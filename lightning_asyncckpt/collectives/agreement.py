@@ -100,10 +100,6 @@ class Agreement:
         rank, in one all-reduce (:func:`max_min`)."""
         return max_min(self.all_max, most, least)
 
-    def any(self, flag: bool) -> bool:
-        """(all ranks of the group, same order) True where ``flag`` is true on some rank."""
-        return bool(self.all_max([int(flag)])[0])
-
     def exit_side(self, timeout_s: float) -> Agreement:
         """(all ranks of the default group, together) A gloo group over the same ranks whose collectives fail
         after ``timeout_s`` instead of waiting forever: for agreeing on the way out of an exception, when a

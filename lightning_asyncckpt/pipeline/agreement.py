@@ -2,11 +2,11 @@
 training's group (or a gloo exit group with a bound), from the package's one owner of collectives,
 :mod:`lightning_asyncckpt.collectives`. The pipeline's modules run no collective of their own.
 
-The names stay importable from here for the pipeline's modules.
+The pipeline's modules import it from here.
 """
 
 from __future__ import annotations
 
-from lightning_asyncckpt.collectives import Agreed, Agreement, control_device, is_distributed
+from lightning_asyncckpt.collectives import Agreement
 
-__all__ = ["Agreed", "Agreement", "control_device", "is_distributed"]
+__all__ = ["Agreement"]

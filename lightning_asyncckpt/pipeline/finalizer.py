@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from lightning_asyncckpt.pipeline.agreement import Agreement
+from lightning_asyncckpt.collectives import Agreement
 from lightning_asyncckpt.pipeline.committer import commit_collective, drop_collective_pending, remove_doomed
 from lightning_asyncckpt.pipeline.poller import settle_local
 from lightning_asyncckpt.pipeline.run import Run
