@@ -1,5 +1,5 @@
 """What one gather of the local tier costs: ``torch.distributed.all_gather_object`` (two collectives) against
-``lightning_asyncckpt.tiers.object_gather.all_gather_objects`` (one, where every object fits its slot), on
+``lightning_asyncckpt.collectives.gather_objects`` (one, where every object fits its slot), on
 a gloo group of ``--world`` processes on this machine's cores.
 
     python benchmarks/probe_gather.py                  # 4 ranks, 200 gathers of each kind and size
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_asyncckpt.tiers.object_gather import SLOT, all_gather_objects
+from lightning_asyncckpt.collectives import SLOT, gather_objects
 
 OBJECTS = {
     "small": [{"step": 10, "owner": o, "nbytes": 1 << 26, "crc32": 0x1234ABCD, "topology": (4, 2, 2)} for o in range(2)],
@@ -44,7 +44,7 @@ def _stock(obj, world):
 def _rank(rank: int, world: int, port: int, reps: int, q) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    kinds = {"all_gather_object": lambda obj: _stock(obj, world), "all_gather_objects": all_gather_objects}
+    kinds = {"all_gather_object": lambda obj: _stock(obj, world), "all_gather_objects": gather_objects}
     times: dict[tuple[str, str], list[float]] = {}
     for _round in range(max(reps // 20, 1)):
         for size, obj in OBJECTS.items():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_asyncckpt.pipeline.agreement import Agreement, control_device
+from lightning_asyncckpt.collectives import Agreement, control_device
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@ object too large for its slot on one rank only still reaches every rank whole.""
 
 from __future__ import annotations
 
-from lightning_asyncckpt.tiers.object_gather import SLOT, all_gather_objects, slot_for
+from lightning_asyncckpt.collectives import SLOT, slot_for
+from lightning_asyncckpt.collectives import gather_objects as all_gather_objects
 from processes import two_ranks
 
 

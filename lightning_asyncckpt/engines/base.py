@@ -6,9 +6,10 @@ Both engines ship the same async machinery: an ``AsyncRequest`` value, a persist
 whose ``write_preloaded_data`` writes one shard file with fsync. We use all of these as they are.
 
 What we replace, because it hangs or assumes CUDA (see ENGINES.md):
-- the callers' scheduling and completion checks, which call ``torch.cuda`` and
-  ``torch.distributed.get_rank()`` and never check that the worker is alive;
-- the engines' finalize collectives (``agreement`` does that, on the right device, on every rank).
+- the callers' scheduling and completion checks, which call ``torch.cuda`` and ask the process group for
+  the rank, and never check that the worker is alive;
+- the engines' finalize collectives (the pipeline's agreement, :mod:`lightning_asyncckpt.collectives`, does
+  that, on the right device, on every rank).
 """
 
 from __future__ import annotations

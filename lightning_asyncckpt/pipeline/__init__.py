@@ -2,7 +2,8 @@
 
 ``pipeline.SavePipeline`` is its interface; ``scheduler`` takes a save in, ``poller`` watches the
 writes, ``finalizer`` agrees across the ranks, ``committer`` publishes and retains, ``drain`` lands
-what is in flight on the way out. ``agreement`` owns every collective. No Lightning imports.
+what is in flight on the way out. Its collectives go through
+:mod:`lightning_asyncckpt.collectives` (``agreement``: the training group's). No Lightning imports.
 
 ``run.Run`` is a run's state, made of small parts that each own theirs and change it only through their
 methods: ``workers`` (the engine, the scratch directory), ``temp_names`` (the save order, the token, the

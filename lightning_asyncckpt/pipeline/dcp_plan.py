@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
-from torch.distributed.checkpoint.utils import _DistWrapper
 
+from lightning_asyncckpt.collectives import Agreement
+from lightning_asyncckpt.collectives.planning import PlanRound
 from lightning_asyncckpt.pipeline import plan_cache
-from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.snapshot import staging, subclasses, tree
 
 
@@ -108,7 +108,7 @@ def plan_save(
     """
     planner = DefaultSavePlanner(flatten_state_dict=flatten, flatten_sharded_tensors=flatten)
     writer = writer_cls(str(tmp), thread_count=thread_count)
-    wrapper = _DistWrapper(None, distributed, 0)
+    wrapper = PlanRound(distributed)  # its collectives: the owner's (lightning_asyncckpt.collectives)
     storage_meta = writer.storage_meta() if hasattr(writer, "storage_meta") else None
     metadata: Metadata | None = None
 
@@ -133,7 +133,7 @@ def plan_save(
         try:
             local_plan = local_step()
             digest = plan_cache.structure_digest(
-                local_plan, world_size=wrapper.get_world_size(), rank=wrapper.rank, flatten=flatten,
+                local_plan, world_size=wrapper.world_size, rank=wrapper.rank, flatten=flatten,
                 writer=f"{writer_cls.__module__}.{writer_cls.__qualname__}", metadata_extra=planner_data,
             )
         except Exception as e:  # noqa: BLE001 - no digest matches: every rank plans in full, and DCP's
@@ -147,10 +147,10 @@ def plan_save(
                     raise local_error
                 return local_plan
 
-            central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", replay_local_step, global_step))
+            central_plan = planner.finish_plan(wrapper.reduce_scatter(replay_local_step, global_step))
             cache.store(digest, decision.round_id, central_plan, metadata)
     else:
-        central_plan = planner.finish_plan(wrapper.reduce_scatter("plan", local_step, global_step))
+        central_plan = planner.finish_plan(wrapper.reduce_scatter(local_step, global_step))
     buckets = make_buckets(central_plan, planner, tmp, thread_count, split_by_size)
     transforms = [writer.transforms] if hasattr(writer, "transforms") else []
     return WritePlan(writer=writer, metadata=metadata, buckets=buckets, transforms=transforms)

@@ -1,8 +1,9 @@
 """The cross-rank finalize protocol: the ranks agree on how far every save got and on any failure, commit
 collective saves together, and raise a failure on every rank, once.
 
-One agreement round (a small all-reduce of four integers) per poll:
-``[-ready_through, any_failed, any_pending, -first_failed]`` (maxima of negated values are minima).
+One agreement round (a small all-reduce of four integers, :meth:`Agreement.max_min`) per poll: the
+highest ``any_failed`` and ``any_pending`` (and, on the way out, ``out_of_time``), and the lowest
+``ready_through`` and ``first_failed`` over the ranks.
 Saves before the first failed one still commit: a good checkpoint is never dropped for a later failure.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from lightning_asyncckpt.pipeline.agreement import Agreement
+from lightning_asyncckpt.collectives import Agreement
 from lightning_asyncckpt.pipeline.committer import commit_collective, drop_collective_pending
 from lightning_asyncckpt.pipeline.poller import settle_local
 from lightning_asyncckpt.pipeline.run import Run
@@ -42,23 +43,24 @@ def finalize(
         if copying is not None:
             ready_through = min(ready_through, copying - 1)
         first_failed = run.failures.first_failed_seq(after_all=count.announced + 1)
-        progress = [-ready_through, int(bool(run.failures)), int(bool(run.unsettled())), -first_failed]
+        flags = [int(bool(run.failures)), int(bool(run.unsettled()))]
         if deadline is not None:
-            progress.append(int(time.monotonic() > deadline))
-        neg_ready, any_failed, any_pending, neg_first_failed, *out_of_time = agreement.all_max(progress)
+            flags.append(int(time.monotonic() > deadline))
+        agreed = agreement.max_min(most=flags, least=[ready_through, first_failed])
+        (any_failed, any_pending, *out_of_time), (ready, first_failed) = agreed.most, agreed.least
         while (head := run.pending.head()) is not None and head.state is SaveState.WRITTEN \
-                and head.seq <= -neg_ready and head.seq < -neg_first_failed:
+                and head.seq <= ready and head.seq < first_failed:
             commit_collective(run, agreement, head)  # same saves, same order, on every rank
         if any(out_of_time):
             return
         if any_failed:
-            if -neg_ready + 1 >= -neg_first_failed:
+            if ready + 1 >= first_failed:
                 raise_agreed_failures(run, agreement)
             # A save before the failed one is still being written on some rank: it commits first. Every
             # rank takes this branch.
             time.sleep(settings.poll_interval_s)
             continue
-        count.agreed_through(-neg_ready)
+        count.agreed_through(ready)
         if not blocking or (not any_pending and count.reported >= count.announced):
             return
         time.sleep(settings.poll_interval_s)

@@ -30,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_asyncckpt.collectives import AllMax, max_min
+
 log = logging.getLogger(__name__)
 
 ENV_VAR = "LIGHTNING_ASYNCCKPT_PLAN_CACHE"
@@ -83,15 +85,17 @@ class PlanCache:
         self.hits = 0
         self.misses = 0
 
-    def agree(self, digest: str, all_max: Any) -> Decision:
+    def agree(self, digest: str, all_max: AllMax) -> Decision:
         """(all ranks of the saving group, every collective save, in the same order) Looks ``digest`` up
-        and agrees with the other ranks, through ``all_max`` (element-wise maximum over ranks of a few
-        integers, :meth:`Agreement.all_max`), on whether every rank reuses its entry of the same round."""
+        and agrees with the other ranks, in one all-reduce through ``all_max`` (element-wise maximum over
+        ranks of a few integers, :meth:`Agreement.all_max`), on whether every rank reuses its entry of the
+        same round (every rank has one, and the newest and oldest round among them are the same)."""
         entry = self._entries.get(digest) if self.enabled else None
         own = entry.round_id if entry is not None else -1
         proposal = random.getrandbits(_ID_BITS)  # the next round's id, if one is needed: the largest wins
-        miss, newest, neg_oldest, round_id = all_max([int(entry is None), own, -own, proposal])
-        if miss == 0 and newest == -neg_oldest:
+        agreed = max_min(all_max, most=[int(entry is None), own, proposal], least=[own])
+        (miss, newest, round_id), (oldest,) = agreed.most, agreed.least
+        if miss == 0 and newest == oldest:
             self._entries.move_to_end(digest)
             self.hits += 1
             log.debug("lightning-asyncckpt: save plan reused (structure unchanged on every rank)")

@@ -21,12 +21,12 @@ One concern per module, lowest first:
 - ``recovery``: which step is complete in the local tier, and who sends each share (pure).
 - ``persistent``: a persistent checkpoint's step, read from its pickle alone (local or on an object store).
 - ``preemption``: SIGTERM/SIGUSR1 set a flag, nothing more.
-- ``step_agreement``: the one all-reduce per step boundary (optionally overlapped with the next step).
 - ``writer``: the background thread that settles the replicas and commits a save.
 - ``restore``: refill, check and read the newest complete step on every rank (one try).
 - ``deferred_refill``: the replicas a sharded restore leaves for later, sent from the writer's thread.
 - ``restore_key``: the name a resume from the local tier goes by (``restore-step-N``).
 - ``run``: :class:`TierRun`, one run's local tier on one rank (a restore tried again without a bad copy).
 
-No Lightning here: ``integration`` connects it to the Trainer and to Fabric.
+Its collectives (the step boundary's agreement, its gathers and transfers, its gloo groups) go through
+:mod:`lightning_asyncckpt.collectives`. No Lightning here: ``integration`` connects it to the Trainer and to Fabric.
 """

@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
-from lightning_asyncckpt.tiers import exchange, object_gather, store
+from lightning_asyncckpt import collectives
+from lightning_asyncckpt.collectives import ProcessGroup
+from lightning_asyncckpt.tiers import exchange, store
 from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.store import LocalStore
 
@@ -41,7 +41,7 @@ class Deferred:
     reserved: dict[int, MappedFile] = field(default_factory=dict)
 
 
-def run(deferred: Deferred, me: int, local: LocalStore, group: dist.ProcessGroup | None) -> int:
+def run(deferred: Deferred, me: int, local: LocalStore, group: ProcessGroup | None) -> int:
     """(every rank of a clique, in the writer's thread, from its first step boundary after a restore) Reserves
     the files ``deferred``'s replicas arrive in, agrees with the clique on which could be, moves them, checks
     and commits those this rank receives; returns how many it committed. Never raises; a peer that never
@@ -67,7 +67,7 @@ def run(deferred: Deferred, me: int, local: LocalStore, group: dist.ProcessGroup
 
 
 def _reserve_agreed(deferred: Deferred, me: int, local: LocalStore,
-                    group: dist.ProcessGroup | None) -> tuple[list[exchange.Move], exchange.Prepared]:
+                    group: ProcessGroup | None) -> tuple[list[exchange.Move], exchange.Prepared]:
     """(every rank of the clique, together) Reserves this rank's receiving files; the moves into a rank that
     could not reserve all of its are dropped on every rank, so that no sender waits for a receive never
     posted."""
@@ -83,5 +83,5 @@ def _reserve_agreed(deferred: Deferred, me: int, local: LocalStore,
             local.release(deferred.reserved.pop(owner))
         log.warning("lightning-asyncckpt: rank %d could not reserve the replicas it is sent after the restore: %s;"
                     " left out (the first local save checks the directory's space for them)", me, problem)
-    rows = [(me, problem)] if group is None else object_gather.all_gather_objects((me, problem), group)
+    rows = [(me, problem)] if group is None else collectives.gather_objects((me, problem), group)
     return exchange.keep(deferred.moves, deferred.prepared, {rank for rank, p in rows if p is not None})

@@ -1,5 +1,6 @@
 """Recovery transfers between ranks: point-to-point sends over gloo of a share's header and tensors, from a
-list of moves every rank computes alike (:mod:`lightning_asyncckpt.tiers.recovery`), all under way at once.
+list of moves every rank computes alike (:mod:`lightning_asyncckpt.tiers.recovery`), all under way at once
+(through :mod:`lightning_asyncckpt.collectives`).
 NVRx's own retrieval sends every tensor through CUDA, and only within a clique; this is ours.
 
 A transfer has two halves so that a rank that cannot take part never leaves a peer waiting in a send or a
@@ -14,8 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from lightning_asyncckpt import collectives
+from lightning_asyncckpt.collectives import ProcessGroup
 from lightning_asyncckpt.tiers.store import Held
 
 Move = tuple[int, int, int, Held]  # (owner, sender, receiver, manifest)
@@ -57,7 +59,7 @@ def keep(moves: Sequence[Move], prepared: Prepared, receivers_out: set[int]) -> 
 class Posted:
     """The sends and receives of one :func:`post`, under way; :meth:`wait` ends them."""
 
-    works: list = field(default_factory=list)
+    works: list[collectives.Work] = field(default_factory=list)
     got: list[tuple[Held, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     sent: list = field(default_factory=list)  # the headers' tensors, alive until their sends are done
 
@@ -70,7 +72,7 @@ class Posted:
         return [(manifest, bytes(head.numpy()), flat) for manifest, head, flat in self.got]
 
 
-def post(moves: Sequence[Move], prepared: Prepared, me: int, group: dist.ProcessGroup | None) -> Posted:
+def post(moves: Sequence[Move], prepared: Prepared, me: int, group: ProcessGroup | None) -> Posted:
     """(every rank of ``group``, together, once every rank has prepared) Starts ``moves`` (the same list on
     every rank) and returns at once: the rank may work on other things (checksums) while the bytes move,
     then must :meth:`Posted.wait`.
@@ -85,18 +87,18 @@ def post(moves: Sequence[Move], prepared: Prepared, me: int, group: dist.Process
             head, flat = prepared.sends[i]
             out.sent.append(torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else None)
             for tag, part in _parts(i, out.sent[-1], flat):
-                out.works.append(dist.isend(part, dst=receiver, group=group, tag=tag))
+                out.works.append(collectives.isend(part, receiver, group, tag=tag))
         elif receiver == me:
             head = torch.empty(manifest.head_nbytes, dtype=torch.uint8)
             flat = prepared.receives[i]
             for tag, part in _parts(i, head, flat):
-                out.works.append(dist.irecv(part, src=sender, group=group, tag=tag))
+                out.works.append(collectives.irecv(part, sender, group, tag=tag))
             out.got.append((manifest, head, flat))
     return out
 
 
 def transfer(moves: Sequence[Move], prepared: Prepared, me: int,
-             group: dist.ProcessGroup | None) -> list[tuple[Held, bytes, torch.Tensor]]:
+             group: ProcessGroup | None) -> list[tuple[Held, bytes, torch.Tensor]]:
     """:func:`post`, then :meth:`Posted.wait`: runs ``moves`` and returns what this rank received."""
     return post(moves, prepared, me, group).wait()
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from lightning_asyncckpt.tiers import object_gather
+from lightning_asyncckpt import collectives
+from lightning_asyncckpt.collectives import ProcessGroup
 from lightning_asyncckpt.tiers.packing import crc32
 
 
@@ -27,7 +26,7 @@ class Settled:
     crc32: int
 
 
-def settle(me: int, own_head: bytes, flats: dict, group: dist.ProcessGroup | None,
+def settle(me: int, own_head: bytes, flats: dict, group: ProcessGroup | None,
            ok: bool = True) -> tuple[dict[int, Settled], int, list[int]]:
     """(every member of the clique ``group``, together, in the writer thread) ``flats`` maps each clique
     owner to the ``uint8`` tensor this rank copied that owner's share into. Returns, by owner, what to
@@ -39,7 +38,7 @@ def settle(me: int, own_head: bytes, flats: dict, group: dist.ProcessGroup | Non
     if group is None:
         rows = [row]
     else:
-        rows = object_gather.all_gather_objects(row, group)
+        rows = collectives.gather_objects(row, group)
     failed = sorted(r[0] for r in rows if not r[4])
     if failed:
         return {}, 0, failed
@@ -49,9 +48,9 @@ def settle(me: int, own_head: bytes, flats: dict, group: dist.ProcessGroup | Non
                      if owner != holder and c != by_rank[owner][3][owner])
     for owner, holder in repairs:
         if me == owner:
-            dist.send(flats[owner], dst=holder, group=group)
+            collectives.send(flats[owner], holder, group)
         elif me == holder:
-            dist.recv(flats[owner], src=owner, group=group)
+            collectives.recv(flats[owner], owner, group)
             if crc32(flats[owner]) != by_rank[owner][3][owner]:
                 raise RuntimeError(f"rank {owner}'s share arrived with another CRC32 than it sent")
     out = {}

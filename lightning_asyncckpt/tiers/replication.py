@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import GroupWrapper
+
+from lightning_asyncckpt import collectives
+from lightning_asyncckpt.collectives import ProcessGroup
 
 Land = Callable[[int, int, torch.Size, torch.dtype], torch.Tensor]
 """``land(owner, index, shape, dtype)``: the tensor that the ``index``-th tensor of ``owner``'s (global
@@ -75,11 +77,22 @@ class LandingGroup(GroupWrapper):
     gathered, then each member broadcasts its tensors in turn. Only the receiving buffer differs: NVRx's
     is ``torch.empty`` of the placeholder's shape. ``land`` must not raise (a member that left the loop
     would leave its peers in a broadcast): where it cannot give a file, it gives memory and the caller
-    reports the failure after the exchange."""
+    reports the failure after the exchange.
 
-    def __init__(self, group: dist.ProcessGroup, land: Land) -> None:
+    Its collectives, and those NVRx's strategy runs through it, go through
+    :mod:`lightning_asyncckpt.collectives`, as NVRx's own wrapper runs them."""
+
+    def __init__(self, group: ProcessGroup, land: Land) -> None:
         super().__init__(group)
         self.land = land
+
+    def all_gather_object(self, my_obj: object) -> list:
+        """(every member of the clique, same order) Every member's ``my_obj``, in group-rank order."""
+        return collectives.all_gather_object(my_obj, self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """(every member of the clique, same order) Member ``src``'s (global rank) ``tensor`` into every member's."""
+        collectives.broadcast(tensor, src, self.group)
 
     def all_gather_batch(self, my_tensors: list[torch.Tensor],
                          target_device: object = None) -> list[list[torch.Tensor]]:
@@ -97,7 +110,7 @@ class LandingGroup(GroupWrapper):
         return result
 
 
-def replicate(share: ShareStateDict, group: dist.ProcessGroup, land: Land) -> list[ShareStateDict]:
+def replicate(share: ShareStateDict, group: ProcessGroup, land: Land) -> list[ShareStateDict]:
     """(every member of the clique ``group``, together, in the writer thread) Every member's share, its
     peers' received into the tensors ``land`` gives (see :class:`LandingGroup`)."""
     from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from lightning_asyncckpt.collectives import ProcessGroup
 from lightning_asyncckpt.snapshot import tree
 from lightning_asyncckpt.tiers import deferred_refill, exchange, packing, recovery, shares, store
 from lightning_asyncckpt.tiers.store import Held, LocalStore
@@ -56,7 +56,7 @@ class Ranks:
     world: int
     root: Path
     store: LocalStore  # this rank's own holder directory
-    group: dist.ProcessGroup | None
+    group: ProcessGroup | None
     node_of: list[int]
     cliques: list[list[int]]
     factor: int

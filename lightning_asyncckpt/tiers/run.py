@@ -17,7 +17,6 @@ at a time in a session). Its methods run on every rank, in the same order, at st
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from dataclasses import dataclass
@@ -25,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from lightning_asyncckpt import collectives
+from lightning_asyncckpt.collectives import Agreed, StepAgreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.snapshot.lazy import BackgroundCopy
 from lightning_asyncckpt.tiers import (
@@ -35,7 +35,6 @@ from lightning_asyncckpt.tiers import (
     deferred_refill,
     huge_pages,
     job_lock,
-    object_gather,
     packing,
     pinning,
     recovery,
@@ -48,7 +47,6 @@ from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.persistent import global_step
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
-from lightning_asyncckpt.tiers.step_agreement import StepAgreement
 from lightning_asyncckpt.tiers.store import LocalStore, holder_dir
 from lightning_asyncckpt.tiers.writer import Copied, ShareWriter
 
@@ -71,21 +69,19 @@ class TierRun:
 
     def __init__(self, config: LocalTier, node_rank: int, local_world_size: int) -> None:
         self.config = config
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
+        self.distributed = collectives.is_distributed()
+        self.rank, self.world = collectives.rank(), collectives.world_size()
         self.jump = config.replication_jump or max(local_world_size, 1)
         self.group = self.clique_group = None
-        timeout = datetime.timedelta(seconds=config.timeout_s)
-        if self.distributed:
-            self.group = dist.new_group(backend="gloo", timeout=timeout)  # the tier's agreement (main thread)
+        if self.distributed:  # the tier's agreement (main thread)
+            self.group = collectives.bounded_group(config.timeout_s)
         self.node_of = self.gather(node_rank)
         nodes = len(set(self.node_of))
         self.factor = factor = config.factor_for(nodes)  # F; by default it follows the nodes
         self.cliques = cliques.layout(self.world, self.jump, factor, nodes)
         self.clique = cliques.clique_of(self.rank, self.cliques)
         if self.distributed and factor > 1:  # every rank makes every clique's group, in the same order
-            groups = [dist.new_group(c, backend="gloo", timeout=timeout) for c in self.cliques]
+            groups = collectives.bounded_groups(self.cliques, config.timeout_s)
             self.clique_group = groups[self.cliques.index(self.clique)]
         self.agreement = StepAgreement(self.group if self.world > 1 else None, config.overlap_agreement)
         checks.agree(checks.directory(Path(config.dir), self.rank, node_rank), self.gather)
@@ -133,7 +129,7 @@ class TierRun:
         """(all ranks) Every rank's ``obj`` over the tier's group."""
         if not self.distributed or self.world == 1:
             return [obj]
-        return object_gather.all_gather_objects(obj, self.group)
+        return collectives.gather_objects(obj, self.group)
 
     # saving ------------------------------------------------------------------------------------------
     def save(self, step: int, checkpoint: dict[str, Any], lazy: Any = None, hook: Any = None) -> None:
@@ -227,18 +223,20 @@ class TierRun:
         local save on any rank (raised here on every rank), and the newest step complete everywhere, whose
         older steps this rank then removes from its own holder directory. With ``overlap_agreement`` the
         round is posted here and what the previous boundary posted is returned (nothing at the first):
-        :mod:`lightning_asyncckpt.tiers.step_agreement`."""
+        :mod:`lightning_asyncckpt.collectives.rounds`."""
         self._start_refill()
-        agreed = self.agreement.round(self._values())
+        agreed = self.agreement.round(*self._values())
         return Boundary(False, self.complete) if agreed is None else self._agreed(agreed)
 
-    def _values(self) -> list[int]:
+    def _values(self) -> tuple[list[int], list[int]]:
+        """What this rank brings to a boundary's round: the values whose highest, and those whose lowest,
+        every rank agrees on."""
         signum = self.flag.received_number
         handler = int(signum > 0 and self.flag.replaced_handler() is not None)
-        return [signum, -signum, -handler, int(self.writer.error is not None), -self.writer.newest_done]
+        return [signum, int(self.writer.error is not None)], [signum, handler, self.writer.newest_done]
 
-    def _agreed(self, values: list[int]) -> Boundary:
-        highest, lowest, handlers, failed, complete = values[0], -values[1], -values[2], bool(values[3]), -values[4]
+    def _agreed(self, agreed: Agreed) -> Boundary:
+        (highest, failed), (lowest, handlers, complete) = agreed.most, agreed.least
         if failed:
             self._raise_failed(force=True)
         if complete > self.complete:
@@ -254,7 +252,7 @@ class TierRun:
         posted = self.agreement.settle()  # an overlapped round: read (its failure raised), not lost
         if posted is not None:
             self._agreed(posted)
-        return self._agreed(self.agreement.now(self._values())).complete
+        return self._agreed(self.agreement.now(*self._values())).complete
 
     def _raise_failed(self, force: bool = False) -> None:
         errors = self.gather(self.writer.error) if (force or self.world == 1) else None

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from lightning_asyncckpt.collectives import ProcessGroup
 from lightning_asyncckpt.snapshot.lazy import BackgroundCopy
 from lightning_asyncckpt.tiers import local_replicas, shares
 from lightning_asyncckpt.tiers.mapped import MappedFile
@@ -42,7 +42,7 @@ class Copied:
 class ShareWriter:
     """(one rank) Finishes its own share and, with replication, its clique peers' replicas."""
 
-    def __init__(self, store: LocalStore, rank: int, group: dist.ProcessGroup | None, topology: tuple,
+    def __init__(self, store: LocalStore, rank: int, group: ProcessGroup | None, topology: tuple,
                  timeout_s: float = 600.0) -> None:
         self.store, self.rank, self.group, self.topology = store, rank, group, topology
         self.timeout_s = timeout_s  # for a lazy save's background copy

@@ -1,11 +1,17 @@
-"""Gathering small Python objects from every rank of a group in one collective (:func:`all_gather_objects`).
+"""Gathering small Python objects from every rank of a group.
 
-``torch.distributed.all_gather_object`` always runs two collectives: the sizes of the pickled objects,
-then the objects padded to the largest. The tier's gathers carry a few hundred bytes (which copies a rank
-holds, its CRC32s, its problems), so here the first collective carries each object itself in a fixed-size
-slot beside its size, and only an object too large for its slot costs the second collective. On this
-project's 2 cores, 4 gloo ranks took 4.4 ms per gather of a small object this way against 8.6 ms with
-``all_gather_object`` (medians of 200: ``benchmarks/probe_gather.py``, and ``benchmarks/README.md``).
+:func:`gather_objects` (the local tier's) runs one collective for small objects: ``torch.distributed``'s
+``all_gather_object`` always runs two, the sizes of the pickled objects, then the objects padded to the
+largest. The tier's gathers carry a few hundred bytes (which copies a rank holds, its CRC32s, its problems),
+so here the first collective carries each object itself in a fixed-size slot beside its size, and only an
+object too large for its slot costs the second collective. On this project's 2 cores, 4 gloo ranks took
+4.4 ms per gather of a small object this way against 8.6 ms with ``all_gather_object`` (medians of 200:
+``benchmarks/probe_gather.py``, and ``benchmarks/README.md``).
+
+:func:`all_gather_object` is ``torch.distributed``'s, for the persistent pipeline's gathers and NVRx's
+replication, which run it as they always have.
+
+Each wait is bounded by the group's timeout (the tier's gloo groups: ``LocalTier.timeout_s``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_asyncckpt.collectives.groups import ProcessGroup
 
 SLOT = 4096  # bytes per rank in the first collective: 8 for the size, the rest for a small object
 _SIZE = 8
@@ -28,8 +36,8 @@ def slot_for(world: int) -> int:
     return min(SLOT, max(512, _FIRST_MAX // world))
 
 
-def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """(every rank of ``group``, together) Every rank's ``obj``, in group-rank order. Each rank decides
+def gather_objects(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """(all ranks of ``group``, same order) Every rank's ``obj``, in group-rank order. Each rank decides
     whether a second collective is needed from the sizes every rank gathered in the first, so all ranks
     run the same collectives whatever their objects' sizes."""
     world = dist.get_world_size(group)
@@ -51,3 +59,12 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     whole = [torch.empty(len(padded), dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(whole, torch.frombuffer(padded, dtype=torch.uint8), group=group)
     return [pickle.loads(w.numpy().tobytes()[:n]) for w, n in zip(whole, sizes)]
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """(all ranks of ``group``, same order) Every rank's ``obj``, in group-rank order, as
+    ``torch.distributed.all_gather_object`` gathers it (two collectives, on the device of ``group``'s
+    backend)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
