@@ -1,5 +1,9 @@
 """``AsyncCheckpointIO``: the Lightning/Fabric face of the save pipeline.
 
+It holds a :class:`~lightning_asyncckpt.pipeline.pipeline.SaveSession` (``session``), which owns the run of saves;
+the plugin's own methods are Lightning's ``CheckpointIO`` and the few verbs a user calls. The callback, the
+strategies and the local tier's hooks reach the session through :mod:`~lightning_asyncckpt.integration.contract`.
+
 One save, and the module that owns each step:
 1. ``save_checkpoint`` (the ranks Lightning calls it on) validates, snapshots into reused host buffers,
    plans and hands the write to the engine's worker (``scheduler``), then returns.
@@ -99,7 +103,8 @@ class AsyncCheckpointIO(CheckpointIO):
             raise TypeError(f"AsyncCheckpointIO(local=...) takes a LocalTier(dir=..., ...) or None; got {local!r}.")
         # `strategy` resolves by looking for the engine's package, importing nothing; the versions are checked
         # once the arguments are valid, before anything is written that could not be read back
-        settings = Settings(engines.resolve(strategy), engines.parse_worker(worker), thread_count=thread_count,
+        worker_mode = engines.parse_worker(worker)
+        settings = Settings(engines.resolve(strategy), worker_mode, thread_count=thread_count,
                             timeout_s=timeout_s, max_pending=max_pending, poll_interval_s=poll_interval_s,
                             drain_timeout_s=drain_timeout_s, format=format, snapshot=snapshot, worker_nice=worker_nice)
         check_policy(faults, "AsyncCheckpointIO(faults=...)")
