@@ -100,7 +100,7 @@ def test_untracked_and_fork_saves_are_eager(tmp_path):
 def test_snapshot_argument_is_validated():
     with pytest.raises(ValueError, match=r"AsyncCheckpointIO\(snapshot='sometimes'\).*'eager', 'lazy'"):
         AsyncCheckpointIO(snapshot="sometimes")
-    assert AsyncCheckpointIO().snapshot == "eager"  # the default
+    assert AsyncCheckpointIO().settings.snapshot == "eager"  # the default
 
 
 def test_lazy_staging_is_one_copy_of_the_state_and_does_not_grow(tmp_path):
