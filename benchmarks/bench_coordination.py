@@ -90,7 +90,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, out: str, port: i
             else:
                 io.save_checkpoint_distributed(state, path)
             t1 = time.perf_counter()
-            io.wait_for_local_writes()
+            io.session.wait_for_local_writes()
             dist.barrier()
             t2 = time.perf_counter()
             io.finalize(blocking=True)

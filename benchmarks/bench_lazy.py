@@ -108,7 +108,7 @@ def one(mode: str, size_gib: float, saves: int, batch: int, width: int, device: 
             io.wait_for_snapshot()
             t3 = time.perf_counter()
             opt.step()
-            staged = sum(b.numel() * b.element_size() for b in io.staging_buffers()) / MiB
+            staged = sum(b.numel() * b.element_size() for b in io.session.staging_buffers()) / MiB
             out["staged_mib"] = max(out["staged_mib"], staged)
             io.finalize(blocking=not overlap)
             out["iteration_s"].append(time.perf_counter() - t0)  # with --overlap: the pace saves can keep

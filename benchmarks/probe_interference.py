@@ -161,19 +161,19 @@ def ours(loop: Loop, nbytes: int, directory: str, engine: str) -> dict:
     try:
         io.warmup(like=state)  # the worker started and the buffers made: only the save itself is measured
         base = loop.pace(10)
-        w0 = sum(pid_cpu_s(p) for p in io.worker_pids())
+        w0 = sum(pid_cpu_s(p) for p in io.session.worker_pids())
         path = os.path.join(directory, "probe.ckpt")
         t, n, before, c0 = time.perf_counter(), 0, cpu_times(), time.process_time()
         io.save_checkpoint(state, path)
         while True:
             io.finalize(blocking=False)
-            if not io.num_pending:
+            if not io.session.num_pending:
                 break
             loop.step()
             n += 1
         elapsed = time.perf_counter() - t
         after = cpu_times()
-        worker_cpu = sum(pid_cpu_s(p) for p in io.worker_pids()) - w0
+        worker_cpu = sum(pid_cpu_s(p) for p in io.session.worker_pids()) - w0
     finally:
         io.teardown()
     os.unlink(path)

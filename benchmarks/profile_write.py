@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     try:
         io.warmup(like=state)
-        print(f"worker pids {io.worker_pids()}, state {nbytes / 1e9:.2f} GB in {args.tensors} tensors, "
+        print(f"worker pids {io.session.worker_pids()}, state {nbytes / 1e9:.2f} GB in {args.tensors} tensors, "
               f"{args.engine} format={args.format} load={args.load} worker_nice={args.worker_nice}", flush=True)
         if args.pause:
             input("attach now, then press Enter: ")
@@ -128,10 +128,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                 t0 = time.perf_counter()
                 (cpu0, sys0), me0 = tree_cpu(), time.process_time()
                 t_done = None
-                while io.num_pending:
+                while io.session.num_pending:
                     time.sleep(args.poll_ms / 1000)
                     io.finalize()
-                    if io.num_pending == 0:
+                    if io.session.num_pending == 0:
                         t_done = time.perf_counter()
                 t_done = t_done or time.perf_counter()
                 cpu, sys_s = (now - before for now, before in zip(tree_cpu(), (cpu0, sys0)))

@@ -215,7 +215,7 @@ class Variant:
                 return True
             return False
         self.io.finalize()
-        return self.io.num_pending == 0
+        return self.io.session.num_pending == 0
 
     def load(self, path: Path) -> Any:
         """The checkpoint saved at ``path`` (the local tier: its newest step, restored as on a resume)."""

@@ -224,7 +224,8 @@ class Saver:
 
     def _wrap_ours(self) -> None:
         io, clock = self.io, self.clock
-        wait, finalize_step, save = io.wait_for_snapshot, io.finalize_step, io.save_checkpoint
+        session = io.session  # what the callback calls after every batch and before the optimizer step
+        wait, finalize_step, save = session.wait_for_snapshot, session.finalize, io.save_checkpoint
 
         def timed_wait() -> None:
             t0 = time.perf_counter()
@@ -245,7 +246,7 @@ class Saver:
             finally:
                 self._note_commits()
 
-        io.wait_for_snapshot, io.finalize_step, io.save_checkpoint = timed_wait, noting_commits, saving
+        session.wait_for_snapshot, session.finalize, io.save_checkpoint = timed_wait, noting_commits, saving
 
     def _note_commits(self) -> None:
         """Every save in our plugin's history is committed (``Clock.committed`` keeps the first time seen)."""

@@ -81,7 +81,7 @@ def main() -> None:
     )
     model = MLP(width=args.width)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"engine={plugin.engine} worker={plugin.worker} params={n_params / 1e6:.1f}M "
+    print(f"engine={plugin.engine} worker={plugin.settings.worker} params={n_params / 1e6:.1f}M "
           f"(checkpoint ~{3 * 4 * n_params / 2**20:.0f} MiB with AdamW state)")
     t0 = time.perf_counter()
     trainer.fit(model, data(args.width))

@@ -154,7 +154,7 @@ class SnapshotRecorder(L.Callback):
         from lightning_asyncckpt.integration.io import find_async_io
 
         io = find_async_io(trainer.strategy)
-        if io is not None and io.num_pending:
+        if io is not None and io.session.num_pending:
             self.steps_while_pending += 1
 
 
@@ -306,7 +306,7 @@ class HoldWriteAt(L.Callback):
         self.hold = testing.HoldWrite(os.path.join(out, f"release-{os.environ.get('LOCAL_RANK', '0')}"))
 
     def _staged(self):
-        return sum(b.numel() * b.element_size() for b in self.io.staging_buffers())
+        return sum(b.numel() * b.element_size() for b in self.io.session.staging_buffers())
 
     def on_train_batch_end(self, trainer, *a):  # runs before ModelCheckpoint's save of this step
         if trainer.global_step == self.step - 1:
@@ -317,7 +317,7 @@ class HoldWriteAt(L.Callback):
 
     def on_train_batch_start(self, trainer, *a):
         if trainer.global_step == self.step + 2:  # both saves made: the second one follows the held write
-            self.staged["both"], self.staged["pending"] = self._staged(), self.io.num_pending
+            self.staged["both"], self.staged["pending"] = self._staged(), self.io.session.num_pending
             self.hold.release()
 
 

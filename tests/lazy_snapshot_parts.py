@@ -33,4 +33,4 @@ def fabric_loop_parts(width=WIDTH):
 
 
 def staged_bytes(io):
-    return sum(b.numel() * b.element_size() for b in io.staging_buffers())
+    return sum(b.numel() * b.element_size() for b in io.session.staging_buffers())

@@ -8,7 +8,7 @@ def test_explicit_and_auto_resolution():
     assert AsyncCheckpointIO("nvrx").engine == "nvrx"
     assert AsyncCheckpointIO("mcore").engine == "mcore"
     assert AsyncCheckpointIO().engine == "nvrx"
-    assert AsyncCheckpointIO(worker="fork").worker == "fork"
+    assert AsyncCheckpointIO(worker="fork").settings.worker == "fork"
 
 
 def test_unknown_names_list_the_valid_ones():

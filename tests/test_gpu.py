@@ -51,10 +51,10 @@ def test_cuda_tensors_are_staged_through_pinned_memory(engine, worker, tmp_path,
         io.save_checkpoint(state, tmp_path / "c")
         for v in state["state_dict"].values():  # the next step changes every tensor on the GPU
             v.add_(1)
-        buffers = io.staging_buffers()
+        buffers = io.session.staging_buffers()
         assert buffers and all(b.device.type == "cpu" and b.is_pinned() for b in buffers)
         if worker == "persistent":
-            pid = io.worker_pids()[0]
+            pid = io.session.worker_pids()[0]
             assert pid not in _gpu_pids(), "the writer process created a CUDA context"
         hold.release()
         io.finalize(blocking=True)

@@ -64,7 +64,7 @@ def test_save_returns_before_the_write_and_is_a_snapshot(io, tmp_path, hold):
     expected = clone_tree(ckpt)
     path = tmp_path / "a.ckpt"
     io.save_checkpoint(ckpt, path)
-    assert not path.exists() and io.num_pending == 1
+    assert not path.exists() and io.session.num_pending == 1
     for t in (ckpt["state_dict"]["layer.weight"], ckpt["optimizer_states"][0]["state"][0]["exp_avg"]):
         t.mul_(-3.0).add_(7.0)  # the training step changes everything right away
     hold.release()
@@ -116,7 +116,7 @@ def test_dcp_format_is_readable_with_plain_torch_dcp(engine_worker, tmp_path):
     assert sorted(os.listdir(tmp_path / "a.ckpt")) == [".asyncckpt-skeleton.pt", ".asyncckpt.json", ".metadata", "__0_0.distcp"]
     assert_tree_equal(io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False), ckpt)  # ours: exact
     info = commit.read_info(tmp_path / "a.ckpt")
-    assert (info["engine"], info["worker"], info["layout"]) == (io.engine, io.worker, "single-writer")
+    assert (info["engine"], info["worker"], info["layout"]) == (io.engine, io.settings.worker, "single-writer")
     assert (info["world_size"], info["writing_ranks"], info["global_step"]) == (1, 1, 120)
     io.teardown()
 
@@ -167,7 +167,7 @@ def test_real_enospc_is_raised_once_and_nothing_is_left(io, small_tmpfs):
 def test_killed_worker_is_detected_and_the_next_save_works(io, tmp_path, hold):
     io.write_hook = hold  # never released: the worker dies in the middle of the write
     io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "a.ckpt")
-    pids = io.worker_pids()
+    pids = io.session.worker_pids()
     assert pids
     hold.wait_started()
     os.kill(pids[0], signal.SIGKILL)
@@ -217,7 +217,7 @@ def test_bad_input_fails_at_save_time(io, tmp_path):
     with pytest.raises(TypeError, match=r"checkpoint path must be a str or os.PathLike .*; got dict \{'global_step': 2\}"):
         io.save_checkpoint({"w": torch.ones(1)}, {"global_step": 2})  # e.g. the arguments swapped
     assert sorted(os.listdir(tmp_path)) == ["notes"]
-    assert io.num_pending == 0
+    assert io.session.num_pending == 0
 
 
 def test_loads_a_torch_save_file(io, tmp_path):
@@ -246,7 +246,7 @@ def test_context_manager_commits_on_exit_and_does_not_mask_errors(engine_worker,
         io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
         assert not (tmp_path / "a.ckpt").exists()
         hold.release()  # still in flight when the block ends
-    assert commit.is_complete(tmp_path / "a.ckpt") and io.worker_pids() == []
+    assert commit.is_complete(tmp_path / "a.ckpt") and io.session.worker_pids() == []
 
     with pytest.raises(KeyError, match="user error"):
         with AsyncCheckpointIO(engine, worker=worker) as io:
@@ -261,13 +261,13 @@ def test_warmup_with_a_state_prepares_the_buffers_of_the_first_save(engine_worke
     ckpt = _checkpoint()
     with AsyncCheckpointIO(engine, worker=worker) as io:
         io.warmup(like=ckpt)
-        prepared = io.staging_buffers()
+        prepared = io.session.staging_buffers()
         if worker == "persistent":  # fork per save copies nothing on the CPU: nothing to prepare
             assert len(prepared) == 8  # every tensor of the checkpoint
         else:
             assert prepared == []  # so the reuse check below holds for persistent workers only
         io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
-        used = io.staging_buffers()
+        used = io.session.staging_buffers()
         assert len(used) == len(prepared) and all(any(u is p for p in prepared) for u in used)  # reused, not new
     assert_tree_equal(torch.load(tmp_path / "a.ckpt", weights_only=False), ckpt)
 
@@ -342,7 +342,7 @@ def test_teardown_inside_a_users_except_block_still_raises_a_failed_write(engine
         io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "retry.ckpt")
         with pytest.raises(CheckpointWriteError, match="retry.ckpt") as raised:
             io.teardown()
-    assert raised.value.errno == errno.ENOSPC and io.worker_pids() == []
+    assert raised.value.errno == errno.ENOSPC and io.session.worker_pids() == []
 
 
 def test_abort_logs_what_goes_wrong_while_stopping(engine_worker, tmp_path, monkeypatch, caplog):

@@ -77,7 +77,7 @@ def test_fabric_style_never_waiting_the_next_save_waits(tmp_path):
         hold.wait_started()
         hold.release()
         io.save_checkpoint(_torch_state(model, opt, 1), tmp_path / "b")  # waits for a's copy, hands it over
-        assert io.num_pending == 2
+        assert io.session.num_pending == 2
     # leaving the block (teardown) waited for b's copy too
     for name in ("a", "b"):
         assert_tree_equal(io.load_checkpoint(tmp_path / name, weights_only=False), first, name)
@@ -100,7 +100,7 @@ def test_untracked_and_fork_saves_are_eager(tmp_path):
 def test_snapshot_argument_is_validated():
     with pytest.raises(ValueError, match=r"AsyncCheckpointIO\(snapshot='sometimes'\).*'eager', 'lazy'"):
         AsyncCheckpointIO(snapshot="sometimes")
-    assert AsyncCheckpointIO().snapshot == "eager"  # the default
+    assert AsyncCheckpointIO().settings.snapshot == "eager"  # the default
 
 
 def test_lazy_staging_is_one_copy_of_the_state_and_does_not_grow(tmp_path):
@@ -120,7 +120,7 @@ def test_lazy_staging_is_one_copy_of_the_state_and_does_not_grow(tmp_path):
             io.wait_for_snapshot()
             opt.step()
             io.finalize(blocking=True)
-            held.append(sum(b.numel() * b.element_size() for b in io.staging_buffers()))
+            held.append(sum(b.numel() * b.element_size() for b in io.session.staging_buffers()))
     assert all(r.lazy_nbytes > 0 for r in io.history)
     assert held == [state_bytes] * 4, (held, state_bytes)
 
@@ -147,7 +147,7 @@ def test_a_lazy_save_behind_a_write_in_flight_follows_it_into_one_copy(tmp_path)
         opt.step()
         second = clone_tree(_torch_state(model, opt, 2))
         io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")  # returns: its copy follows a's write
-        assert io.num_pending == 2 and _staged_bytes(io) == state_bytes
+        assert io.session.num_pending == 2 and _staged_bytes(io) == state_bytes
         forward_backward()
         hold.release()
         io.wait_for_snapshot()  # b's copy is done

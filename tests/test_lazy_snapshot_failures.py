@@ -30,7 +30,7 @@ def test_plugin_state_changed_before_the_copy_fails_the_save(tmp_path, edit):
         io.wait_for_snapshot()
         hold = io.copy_hook = testing.HoldCopy()
         io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "torn")
-        assert io.is_pending(tmp_path / "torn") and io.num_pending == 2
+        assert io.session.is_pending(tmp_path / "torn") and io.session.num_pending == 2
         hold.wait_started()
         forward_backward()
         if edit == "in_place_add":
@@ -154,7 +154,7 @@ def test_a_lazy_save_following_a_write_that_fails_still_commits(tmp_path, failur
         second = clone_tree(_torch_state(model, opt, 2))
         io.write_hook = None  # b's write is clean
         io.save_checkpoint(_torch_state(model, opt, 2), tmp_path / "c" / "b")
-        assert io.num_pending == 2
+        assert io.session.num_pending == 2
         if dies:
             hold.release()
         io.wait_for_snapshot()  # sees a's worker die at once, or gives up on the hung write after timeout_s

@@ -57,7 +57,7 @@ def test_plugin_and_callback_from_a_yaml_config(tmp_path):
     config.write_text(CONFIG.format(dirpath=tmp_path / "ckpt"))
     cli = LightningCLI(CliModel, args=["fit", "--config", str(config)], save_config_callback=None)
     io = cli.trainer.strategy.checkpoint_io
-    assert isinstance(io, AsyncCheckpointIO) and (io.engine, io.max_pending, io.timeout_s) == ("nvrx", 1, 600.0)
+    assert isinstance(io, AsyncCheckpointIO) and (io.engine, io.settings.max_pending, io.settings.timeout_s) == ("nvrx", 1, 600.0)
     mine = [cb for cb in cli.trainer.callbacks if isinstance(cb, AsyncFinalizerCallback) and cb.log_metrics is False]
     assert len(mine) == 1
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]

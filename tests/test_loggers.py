@@ -147,19 +147,19 @@ def test_saves_settled_tells_pending_committed_and_failed(tmp_path, hold):
     io = AsyncCheckpointIO(faults=testing.FaultList([testing.Fault("enospc", saves=[3])]))
     io.write_hook = hold
     try:
-        assert io.saves_scheduled == 0 and io.saves_settled(0) is True  # nothing in the range
+        assert io.session.saves_scheduled == 0 and io.session.saves_settled(0) is True  # nothing in the range
         io.save_checkpoint(state, tmp_path / "a.ckpt")
         io.save_checkpoint(state, tmp_path / "b.ckpt")
-        assert io.saves_scheduled == 2
-        assert io.saves_settled(1) is None and io.saves_settled(2, since=1) is None  # held: pending
+        assert io.session.saves_scheduled == 2
+        assert io.session.saves_settled(1) is None and io.session.saves_settled(2, since=1) is None  # held: pending
         hold.release()
         io.finalize(blocking=True)
-        assert io.saves_settled(2) is True and io.saves_settled(2, since=1) is True
+        assert io.session.saves_settled(2) is True and io.session.saves_settled(2, since=1) is True
         io.save_checkpoint(state, tmp_path / "c.ckpt")  # its write fails
         with pytest.raises(CheckpointWriteError):
             io.finalize(blocking=True)
-        assert io.saves_settled(3) is False and io.saves_settled(3, since=2) is False
-        assert io.saves_settled(2) is True  # the saves before it still committed
+        assert io.session.saves_settled(3) is False and io.session.saves_settled(3, since=2) is False
+        assert io.session.saves_settled(2) is True  # the saves before it still committed
     finally:
         io.teardown()
 

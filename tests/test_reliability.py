@@ -97,7 +97,7 @@ def _fit_expecting_failure(tmp_path, dirpath, engine, worker, at_step, fn, hold=
     with pytest.raises(CheckpointWriteError) as info:
         t.fit(TinyModel(width=128), loader(width=128, n=512))
     # the step-8 save fails: raised within steps of it, never at the end of fit
-    assert max(8, at_step) <= t.global_step <= latest_raise_step(8) and io.worker_pids() == [], t.global_step
+    assert max(8, at_step) <= t.global_step <= latest_raise_step(8) and io.session.worker_pids() == [], t.global_step
     return info.value
 
 

@@ -191,9 +191,9 @@ def test_a_dcp_directory_is_published_off_the_training_thread(s3):
         while not held.is_set():  # each call returns: a finalize that uploaded itself would wait here
             io.finalize(blocking=False)
             held.wait(0.05)
-        assert io.num_pending == 1 and io.history == []
+        assert io.session.num_pending == 1 and io.history == []
         assert ".metadata" not in _objects(s3, "ckpt/run1/d.ckpt")
         release.set()
         io.finalize(blocking=True)
-        assert [r.path for r in io.history] == [f"{URL}/d.ckpt"] and io.num_pending == 0
+        assert [r.path for r in io.history] == [f"{URL}/d.ckpt"] and io.session.num_pending == 0
     assert ".metadata" in _objects(s3, "ckpt/run1/d.ckpt")

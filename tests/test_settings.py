@@ -37,19 +37,20 @@ def test_bad_arguments_are_refused_naming_the_argument_and_the_fix(kwargs, match
 
 def test_an_assigned_setting_is_checked_as_the_argument_is():
     io = AsyncCheckpointIO(thread_count=3, timeout_s=10, max_pending=1)
-    assert (io.thread_count, io.timeout_s, io.max_pending) == (3, 10.0, 1)
+    assert (io.settings.thread_count, io.settings.timeout_s, io.settings.max_pending) == (3, 10.0, 1)
     with pytest.raises(TypeError, match=r"thread_count=2\.5\)` must be an integer"):
-        io.thread_count = 2.5
+        io.session.configure(thread_count=2.5)
     with pytest.raises(ValueError, match=r"timeout_s=inf\)"):
-        io.timeout_s = float("inf")
-    assert io.thread_count == 3 and io.timeout_s == 10.0
+        io.session.configure(timeout_s=float("inf"))
+    assert io.settings.thread_count == 3 and io.settings.timeout_s == 10.0
+    assert io.session.configure(timeout_s=60).timeout_s == io.settings.timeout_s == 60.0
 
 
 def test_numbers_of_other_types_are_taken_as_their_values():
     np = pytest.importorskip("numpy")
     io = AsyncCheckpointIO(thread_count=np.int64(2), timeout_s=np.float32(5.5), max_pending=np.int32(3))
-    assert (io.thread_count, io.timeout_s, io.max_pending) == (2, 5.5, 3)
-    assert type(io.thread_count) is int and type(io.timeout_s) is float
+    assert (io.settings.thread_count, io.settings.timeout_s, io.settings.max_pending) == (2, 5.5, 3)
+    assert type(io.settings.thread_count) is int and type(io.settings.timeout_s) is float
 
 
 def test_a_fault_policy_is_taken_and_a_fault_list_holds_faults():

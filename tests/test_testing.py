@@ -19,7 +19,7 @@ def test_a_write_held_at_its_end_is_whole_on_disk_and_not_yet_committed(tmp_path
         io.save_checkpoint(state, path)
         hold.wait_started()
         io.finalize()  # not blocking: the held write has not reported
-        assert not path.exists() and io.num_pending == 1
+        assert not path.exists() and io.session.num_pending == 1
         hidden = [p for p in path.parent.iterdir() if commit.is_leftover(p.name)]
         assert len(hidden) == 1
         assert torch.equal(torch.load(hidden[0], weights_only=True)["w"], state["w"])

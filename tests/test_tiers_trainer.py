@@ -195,7 +195,7 @@ class FillAt(L.Callback):
 
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == self.step:
-            trainer.strategy.checkpoint_io.tier.finish()  # the local save before is written in full first
+            trainer.strategy.checkpoint_io.session.tier.finish()  # the local save before is written in full first
             with open(self.path, "wb") as f:
                 try:
                     while True:

@@ -66,7 +66,7 @@ def test_killed_worker_stops_training(engine_worker, tmp_path, hold):
         def on_train_batch_start(self, trainer, *args):
             if trainer.global_step == 5:
                 hold.wait_started()
-                for pid in io.worker_pids():
+                for pid in io.session.worker_pids():
                     os.kill(pid, signal.SIGKILL)
 
     ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=4, save_top_k=-1)

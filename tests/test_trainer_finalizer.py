@@ -82,11 +82,11 @@ def test_staging_buffers_are_ready_before_the_first_save(tmp_path):
     class Look(L.Callback):
         def on_train_batch_end(self, trainer, *a):
             if trainer.global_step == 1:
-                seen["buffers"] = dict(enumerate(io.staging_buffers()))
-                seen["saved"] = len(io.history) + io.num_pending
+                seen["buffers"] = dict(enumerate(io.session.staging_buffers()))
+                seen["saved"] = len(io.history) + io.session.num_pending
 
         def on_train_end(self, trainer, *a):
-            seen["after"] = io.staging_buffers()
+            seen["after"] = io.session.staging_buffers()
 
     ck = ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=1, save_top_k=1, monitor="step", mode="max")
     trainer(tmp_path, [io], [AsyncFinalizerCallback(), Look(), ck], max_steps=3).fit(TinyModel(width=128), loader(width=128))

@@ -114,7 +114,7 @@ def _faults_of_a_repeated_save(folder, engine: str, mib: int) -> int:
     with AsyncCheckpointIO(engine, worker="persistent") as io:
         for i in range(3):
             if i == 2:
-                (pid,) = io.worker_pids()
+                (pid,) = io.session.worker_pids()
                 before = _minor_faults(pid)
             io.save_checkpoint(state, folder / f"s{i}.ckpt")
             io.finalize(blocking=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -10,7 +9,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_asyncckpt.integration import resume, tier_resume, tier_trainer
+from lightning_asyncckpt.integration import contract, resume, tier_resume, tier_trainer
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.integration.lightning_api import Callback, LightningModule, Trainer
 from lightning_asyncckpt.integration.logger_relay import LoggerRelay
@@ -74,7 +73,7 @@ class AsyncFinalizerCallback(Callback):
         self._io: AsyncCheckpointIO | None = None
         self._auto = False
         self._prepare_pending = False
-        self._writes_everywhere = False
+        self._capabilities = contract.StrategyCapabilities()  # the trainer's strategy's
         self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
         self._local_dump = False  # building a checkpoint for the local tier (not a persistent save)
         self._patches = InstancePatches()  # the strategy's save_checkpoint, the checkpoint callbacks' file_exists
@@ -110,34 +109,33 @@ class AsyncFinalizerCallback(Callback):
             return
         self._io = io
         self._logged = len(io.history)
-        writes_everywhere = getattr(trainer.strategy, "_asyncckpt_all_ranks_write", False)
-        self._writes_everywhere = writes_everywhere
+        self._capabilities = caps = contract.capabilities_of(trainer.strategy)
         # every rank is here: the exit group is made now, not inside the first save's stall
-        io.begin_run(collective=writes_everywhere and stage == "fit")
+        io.session.begin_run(collective=caps.all_ranks_write and stage == "fit")
         if stage == "fit" and tier_trainer.start(trainer, io) is not None:  # collective: before any restore
             self._tier_step_end.attach(trainer)  # its saves built as ModelCheckpoint's are: after every callback
         self._watch_saves(trainer.strategy)
         self._watch_names(trainer)
-        self._relay.attach(trainer.loggers, io)
+        self._relay.attach(trainer.loggers, io.session)
         # start the worker now on every rank that writes, not inside a training step
-        if stage == "fit" and (trainer.is_global_zero or writes_everywhere):
-            io.warmup()
+        if stage == "fit" and (trainer.is_global_zero or caps.all_ranks_write):
+            io.session.warmup()
             # a sharded strategy saves its own state layout: its first save allocates the buffers
-            self._prepare_pending = not getattr(trainer.strategy, "_asyncckpt_sharded", False)
+            self._prepare_pending = not caps.own_state_layout
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
         if self._io is not None and not self._local_dump:
-            self._io.announce()
-            self._io.track_optimizers(trainer.optimizers)  # the ones this save holds (configure may replace them)
+            self._io.session.announce()
+            self._io.session.track_optimizers(trainer.optimizers)  # the ones this save holds (configure may replace them)
             self._counted = checkpoint
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """(all ranks) Tracks the optimizers, for weights-only saves too (they run no ``on_save_checkpoint``)."""
         if self._io is not None:
-            self._io.track_optimizers(trainer.optimizers)
+            self._io.session.track_optimizers(trainer.optimizers)
             tier_trainer.arm(trainer, self._io)
 
     @override
@@ -145,7 +143,7 @@ class AsyncFinalizerCallback(Callback):
         """(all ranks, right before the optimizer changes the state) Waits for a lazy snapshot's copy, the
         persistent save's and the local tier's."""
         if self._io is not None:
-            self._io.wait_for_snapshot()
+            self._io.session.wait_for_snapshot()
 
     def _watch_saves(self, strategy: Any) -> None:
         """Every rank calls ``strategy.save_checkpoint`` for every save, weights-only ones included (for
@@ -155,12 +153,12 @@ class AsyncFinalizerCallback(Callback):
         def make(original: Any) -> Any:
             def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
                 if self._io is not None and checkpoint is not self._counted:
-                    self._io.announce()
+                    self._io.session.announce()
                 self._counted = None
                 original(checkpoint, filepath, storage_options=storage_options)
                 if self._io is not None and _REQUEUE_SAVE.fullmatch(os.path.basename(str(filepath))):
                     # the requeue that follows stops this job: the write must not still be running then
-                    self._io.wait_for_local_writes()
+                    self._io.session.wait_for_local_writes()
 
             return save_checkpoint
 
@@ -170,13 +168,13 @@ class AsyncFinalizerCallback(Callback):
         """``ModelCheckpoint`` picks a free name (``-v1``, ``-v2``) by asking whether a file exists; a save still
         being written does not yet, so a later save could take its name. Each of the trainer's
         checkpoint callbacks also counts pending saves as existing (decided on global rank 0, as stock)."""
-        io = self._io
+        session = self._io.session if self._io is not None else None
 
         def make(original: Any) -> Any:
             def file_exists(filepath: Any, trainer: Trainer) -> bool:
                 if original(filepath, trainer):
                     return True
-                pending = bool(trainer.is_global_zero and io is not None and io.is_pending(filepath))
+                pending = bool(trainer.is_global_zero and session is not None and session.is_pending(filepath))
                 return trainer.strategy.reduce_boolean_decision(pending, all=False)
 
             return file_exists
@@ -204,18 +202,17 @@ class AsyncFinalizerCallback(Callback):
             self._prepare_pending = False
             like = {"state_dict": pl_module.state_dict(),
                     "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
-            self._io.prepare(like, distributed=self._writes_everywhere)
+            self._io.session.prepare(like, distributed=self._capabilities.all_ranks_write)
         self._finalize(blocking=False)
         self._log_committed(trainer)
 
     def _local_step_end(self, trainer: Trainer) -> None:
         """(all ranks, after every training batch, after every other callback: :class:`TierStepEnd`) The local
         tier's agreement and save; on a preemption, the persistent saves drained too, then training stops."""
-        if self._io is None or self._io.tier is None:
+        if self._io is None or self._io.session.tier is None:
             return
         # AsyncModelParallelStrategy: each rank's shards, even where the persistent saves gather a full state
-        sharded = getattr(trainer.strategy, "sharded_state_dicts", contextlib.nullcontext)
-        with sharded():
+        with contract.local_tier_state(trainer.strategy):
             preempted = tier_trainer.step_end(trainer, self._io, lambda: self._dump(trainer))
         if preempted:
             self._finalize(blocking=True)
@@ -239,11 +236,11 @@ class AsyncFinalizerCallback(Callback):
             tier_trainer.stop(self._io)
 
     def _finalize(self, blocking: bool) -> None:
-        """``finalize_step``, then the loggers' deferred ``after_save_checkpoint`` calls whose saves committed
+        """The session's ``finalize`` (agreeing only while a save is pending), then the loggers' deferred ``after_save_checkpoint`` calls whose saves committed
         (also when it raises: the saves before a failed one committed)."""
         assert self._io is not None
         try:
-            self._io.finalize_step(blocking=blocking)
+            self._io.session.finalize(blocking, only_if_pending=True)
         except BaseException:
             self._relay.replay(quiet=True)
             raise

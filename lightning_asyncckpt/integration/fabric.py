@@ -89,8 +89,8 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
         ``FabricTiers.resume`` got for a local-tier step loads this rank's shards of it
         (:mod:`~lightning_asyncckpt.integration.tier_fabric_load`)."""
         io = self.checkpoint_io
-        io.settle()
-        restored = io.tier.take(path) if io.tier is not None else None
+        io.session.finalize(blocking=True)  # every pending save committed or raised first
+        restored = io.session.take_restored(path)
         if restored is not None:
             return tier_fabric_load.load_shards(restored, state or {}, strict, self.root_device)
         step = restore_key.step_of(path)

@@ -1,5 +1,9 @@
 """``AsyncCheckpointIO``: the Lightning/Fabric face of the save pipeline.
 
+It holds a :class:`~lightning_asyncckpt.pipeline.pipeline.SaveSession` (``session``), which owns the run of saves;
+the plugin's own methods are Lightning's ``CheckpointIO`` and the few verbs a user calls. The callback, the
+strategies and the local tier's hooks reach the session through :mod:`~lightning_asyncckpt.integration.contract`.
+
 One save, and the module that owns each step:
 1. ``save_checkpoint`` (the ranks Lightning calls it on) validates, snapshots into reused host buffers,
    plans and hands the write to the engine's worker (``scheduler``), then returns.
@@ -12,10 +16,8 @@ One save, and the module that owns each step:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import torch
 from typing_extensions import override
 
 from lightning_asyncckpt import engines
@@ -26,15 +28,11 @@ from lightning_asyncckpt.format.dcp import META_FILE
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.integration import autoattach, lightning_api, loading, logsetup, versions
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO
-from lightning_asyncckpt.pipeline import poller, write_jobs
-from lightning_asyncckpt.pipeline.committer import request_removal
-from lightning_asyncckpt.pipeline.finalizer import finalize
-from lightning_asyncckpt.pipeline.pipeline import SavePipeline
+from lightning_asyncckpt.pipeline.pipeline import Instruments, SaveSession
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.tiers import restore_key
 from lightning_asyncckpt.tiers.config import LocalTier
-from lightning_asyncckpt.tiers.run import TierRun
 
 __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 
@@ -42,17 +40,7 @@ __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 logsetup.configure()
 
 
-def _setting(name: str) -> property:
-    def get(self: AsyncCheckpointIO) -> Any:
-        return getattr(self.settings, name)
-
-    def set_(self: AsyncCheckpointIO, value: Any) -> None:
-        self.settings = dataclasses.replace(self.settings, **{name: value})
-
-    return property(get, set_, doc=f"``{name}``: see the class docstring.")
-
-
-class AsyncCheckpointIO(SavePipeline, CheckpointIO):
+class AsyncCheckpointIO(CheckpointIO):
     """Writes checkpoints in the background: the same file or DCP directory stock Lightning writes.
 
     Args:
@@ -108,103 +96,74 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         format: str = "auto", faults: FaultPolicy | None = None, snapshot: str = "eager", worker_nice: int = 0,
         local: LocalTier | None = None, verify_on_load: bool = True,
     ) -> None:
-        CheckpointIO.__init__(self)
+        super().__init__()
         if not isinstance(verify_on_load, bool):
             raise TypeError(f"AsyncCheckpointIO(verify_on_load=...) takes True or False; got {verify_on_load!r}.")
         if local is not None and not isinstance(local, LocalTier):
             raise TypeError(f"AsyncCheckpointIO(local=...) takes a LocalTier(dir=..., ...) or None; got {local!r}.")
+        # `strategy` resolves by looking for the engine's package, importing nothing; the versions are checked
+        # once the arguments are valid, before anything is written that could not be read back
         worker_mode = engines.parse_worker(worker)
-        settings = dict(thread_count=thread_count, timeout_s=timeout_s, max_pending=max_pending,
-                        poll_interval_s=poll_interval_s, drain_timeout_s=drain_timeout_s, format=format,
-                        snapshot=snapshot, worker_nice=worker_nice)
-        Settings(engines.EngineName.NVRX, worker_mode, **settings)  # bad arguments first, before any import
+        settings = Settings(engines.resolve(strategy), worker_mode, thread_count=thread_count,
+                            timeout_s=timeout_s, max_pending=max_pending, poll_interval_s=poll_interval_s,
+                            drain_timeout_s=drain_timeout_s, format=format, snapshot=snapshot, worker_nice=worker_nice)
         check_policy(faults, "AsyncCheckpointIO(faults=...)")
-        versions.check_installed("torch", lightning_api.PACKAGE)  # before anything is written that could not be read back
-        engine = engines.resolve(strategy)
-        versions.check_installed(versions.ENGINE_PACKAGES[engine.value])
-        SavePipeline.__init__(self, Settings(engine, worker_mode, **settings))
+        versions.check_installed("torch", lightning_api.PACKAGE, versions.ENGINE_PACKAGES[settings.engine])
+        self._session = SaveSession(settings)
+        self._returned = 0  # history[:_returned] was returned by finalize()
+        # the user's options and instruments, read at each save or load (assigning them between saves is theirs)
         self.faults: FaultPolicy = faults if faults is not None else EnvironmentFaults()
         self.write_hook: Any = None  # picklable; the worker calls it with the buckets before writing
         self.copy_hook: Any = None  # a lazy snapshot's copy thread calls it before copying (testing.HoldCopy)
-        self._returned = 0  # history[:_returned] was returned by finalize()
         self.local = local
         self.verify_on_load = verify_on_load  # read by every load path of the plugin and the strategies
-        self.tier: TierRun | None = None  # the local tier's run, made at setup on every rank (tier_trainer, tier_fabric)
         autoattach.install()  # the finalizer in the next Trainer, even without the package's entry point
 
-    def wait_for_snapshot(self) -> None:
-        """(every rank, on the training thread, right before ``optimizer.step()``) As
-        :meth:`SavePipeline.wait_for_snapshot` for the persistent saves, and then for a lazy local-tier save's
-        copy (``local=``; every rank saves to the local tier). ``AsyncFinalizerCallback`` calls it in
-        ``on_before_optimizer_step``; Fabric users call it themselves."""
-        SavePipeline.wait_for_snapshot(self)
-        if self.tier is not None:
-            self.tier.wait_copy()
+    # what the plugin holds --------------------------------------------------------------------------------
+    @property
+    def session(self) -> SaveSession:
+        """The run of saves this plugin holds: what the callback, the strategies and the local tier's hooks
+        call (:class:`~lightning_asyncckpt.integration.contract.SessionInterface`), and this rank's figures
+        (``num_pending``, ``worker_pids()``, ``staging_buffers()``, ``exit_group_ready``)."""
+        return self._session
+
+    @property
+    def settings(self) -> Settings:
+        """The arguments, validated and frozen (``settings.timeout_s``, ``settings.worker``...). To change one
+        between saves: ``io.session.configure(timeout_s=60)``, validated as the constructor's."""
+        return self._session.settings
 
     @property
     def engine(self) -> str:
         """``"nvrx"`` or ``"mcore"``: the engine ``strategy`` resolved to (in ``__init__``, on every rank)."""
-        return self.settings.engine
+        return self._session.settings.engine
 
     @property
-    def worker(self) -> str:
-        return self.settings.worker  # "persistent" or "fork"
-
-    # the arguments, read back; assigning one validates it and replaces the frozen settings (the next
-    # save uses it)
-    thread_count = _setting("thread_count")
-    timeout_s = _setting("timeout_s")
-    max_pending = _setting("max_pending")
-    poll_interval_s = _setting("poll_interval_s")
-    drain_timeout_s = _setting("drain_timeout_s")
-    format = _setting("format")
-    snapshot = _setting("snapshot")
-    worker_nice = _setting("worker_nice")
-
-    @property
-    def num_pending(self) -> int:
-        """(any rank, any time) Saves of this rank not yet committed or failed (a lazy snapshot being copied
-        included)."""
-        return len(self._run.unsettled()) if self._run is not None else 0
-
-    @property
-    def exit_group_ready(self) -> bool:
-        """(any rank) Whether the group for committing collective saves on the way out exists and is usable."""
-        return self._exit_group.usable()
-
-    def worker_pids(self) -> list[int]:
-        """(any rank, any time) PIDs of this rank's live background writers (the persistent worker, or forked ones)."""
-        return self._run.worker_pids() if self._run is not None else []
-
-    def is_pending(self, path: Any) -> bool:
-        """(the saving ranks) Whether a save to ``path`` is scheduled and not yet committed: it exists for
-        whoever picks free names (``ModelCheckpoint``'s ``-v1`` suffixes), as stock's synchronous file would."""
-        path = paths.checkpoint_path(path)
-        return self._run is not None and any(p == path for p, _ in self._run.unsettled())
-
-    def staging_buffers(self) -> list[torch.Tensor]:
-        """(any rank) The host buffers held for snapshots, reused from save to save (empty after ``teardown``)."""
-        return self._run.stager.buffers() if self._run is not None else []
+    def history(self) -> list[SaveRecord]:
+        """(any rank) A :class:`SaveRecord` for each save this rank committed, oldest first."""
+        return self._session.history
 
     # Lightning's CheckpointIO -------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """(the ranks Lightning calls it on) Snapshots ``checkpoint`` and schedules its write to ``path``.
         Returns once the snapshot is taken; errors of the write are raised later, by :meth:`finalize`."""
-        self._save(checkpoint, path, storage_options, Layout.SINGLE_WRITER, trainer_save=_from_trainer(checkpoint))
+        self._session.submit(checkpoint, path, Layout.SINGLE_WRITER, self._instruments(),
+                             storage_options=storage_options, trainer_save=_from_trainer(checkpoint))
 
     def save_checkpoint_distributed(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """(all ranks, same order) Saves a state replicated on every rank; each rank snapshots and writes a
         disjoint share, so every byte is written once. One checkpoint that loads on any number of ranks.
         Used by :class:`~lightning_asyncckpt.AsyncDDPStrategy`."""
-        self._save(checkpoint, path, storage_options, Layout.DISTRIBUTED, trainer_save=_from_trainer(checkpoint))
+        self._session.submit(checkpoint, path, Layout.DISTRIBUTED, self._instruments(),
+                             storage_options=storage_options, trainer_save=_from_trainer(checkpoint))
 
     def save_checkpoint_sharded(self, state: dict[str, Any], path: Any, meta: dict[str, Any] | None = None) -> None:
         """(all ranks, same order) Saves a sharded state in Lightning's ``ModelParallelStrategy`` layout: each
         rank writes its own shards (``DTensor`` local shards and its share of replicated tensors), global
         rank 0 also writes ``meta`` to ``meta.pt``. Stock Lightning and plain DCP read the result."""
-        extra = [write_jobs.meta_file(meta)] if meta is not None and self._agreement.rank == 0 else []
-        self._save(state, path, None, Layout.SHARDED, extra, global_step(meta), trainer_save=_from_trainer(meta))
+        self._session.submit(state, path, Layout.SHARDED, self._instruments(), meta=meta, step=global_step(meta),
+                             trainer_save=_from_trainer(meta))
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -215,25 +174,21 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         rank 0 has scheduled it, and its ``load`` then reads on every rank. A path that the local tier's
         recovery returned (``TierRun.latest``) gives the checkpoint it fetched, once; loaded again later it
         raises ``FileNotFoundError`` saying what to load instead (:mod:`~lightning_asyncckpt.tiers.restore_key`)."""
-        restored = self.tier.take(path) if self.tier is not None else None
+        restored = self._session.take_restored(path)
         if restored is not None:
             return restored
         step = restore_key.step_of(path)
         if step is not None:  # trainer.ckpt_path after a resume from the local tier, loaded again
             raise restore_key.not_held(path, step)
         path = paths.checkpoint_path(path)
-        if self._run is not None:
-            self.wait_for_snapshot()
-            poller.settle_for(self._run, self.settings, self._agreement.rank, path)
-        if self._agreement.active:
-            paths.wait_until_landed(path, self.settings.timeout_s, self.settings.poll_interval_s)
+        self._session.settle_for_load(path)
         return loading.load(path, map_location=map_location, weights_only=weights_only, verify=self.verify_on_load)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """(the ranks Lightning calls it on) Removes ``path`` once every save scheduled so far has committed:
         a checkpoint being written is never deleted, the newest committed one stays until a newer commits."""
-        request_removal(self._ensure_run(), paths.checkpoint_path(path))
+        self._session.request_removal(path)
 
     @override
     def teardown(self) -> None:
@@ -242,26 +197,66 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         raised during this run propagates (Lightning tears down on errors, also without the callback), it
         is :meth:`abort`, so as not to mask it; one the user was already handling when the run began (a
         retry loop's ``except`` block) does not count."""
-        if self._propagating():
-            self.abort()
-        else:
-            self._finalize_all()
+        self._session.close()
 
+    # the user's verbs ---------------------------------------------------------------------------------
     def finalize(self, blocking: bool = False) -> list[SaveRecord]:
-        """(all ranks, same order) Commits the saves whose writes finished (``blocking``: all of them) and
-        raises :class:`CheckpointWriteError` on every rank for a failed one. Returns the records committed
-        on this rank since the previous call, e.g. for ``fabric.log_dict(r.metrics())``."""
-        self.settle(blocking)
-        out = self.history[self._returned:]
-        self._returned = len(self.history)
+        """(all ranks, same order) Commits the saves whose writes finished and raises
+        :class:`CheckpointWriteError` on every rank for a failed one.
+
+        Args:
+            blocking: wait for every save in flight to commit or fail.
+
+        Returns:
+            The records committed on this rank since the previous call, e.g. for
+            ``fabric.log_dict(r.metrics())``."""
+        self._session.finalize(blocking)
+        history = self._session.history
+        out = history[self._returned:]
+        self._returned = len(history)
         return out
 
-    def settle(self, blocking: bool = True) -> None:
-        """(all ranks, same order) ``finalize`` without taking its records: for loads, which must see every
-        save settled first (the strategies' ``load_checkpoint``, ``fabric.load``)."""
-        run = self._ensure_run()
-        self.settle_snapshot(blocking)
-        finalize(run, self._agreement, self.settings, blocking, force=True)
+    def wait_for_snapshot(self) -> None:
+        """(every saving rank, on the training thread, right before ``optimizer.step()``) Waits for the
+        background copy of a lazy snapshot (``snapshot="lazy"``), the persistent save's and a lazy local-tier
+        save's (``local=``; every rank saves to the local tier); a collective save's write is handed to the
+        worker then (a single writer's was handed over at save time, behind a gate the copy opened). Returns
+        at once when none is in flight. ``AsyncFinalizerCallback`` calls it in ``on_before_optimizer_step``;
+        Fabric users, who have no hooks, call it themselves before each ``optimizer.step()`` (or at least
+        before the first step after a save). Never called, the next save, ``finalize``, ``load_checkpoint``,
+        ``teardown`` or ``abort`` waits instead.
+
+        The copy checks every tensor it copies: one changed in place between the save and its copy (an
+        optimizer step, a callback or EMA editing weights, before this wait) fails that save, which is
+        never written: :class:`CheckpointWriteError` naming the tensor, raised here when there is no process
+        group, else by the next ``finalize`` on every rank. A change made through ``.data`` is invisible
+        to that check: such code needs ``snapshot="eager"``."""
+        self._session.wait_for_snapshot()
+
+    def track_optimizers(self, optimizers: Any) -> None:
+        """(the saving ranks, before the saves; the callback at the start of training, and at each save)
+        The optimizers whose ``step`` alone changes their parameters and state: with ``snapshot="lazy"``
+        those are copied in the background after ``save_checkpoint`` returns. Nothing tracked: every save
+        is copied at save time. Fabric users call it once, with their optimizers.
+
+        Args:
+            optimizers: an optimizer or an iterable of them (held weakly)."""
+        self._session.track_optimizers(optimizers)
+
+    def warmup(self, like: dict[str, Any] | None = None) -> None:
+        """(writing ranks) Starts the background worker now, so that the first save does not pay for it (nor
+        the first DCP save for importing DCP's writer: only a Trainer stage whose saves are single files
+        skips that import). Local: it changes nothing the ranks must agree on, so it may be called on some
+        ranks only.
+
+        Args:
+            like: a checkpoint like the ones to come: also allocates the staging buffers."""
+        self._session.warmup(like)
+
+    def abort(self) -> None:
+        """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then
+        stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
+        self._session.abort()
 
     def __enter__(self) -> AsyncCheckpointIO:
         return self
@@ -273,18 +268,8 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         else:
             self.abort()
 
-    def warmup(self, like: dict[str, Any] | None = None) -> None:
-        """(writing ranks) Starts the background worker now, so that the first save does not pay for it (nor
-        the first DCP save for importing DCP's writer: only a Trainer stage whose saves are single files
-        skips that import). ``like`` (a checkpoint like the ones to come) also allocates the staging
-        buffers. Local: it changes nothing the ranks must agree on, so it may be called on some ranks only."""
-        self._closed, self._began = False, True
-        # a Trainer stage whose saves are single torch.save files (begin_run, not collective) never needs DCP's
-        # writer in its worker; a user's warmup may come before any kind of save
-        directories = self._collective_run is not False or self.settings.format == "dcp"
-        self._ensure_run().start(self._agreement.rank, None).start(directories=directories)
-        if like is not None:
-            self.prepare(like, distributed=False)
+    def _instruments(self) -> Instruments:
+        return Instruments(self.faults, self.write_hook, self.copy_hook)
 
 
 def _from_trainer(checkpoint: Any) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from typing_extensions import override
 
@@ -18,15 +18,18 @@ from lightning_asyncckpt.format import commit, integrity, metadata, paths, remot
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
+from lightning_asyncckpt.integration.contract import StrategyCapabilities
 from lightning_asyncckpt.integration.io import META_FILE, AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO, DDPStrategy, ModelParallelStrategy
 from lightning_asyncckpt.tiers import shares
 
 
 class _AsyncStrategyMixin:
-    """What both strategies share: an ``AsyncCheckpointIO`` by default, and a finalizer on the trainer."""
+    """What both strategies share: an ``AsyncCheckpointIO`` by default, and a finalizer on the trainer; their
+    capabilities (:class:`~lightning_asyncckpt.integration.contract.AsyncSaveStrategy`)."""
 
-    _asyncckpt_all_ranks_write = True  # AsyncFinalizerCallback warms the worker up on every rank
+    # every rank saves: AsyncFinalizerCallback warms the worker up on every rank
+    save_capabilities: ClassVar[StrategyCapabilities] = StrategyCapabilities(all_ranks_write=True)
     _checkpoint_io: CheckpointIO | None
 
     @property
@@ -58,6 +61,12 @@ class _AsyncStrategyMixin:
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
         self._add_finalizer()
+
+    @contextlib.contextmanager
+    def local_tier_state(self) -> Iterator[None]:
+        """(all ranks, while ``AsyncFinalizerCallback`` builds a local-tier checkpoint) The state dicts as for a
+        persistent save."""
+        yield
 
 
 class AsyncDDPStrategy(_AsyncStrategyMixin, DDPStrategy):
@@ -97,7 +106,8 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
     rank settles pending saves and stops the workers (the stock strategy never tears its IO down).
     """
 
-    _asyncckpt_sharded = True  # saves its own state layout (AsyncFinalizerCallback does not pre-stage)
+    # saves its own state layout: AsyncFinalizerCallback does not pre-stage
+    save_capabilities: ClassVar[StrategyCapabilities] = StrategyCapabilities(all_ranks_write=True, own_state_layout=True)
 
     def __init__(self, *args: Any, checkpoint_io: CheckpointIO | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -105,7 +115,8 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         self._sharded_for_local_tier = False
 
     @contextlib.contextmanager
-    def sharded_state_dicts(self) -> Iterator[None]:
+    @override
+    def local_tier_state(self) -> Iterator[None]:
         """(all ranks, while ``AsyncFinalizerCallback`` builds a local-tier checkpoint) The model's and the
         optimizers' states are each rank's own shards, even with ``save_distributed_checkpoint=False``: the
         local tier keeps every rank's shards, never a full state gathered on rank 0 (which the other ranks
@@ -165,8 +176,8 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         """(all ranks) Settles pending saves, then loads a sharded checkpoint (this package's or stock
         Lightning's, written on any number of ranks) or a full one."""
         io = self._async_io()
-        io.settle()  # every pending save committed or raised first
-        restored = io.tier.take(checkpoint_path) if io.tier is not None else None
+        io.session.finalize(blocking=True)  # every pending save committed or raised first
+        restored = io.session.take_restored(checkpoint_path)
         if restored is not None:  # the local tier's recovery fetched this rank's shards (tier_resume)
             return self._load_tier(restored)
         path = paths.checkpoint_path(self.broadcast(checkpoint_path))

@@ -55,11 +55,11 @@ class FabricTiers:
                      " as the strategy (Fabric's own ModelParallelStrategy takes no checkpoint plugin)" if sharded
                      else "the Fabric's plugins need an AsyncCheckpointIO(local=LocalTier(...))")
             raise ValueError(f"FabricTiers(fabric): {where}; found {self.io!r}.")
-        if self.io.tier is None:
+        if self.io.session.tier is None:
             nodes = max(int(getattr(fabric.strategy, "num_nodes", 1) or 1), 1)
-            self.io.tier = TierRun(self.io.local, node_rank=fabric.node_rank,
-                                   local_world_size=max(fabric.world_size // nodes, 1))
-        self.tier: TierRun = self.io.tier
+            self.io.session.attach_tier(TierRun(self.io.local, node_rank=fabric.node_rank,
+                                                local_world_size=max(fabric.world_size // nodes, 1)))
+        self.tier: TierRun = self.io.session.tier
         self.tier.arm()
 
     def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True,
@@ -86,7 +86,7 @@ class FabricTiers:
         boundary = self.tier.boundary()
         due = step > 0 and step % self.io.local.every_n_train_steps == 0
         if (due or boundary.preempted) and step != self.tier.saved_step:
-            self.tier.save(step, self._convert(state), lazy=self.io.lazy_rule(), hook=self.io.copy_hook)
+            self.tier.save(step, self._convert(state), lazy=self.io.session.lazy_rule(), hook=self.io.copy_hook)
         elif step > 0 and self.tier.wants_files:  # the first save's files, made while the next steps run
             self.tier.prepare(self._convert(state))
         if not boundary.preempted:
@@ -114,4 +114,4 @@ class FabricTiers:
     def close(self) -> None:
         """(every rank) Waits for the local save in flight; gives the signals back."""
         self.tier.close()
-        self.io.tier = None
+        self.io.session.detach_tier()

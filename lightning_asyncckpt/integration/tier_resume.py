@@ -70,7 +70,7 @@ def install() -> None:
         def resume_start(self: Any, checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
             io = _io_with_tier(self.trainer)
             last = isinstance(checkpoint_path, TierLast)
-            tier = tier_trainer.start(self.trainer, io) if last else getattr(io, "tier", None)
+            tier = tier_trainer.start(self.trainer, io) if last else io.session.tier if io is not None else None
             if tier is not None:  # a fit's: the run named before any local save or restore
                 tier.begin(destination(self.trainer), resuming=last or bool(checkpoint_path))
             if last:

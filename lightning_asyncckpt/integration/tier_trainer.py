@@ -11,7 +11,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from lightning_asyncckpt.integration import lightning_api, replaced_handlers
+from lightning_asyncckpt.integration import contract, lightning_api, replaced_handlers
 from lightning_asyncckpt.tiers.cliques import TierConfigError
 from lightning_asyncckpt.tiers.run import TierRun
 
@@ -24,16 +24,16 @@ def start(trainer: Any, io: Any) -> TierRun | None:
     if io is None or io.local is None:
         return None
     _refuse_stock_sharded(trainer.strategy)
-    if io.tier is None:
-        io.tier = TierRun(io.local, node_rank=trainer.node_rank, local_world_size=trainer.num_devices)
-    return io.tier
+    if io.session.tier is None:
+        io.session.attach_tier(TierRun(io.local, node_rank=trainer.node_rank, local_world_size=trainer.num_devices))
+    return io.session.tier
 
 
 def _refuse_stock_sharded(strategy: Any) -> None:
     """(every rank alike, before anything collective) A strategy that loads its checkpoints without the plugin
     (Lightning's own ``ModelParallelStrategy``, ``FSDPStrategy``, ``DeepSpeedStrategy``) could save to the
     local tier but never resume from it: refused, with the strategy to use."""
-    if getattr(strategy, "_asyncckpt_sharded", False):  # AsyncModelParallelStrategy
+    if contract.capabilities_of(strategy).own_state_layout:  # AsyncModelParallelStrategy
         return
     strategies = lightning_api.trainer_module("strategies")
     stock = tuple(getattr(strategies, name) for name in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
@@ -51,8 +51,8 @@ def arm(trainer: Any, io: Any) -> None:
     preemption signal request an emergency save. Under Lightning's SLURM auto-requeue, its requeue signal is
     passed on to Lightning's handler after that save (:func:`step_end`), so the job is still requeued; so is
     any signal to the user's own handler (:mod:`~lightning_asyncckpt.integration.replaced_handlers`)."""
-    if io is not None and io.tier is not None:
-        io.tier.arm(pass_on=_slurm_requeue_signal(trainer))
+    if io is not None and io.session.tier is not None:
+        io.session.tier.arm(pass_on=_slurm_requeue_signal(trainer))
 
 
 def _slurm_requeue_signal(trainer: Any) -> tuple[str, ...]:
@@ -73,13 +73,13 @@ def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
     """(all ranks, after every training batch) Agrees on the step boundary, saves to the local tier when
     one is due (``dump`` builds the checkpoint as ``ModelCheckpoint`` would), and on a preemption request
     saves now, waits for the copies and their replicas, and stops training. Returns True then."""
-    tier = io.tier
+    tier = io.session.tier
     boundary = tier.boundary()
     step = trainer.global_step
     due = step > 0 and step % io.local.every_n_train_steps == 0
     if (due or boundary.preempted) and step != tier.saved_step:
         # snapshot="lazy": the optimizers' tensors copied while the next forward and backward run
-        tier.save(step, dump(), lazy=io.lazy_rule(), hook=io.copy_hook)
+        tier.save(step, dump(), lazy=io.session.lazy_rule(), hook=io.copy_hook)
     elif step > 0 and tier.wants_files:  # the first save's files, made while the next steps run; sized from
         # the states that make up nearly all its bytes, not dump(), which would run the user's on_save_checkpoint
         tier.prepare({"state_dict": trainer.lightning_module.state_dict(),
@@ -101,10 +101,10 @@ def stop(io: Any, wait: bool = True) -> None:
     """(all ranks, at the end of fit; ``wait=False`` on an exception, where a peer may be gone) Waits for
     the local save in flight and agrees on it (raising a failed one), gives the signals back and forgets
     the run's tier."""
-    if io is not None and io.tier is not None:
+    if io is not None and io.session.tier is not None:
         try:
             if wait:  # the last local save complete everywhere, and the steps before it removed
-                io.tier.finish()
+                io.session.tier.finish()
         finally:
-            io.tier.close(wait)
-            io.tier = None
+            io.session.tier.close(wait)
+            io.session.detach_tier()

@@ -1,90 +1,187 @@
-"""``SavePipeline``: the run of saves behind ``AsyncCheckpointIO``, and the package's interface to it.
+"""``SaveSession``: the run of saves behind ``AsyncCheckpointIO``, which holds one.
 
-``AsyncCheckpointIO`` (``io.py``) is the face Lightning and Fabric call. This base class holds what the
-face stands on: the current :class:`~lightning_asyncckpt.pipeline.run.Run`, the cross-rank ``Agreement``, the exit
-group and the interpreter-exit hook. Its public methods are the small interface that the callback and
-the strategies call (``begin_run``, ``announce``, ``prepare``, ``track_optimizers``, ``wait_for_snapshot``,
-``finalize_step``, ``wait_for_local_writes``, ``abort``, and ``saves_scheduled``/``saves_settled`` for the
-logger relay); nothing outside calls its ``_``-methods.
+``AsyncCheckpointIO`` (``integration/io.py``) is the face Lightning and Fabric call; it holds a session and
+hands it every save. The session owns what those saves share: its frozen :class:`Settings`, the committed
+``history``, the current :class:`~lightning_asyncckpt.pipeline.run.Run`, the cross-rank ``Agreement``, the exit
+group, the interpreter-exit hook, the tracked optimizers and the local tier's run, when attached.
+
+Its verbs: :meth:`~SaveSession.submit` a save, :meth:`~SaveSession.finalize` (commit what finished, raise
+failures on every rank), :meth:`~SaveSession.abort` (drain what is in flight, then stop) and
+:meth:`~SaveSession.close` (the end of a run). The callback, the strategies and the tier hooks call the rest
+of its public methods, named by :class:`~lightning_asyncckpt.integration.contract.SessionInterface`; nothing
+outside calls its ``_``-methods or sets its attributes.
 
 A lazy snapshot (``snapshot="lazy"``, :mod:`lightning_asyncckpt.snapshot.lazy`) is waited for at every entry that
 may follow a change of the state or needs the save handed over: the next save, finalize, load,
-teardown, abort, and :meth:`wait_for_snapshot` itself.
+teardown, abort, and :meth:`~SaveSession.wait_for_snapshot` itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
 
 from lightning_asyncckpt.faults.policy import FaultPolicy
+from lightning_asyncckpt.format import paths
 from lightning_asyncckpt.format.layout import Layout
-from lightning_asyncckpt.pipeline import poller, scheduler, settle_copy
+from lightning_asyncckpt.pipeline import committer, finalizer, poller, scheduler, settle_copy, write_jobs
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.drain import AtExit, ExitGroup, drain
-from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import Save
 from lightning_asyncckpt.pipeline.settings import Settings
+from lightning_asyncckpt.snapshot import staging
 from lightning_asyncckpt.snapshot.lazy import TrackedState
 
 log = logging.getLogger(__name__)
 
 
-class SavePipeline:
-    """A run of saves: made at the first save (or ``begin_run``/``warmup``), dropped at close."""
+class Phase(enum.Enum):
+    """Who settles the saves of the current run."""
+
+    OPEN = "open"  # nobody said: a Trainer save outside any stage completes before it returns
+    BEGUN = "begun"  # a Trainer stage (the callback) or the user (warmup, ``with``) will finalize
+    CLOSED = "closed"  # torn down: nobody finalizes, so a save completes before it returns
+
+
+class AttachedTier(Protocol):
+    """What the session asks of the local tier's run (``tiers.run.TierRun``) that it holds."""
+
+    def wait_copy(self) -> None:
+        """(every rank, before the optimizer step) Waits for a lazy local save's copy."""
+
+    def take(self, key: Any) -> dict[str, Any] | None:
+        """(every rank, at a load) The checkpoint the tier's recovery fetched for ``key``, once; else None."""
+
+
+@dataclass(frozen=True)
+class Instruments:
+    """What a test or a user's CI puts into a save (``AsyncCheckpointIO``'s ``faults``, ``write_hook`` and
+    ``copy_hook``, read at each save).
+
+    Attributes:
+        faults: where injected faults come from (:mod:`lightning_asyncckpt.testing`).
+        write_hook: picklable; the worker calls it with the buckets before writing.
+        copy_hook: a lazy snapshot's copy thread calls it before copying (``testing.HoldCopy``).
+    """
 
     faults: FaultPolicy
-    write_hook: Any
-    copy_hook: Any
+    write_hook: Any = None
+    copy_hook: Any = None
+
+
+@dataclass
+class SaveCalls:
+    """This rank's save calls, counted from 1 as each begins (what injected faults target), and those of
+    them that committed (the run's committer adds to ``committed``)."""
+
+    scheduled: int = 0
+    committed: set[int] = field(default_factory=set)
+
+    def next(self) -> int:
+        self.scheduled += 1
+        return self.scheduled
+
+    def settled(self, mark: int, since: int, unsettled: list[int]) -> bool | None:
+        """``None`` while a call numbered ``since + 1`` to ``mark`` is in ``unsettled``; else whether each committed."""
+        if any(since < call <= mark for call in unsettled):
+            return None
+        return all(call in self.committed for call in range(since + 1, mark + 1))
+
+
+class SaveSession:
+    """A run of saves: made at the first save (or ``begin_run``/``warmup``), dropped at close; its history
+    and settings outlive each run."""
 
     def __init__(self, settings: Settings) -> None:
-        self.settings = settings  # frozen: replaced whole (and validated again) when a setting is assigned
+        self.settings = settings  # frozen: replaced whole (and validated again) by configure
         self.history: list[SaveRecord] = []  # every committed save, oldest first
         self._agreement = Agreement()
         self._run: Run | None = None
-        self._closed = False  # torn down: nobody finalizes, so a save completes before it returns
-        self._began = False  # a Trainer stage (the callback) or the user (warmup, with) will finalize
+        self._phase = Phase.OPEN
         # begin_run's ``collective``: every rank will write DCP directories (None: no begin_run, so unknown)
         self._collective_run: bool | None = None
-        self._save_calls = 0  # this rank's saves, counted from 1: what injected faults target
-        self._committed_calls: set[int] = set()  # the numbers of the save calls that committed
+        self._calls = SaveCalls()
         self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
         self._exit_group = ExitGroup()
         self._at_exit = AtExit()
         self._tracked = TrackedState()  # the optimizers given to track_optimizers (weakly), for every run
+        self._tier: AttachedTier | None = None  # the local tier's run, attached at setup on every rank
 
     def __getstate__(self) -> dict[str, Any]:
-        """A pickled (or deep-copied) plugin is its settings and history, as stock's ``TorchCheckpointIO`` is:
+        """A pickled (or deep-copied) session is its settings and history, as stock's ``TorchCheckpointIO`` is:
         ``torch.save(trainer)`` works. The copy starts no worker until it saves; the saves in flight stay
         with the original."""
         state = dict(self.__dict__)
-        state.update(_run=None, _closed=False, _began=False, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None,
+        state.update(_run=None, _phase=Phase.OPEN, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None,
                      _tracked=TrackedState())
         return state
 
+    # settings ---------------------------------------------------------------------------------------------
+    def configure(self, **changes: Any) -> Settings:
+        """(any rank, between saves) Replaces settings, validated as the constructor's arguments are (a bad
+        value raises here and changes nothing); the next save uses them.
+
+        Args:
+            changes: :class:`Settings` fields and their new values, e.g. ``timeout_s=60``.
+
+        Returns:
+            The new settings."""
+        self.settings = dataclasses.replace(self.settings, **changes)
+        return self.settings
+
+    # the run's figures (any rank, any time; local, no collectives) -----------------------------------------
+    @property
+    def num_pending(self) -> int:
+        """Saves of this rank not yet committed or failed (a lazy snapshot being copied included)."""
+        return len(self._run.unsettled()) if self._run is not None else 0
+
+    @property
+    def exit_group_ready(self) -> bool:
+        """Whether the group for committing collective saves on the way out exists and is usable."""
+        return self._exit_group.usable()
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of this rank's live background writers (the persistent worker, or forked ones)."""
+        return self._run.worker_pids() if self._run is not None else []
+
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The host buffers held for snapshots, reused from save to save (empty after ``close``)."""
+        return self._run.stager.buffers() if self._run is not None else []
+
+    def is_pending(self, path: Any) -> bool:
+        """(the saving ranks) Whether a save to ``path`` is scheduled and not yet committed: it exists for
+        whoever picks free names (``ModelCheckpoint``'s ``-v1`` suffixes), as stock's synchronous file would."""
+        path = paths.checkpoint_path(path)
+        return self._run is not None and any(p == path for p, _ in self._run.unsettled())
+
     @property
     def saves_scheduled(self) -> int:
-        """(any rank, any time; local) How many saves this rank's plugin was asked to make since it was
-        made, counted as each call begins (one that fails or raises counts too). Lightning's Trainer calls
-        the plugin on global rank 0 only (every rank for ``AsyncDDPStrategy`` and sharded saves): on the
-        other ranks it stays 0. A mark for :meth:`saves_settled`."""
-        return self._save_calls
+        """How many saves this rank's plugin was asked to make since it was made, counted as each call
+        begins (one that fails or raises counts too). Lightning's Trainer calls the plugin on global rank 0
+        only (every rank for ``AsyncDDPStrategy`` and sharded saves): on the other ranks it stays 0. A mark
+        for :meth:`saves_settled`."""
+        return self._calls.scheduled
 
     def saves_settled(self, mark: int, since: int = 0) -> bool | None:
-        """(any rank, any time; local, no collectives) Whether this rank's saves numbered ``since + 1`` to
-        ``mark`` (values of :attr:`saves_scheduled`) have settled: ``None`` while one of them is still
-        pending; then ``True`` if every one committed, ``False`` if one did not (its write failed, it was
-        dropped on the way out, or it raised to its caller). Saves commit in ``finalize`` (the callback's,
-        after every batch); a failure is raised there, on every rank. With nothing in the range (``mark <=
-        since``, e.g. a rank that saves nothing), ``True``."""
-        if self._run is not None and any(since < call <= mark for _, call in self._run.unsettled()):
-            return None
-        return all(call in self._committed_calls for call in range(since + 1, mark + 1))
+        """Whether this rank's saves numbered ``since + 1`` to ``mark`` (values of :attr:`saves_scheduled`) have
+        settled: ``None`` while one of them is still pending; then ``True`` if every one committed, ``False``
+        if one did not (its write failed, it was dropped on the way out, or it raised to its caller). Saves
+        commit in ``finalize``; a failure is raised there, on every rank. With nothing in the range
+        (``mark <= since``, e.g. a rank that saves nothing), ``True``."""
+        unsettled = [call for _, call in self._run.unsettled()] if self._run is not None else []
+        return self._calls.settled(mark, since, unsettled)
 
+    # Lightning's side: the callback, the strategies and the tier hooks ------------------------------------
     def hold_removals(self, held: bool) -> None:
         """(this rank; the callback's logger relay) While held, the removals Lightning asks for (top-k) wait,
         so that a checkpoint is still there for the deferred logger call that announces it; releasing
@@ -94,17 +191,30 @@ class SavePipeline:
             return  # no run: nothing to remove (a closed run ran its removals)
         run.retention.hold(held)
 
+    def request_removal(self, path: Any) -> None:
+        """(the ranks Lightning calls ``remove_checkpoint`` on) Removes ``path`` once every save scheduled so far
+        has committed."""
+        committer.request_removal(self._ensure_run(), paths.checkpoint_path(path))
+
     def begin_run(self, collective: bool) -> None:
         """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
         ``collective``: all ranks will write parts, so the exit group is made now, outside any save."""
-        self._closed, self._began = False, True
+        self._phase = Phase.BEGUN
         self._collective_run = collective
         self._ensure_run()
         if collective:
-            self.begin_collective_saves()
+            self._begin_collective_saves()
 
-    def begin_collective_saves(self) -> None:
-        self._exit_group.make(self._agreement, self.settings.drain_timeout_s)  # (all ranks, together)
+    def warmup(self, like: dict[str, Any] | None = None) -> None:
+        """(writing ranks; local) Starts the background worker now; ``like`` also allocates the staging buffers
+        (``AsyncCheckpointIO.warmup``)."""
+        self._phase = Phase.BEGUN
+        # a Trainer stage whose saves are single torch.save files (begin_run, not collective) never needs DCP's
+        # writer in its worker; a user's warmup may come before any kind of save
+        directories = self._collective_run is not False or self.settings.format == "dcp"
+        self._ensure_run().start(self._agreement.rank, None).start(directories=directories)
+        if like is not None:
+            self.prepare(like, distributed=False)
 
     def announce(self) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts a save that the plugin will be called for
@@ -118,49 +228,96 @@ class SavePipeline:
         self._ensure_run().prepare(like, rank, world)
 
     def track_optimizers(self, optimizers: Any) -> None:
-        """(the saving ranks, before the saves; the callback at the start of training, and at each save)
-        The optimizers whose ``step`` alone changes their parameters and state: with ``snapshot="lazy"``
-        those are copied in the background after ``save_checkpoint`` returns. Nothing tracked: every save
-        is copied at save time. Fabric users call it once, with their optimizers."""
+        """(the saving ranks, before the saves) The optimizers whose ``step`` alone changes their parameters
+        and state: with ``snapshot="lazy"`` those are copied in the background after the save call returns."""
         self._tracked.track(optimizers)
 
-    def lazy_rule(self) -> Any:
+    def lazy_rule(self) -> staging.Defer | None:
         """(the training thread, at a local-tier save) With ``snapshot="lazy"``, which tensors may be copied
         after the save call returns (the tracked optimizers' parameters and state: see
         :meth:`~lightning_asyncckpt.snapshot.lazy.TrackedState.rule`); else None (everything at save time)."""
         return self._tracked.rule() if self.settings.snapshot == "lazy" else None
 
+    @property
+    def tier(self) -> AttachedTier | None:
+        """The local tier's run (``AsyncCheckpointIO(local=...)``), attached at setup; else None."""
+        return self._tier
+
+    def attach_tier(self, tier: AttachedTier) -> None:
+        """(every rank, at setup, before any restore) The local tier's run, waited for with the persistent saves'
+        lazy copies and asked first at a load."""
+        self._tier = tier
+
+    def detach_tier(self) -> AttachedTier | None:
+        """(every rank, as the local tier closes) Returns the tier's run, no longer attached."""
+        tier, self._tier = self._tier, None
+        return tier
+
+    def take_restored(self, key: Any) -> dict[str, Any] | None:
+        """(every rank, at a load) The checkpoint the local tier's recovery fetched for ``key``, once; else None."""
+        return self._tier.take(key) if self._tier is not None else None
+
+    # the verbs --------------------------------------------------------------------------------------------
+    def submit(self, checkpoint: dict[str, Any], path: Any, layout: Layout, instruments: Instruments, *,
+               storage_options: Any = None, meta: dict[str, Any] | None = None, step: int | None = None,
+               trainer_save: bool = False) -> None:
+        """(the saving ranks; every rank, same order, for a ``layout`` where all ranks write) Snapshots
+        ``checkpoint`` and schedules its write to ``path``; returns once the snapshot is taken.
+
+        Args:
+            checkpoint: the state to save (this rank's share of it, for a sharded layout).
+            path: where: a local path or an fsspec URL.
+            layout: who writes what (:class:`~lightning_asyncckpt.format.layout.Layout`).
+            instruments: the test hooks and fault policy this save runs with.
+            storage_options: Lightning's ``storage_options`` (refused unless None).
+            meta: the non-tensor state of a sharded save: global rank 0 writes it to ``meta.pt``.
+            step: the global step, else read from ``checkpoint``.
+            trainer_save: the Lightning Trainer built ``checkpoint``: outside a stage it completes now."""
+        rank = self._agreement.rank
+        extra_files = [write_jobs.meta_file(meta)] if meta is not None and rank == 0 else []  # serialized now
+        self.wait_for_snapshot()  # the previous save's copy, before anything of this one
+        call = self._calls.next()
+        run = self._ensure_run()
+        collective = layout.all_ranks_write(self._agreement.active)
+        s = self.settings
+        save = Save(
+            checkpoint, path, layout, collective, seq=run.count.claim(collective), called_at=time.perf_counter(),
+            writes_file=layout is Layout.SINGLE_WRITER and s.format == "auto",
+            step=step if step is not None else global_step(checkpoint), extra_files=extra_files,
+            faults=instruments.faults.for_save(rank, call, s.engine, s.worker), call=call,
+            write_hook=instruments.write_hook, copy_hook=instruments.copy_hook,
+        )
+        self._at_exit.arm(self, SaveSession.abort)
+        scheduler.submit(run, self._agreement, s, save, storage_options, self._begin_collective_saves)
+        if self._phase is Phase.CLOSED or (trainer_save and self._phase is Phase.OPEN):
+            self._complete_now(collective)
+
     def wait_for_snapshot(self) -> None:
         """(the saving ranks, on the training thread, right before ``optimizer.step()``) Waits for the
-        background copy of a lazy snapshot (``snapshot="lazy"``); a collective save's write is handed to the
-        worker then (a single writer's was handed over at save time, behind a gate the copy opened). Returns
-        at once when none is in flight. ``AsyncFinalizerCallback`` calls it in ``on_before_optimizer_step``;
-        Fabric users, who have no hooks, call it themselves before each ``optimizer.step()`` (or at least
-        before the first step after a save). Never called, the next save, ``finalize``, ``load_checkpoint``,
-        ``teardown`` or ``abort`` waits instead.
-
-        The copy checks every tensor it copies: one changed in place between the save and its copy (an
-        optimizer step, a callback or EMA editing weights, before this wait) fails that save, which is
-        never written: :class:`CheckpointWriteError` naming the tensor, raised here when there is no process
-        group, else by the next ``finalize`` on every rank. A change made through ``.data`` is invisible
-        to that check: such code needs ``snapshot="eager"``."""
+        background copy of a lazy snapshot, the persistent save's (a collective save's write is handed to
+        the worker then) and the local tier's. Returns at once when none is in flight."""
         if self._run is not None and self._run.copying is not None:
             settle_copy.finish_copy(self._run, self._agreement, self.settings)
+        if self._tier is not None:
+            self._tier.wait_copy()
 
-    def settle_snapshot(self, blocking: bool) -> None:
-        """(the saving ranks, in finalize) ``blocking``: :meth:`wait_for_snapshot`. Else only a lazy copy that
-        already finished is handed over: one still running is waited for before the optimizer step, not
-        inside a finalize that the training loop calls right after the save (Fabric's loops do)."""
-        copying = self._run.copying if self._run is not None else None
+    def finalize(self, blocking: bool = False, *, only_if_pending: bool = False) -> None:
+        """(all ranks, same order) Commits the saves whose writes finished (``blocking``: all of them) and
+        raises :class:`~lightning_asyncckpt.CheckpointWriteError` on every rank for a failed one.
+
+        Args:
+            blocking: wait for every write in flight (and a lazy copy still running).
+            only_if_pending: agree only while a save is announced and unsettled, so that the steps
+                without pending saves pay no collective (the callback, after every batch)."""
+        if only_if_pending and self._run is None:
+            return
+        run = self._ensure_run()
+        copying = run.copying
+        # not blocking: a lazy copy still running is waited for before the optimizer step, not inside a
+        # finalize that the training loop calls right after the save (Fabric's loops do)
         if copying is not None and (blocking or copying.copy.done()):
             self.wait_for_snapshot()
-
-    def finalize_step(self, blocking: bool = False) -> None:
-        """(all ranks, same order; the callback, after every batch) ``finalize`` that agrees only while a save
-        is announced and unsettled, so that steps without pending saves pay no collective."""
-        if self._run is not None:
-            self.settle_snapshot(blocking)
-            finalize(self._run, self._agreement, self.settings, blocking, force=False)
+        finalizer.finalize(run, self._agreement, self.settings, blocking, force=not only_if_pending)
 
     def wait_for_local_writes(self) -> None:
         """(this rank, no collectives) Waits for this rank's writes in flight: single-writer saves commit;
@@ -170,10 +327,19 @@ class SavePipeline:
             self.wait_for_snapshot()
             poller.wait_for_local_writes(self._run, self.settings, self._agreement.rank)
 
+    def settle_for_load(self, path: Path | str) -> None:
+        """(any rank, before a load of ``path``) This rank's saves to ``path`` settled; with other ranks up, a
+        save another rank is still writing into ``path`` landed (at most ``timeout_s``)."""
+        if self._run is not None:
+            self.wait_for_snapshot()
+            poller.settle_for(self._run, self.settings, self._agreement.rank, path)
+        if self._agreement.active:
+            paths.wait_until_landed(path, self.settings.timeout_s, self.settings.poll_interval_s)
+
     def abort(self) -> None:
         """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then
         stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
-        if self._run is not None and not self._closed:
+        if self._run is not None and self._phase is not Phase.CLOSED:
             drain_timeout_s = self.settings.drain_timeout_s
             deadline = time.monotonic() + drain_timeout_s  # one bound for the lazy copy's wait and the drain
             try:
@@ -187,27 +353,30 @@ class SavePipeline:
             except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
                 log.exception("lightning-asyncckpt: error while draining the saves in flight")
         try:
-            self._close(abort=True)
+            self._stop(abort=True)
         except Exception:  # noqa: BLE001
             log.exception("lightning-asyncckpt: error while stopping the checkpoint workers")
 
-    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, layout: Layout,
-              extra_files: list | None = None, step: int | None = None, trainer_save: bool = False) -> None:
-        self.wait_for_snapshot()  # the previous save's copy, before anything of this one
-        self._save_calls += 1
-        run, rank = self._ensure_run(), self._agreement.rank
-        collective = layout.all_ranks_write(self._agreement.active)
-        save = Save(
-            checkpoint, path, layout, collective, seq=run.count.claim(collective), called_at=time.perf_counter(),
-            writes_file=layout is Layout.SINGLE_WRITER and self.settings.format == "auto",
-            step=step if step is not None else global_step(checkpoint), extra_files=extra_files or [],
-            faults=self.faults.for_save(rank, self._save_calls, self.settings.engine, self.settings.worker), call=self._save_calls,
-            write_hook=self.write_hook, copy_hook=self.copy_hook,
-        )
-        self._at_exit.arm(self, SavePipeline.abort)
-        scheduler.submit(run, self._agreement, self.settings, save, storage_options, self.begin_collective_saves)
-        if self._closed or (trainer_save and not self._began):
-            self._complete_now(collective)
+    def close(self) -> None:
+        """(all ranks) The end of a run: blocking finalize (errors raised on every rank), then the workers stop.
+        After :meth:`abort` there is nothing left to do. While an exception raised during this run propagates,
+        it is :meth:`abort`, so as not to mask it; one the user was already handling when the run began (a
+        retry loop's ``except`` block) does not count. A rank that never saved agrees too: Fabric's rank 0
+        saves alone and every rank tears down."""
+        propagating = sys.exc_info()[1]
+        if propagating is not None and propagating is not self._handling_at_start:
+            self.abort()
+            return
+        try:
+            if self._phase is not Phase.CLOSED:
+                self.wait_for_snapshot()
+                finalizer.finalize(self._ensure_run(), self._agreement, self.settings, blocking=True, force=True)
+        finally:
+            self._stop(abort=False)
+
+    # private ----------------------------------------------------------------------------------------------
+    def _begin_collective_saves(self) -> None:
+        self._exit_group.make(self._agreement, self.settings.drain_timeout_s)  # (all ranks, together)
 
     def _complete_now(self, collective: bool) -> None:
         # no loop will finalize this save (torn down, e.g. `trainer.save_checkpoint` after `fit`; or a Trainer
@@ -215,35 +384,20 @@ class SavePipeline:
         try:
             self.wait_for_snapshot()
             agreement = self._agreement if collective else Agreement.alone()
-            finalize(self._ensure_run(), agreement, self.settings, blocking=True, force=True)
+            finalizer.finalize(self._ensure_run(), agreement, self.settings, blocking=True, force=True)
         finally:
-            self._close(abort=False)
-
-    def _finalize_all(self) -> None:
-        # (all ranks) the blocking finalize of teardown: every save settled, errors raised on every rank. A rank
-        # that never saved agrees too (as in ``settle``): Fabric's rank 0 saves alone and every rank tears down
-        try:
-            if not self._closed:
-                self.wait_for_snapshot()
-                finalize(self._ensure_run(), self._agreement, self.settings, blocking=True, force=True)
-        finally:
-            self._close(abort=False)
-
-    def _propagating(self) -> bool:
-        # an exception raised during this run propagates (not one the user was handling as it began)
-        propagating = sys.exc_info()[1]
-        return propagating is not None and propagating is not self._handling_at_start
+            self._stop(abort=False)
 
     def _ensure_run(self) -> Run:
         if self._run is None:
             s = self.settings
-            self._run = Run(s.engine_name, s.worker_mode, self.history, self._committed_calls, worker_nice=s.worker_nice,
-                            tracked=self._tracked)
+            self._run = Run(s.engine_name, s.worker_mode, self.history, self._calls.committed,
+                            worker_nice=s.worker_nice, tracked=self._tracked)
             self._handling_at_start = sys.exc_info()[1]
         return self._run
 
-    def _close(self, abort: bool) -> None:
-        self._closed, self._began = True, False
+    def _stop(self, abort: bool) -> None:
+        self._phase = Phase.CLOSED
         self._at_exit.disarm()
         run, self._run = self._run, None
         if run is not None:

@@ -30,7 +30,7 @@ class Ready(L.Callback):
         if trainer.global_step == 13:
             tmp = os.path.join(self.out, "ready.tmp")
             with open(tmp, "w") as f:
-                json.dump({"pending": self.io.num_pending, "workers": self.io.worker_pids()}, f)
+                json.dump({"pending": self.io.session.num_pending, "workers": self.io.session.worker_pids()}, f)
             os.replace(tmp, os.path.join(self.out, "ready"))  # the test never reads a partial file
 
 

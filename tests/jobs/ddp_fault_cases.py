@@ -46,7 +46,7 @@ class FillDiskAt(L.Callback):
 
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == self.step and trainer.global_rank == 0:
-            self.io.wait_for_local_writes()  # the step-4 checkpoint is written first
+            self.io.session.wait_for_local_writes()  # the step-4 checkpoint is written first
             st = os.statvfs(self.mnt)
             with open(os.path.join(self.mnt, "filler"), "wb") as f:
                 f.write(b"\0" * (st.f_bavail * st.f_frsize - 4096))
@@ -59,7 +59,7 @@ class KillWorkerAt(L.Callback):
     def on_train_batch_start(self, trainer, *a):
         if trainer.global_step == self.step and trainer.global_rank == 0:
             self.io.write_hook = None
-            for pid in self.io.worker_pids():
+            for pid in self.io.session.worker_pids():
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -70,7 +70,7 @@ class SlowWritesFrom(L.Callback):
     def on_train_batch_end(self, trainer, *a):
         if trainer.global_step == self.step - 1:
             if trainer.global_rank == 0:
-                self.io.wait_for_local_writes()  # earlier saves are written before the slow one
+                self.io.session.wait_for_local_writes()  # earlier saves are written before the slow one
             self.io.write_hook = testing.DelayWrite(30.0)
 
 
@@ -94,7 +94,7 @@ class UnpicklableAt(L.Callback):
             import threading
 
             if trainer.global_rank == 0:
-                self.io.wait_for_local_writes()  # the earlier save is committed first
+                self.io.session.wait_for_local_writes()  # the earlier save is committed first
             checkpoint["bad"] = threading.Lock()
 
 

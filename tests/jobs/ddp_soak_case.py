@@ -21,7 +21,7 @@ def _resources(io):
     import psutil
 
     me = psutil.Process()
-    workers = [psutil.Process(pid) for pid in io.worker_pids()]
+    workers = [psutil.Process(pid) for pid in io.session.worker_pids()]
     return {
         "fds": len(os.listdir("/proc/self/fd")),
         "children": len(live_children()),

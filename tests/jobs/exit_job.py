@@ -39,7 +39,7 @@ def main() -> None:
     with torch.no_grad():
         model.weight.add_(1.0)  # after save returned: must not reach the checkpoint
     with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump({"expected": expected, "pids": io.worker_pids(),
+        json.dump({"expected": expected, "pids": io.session.worker_pids(),
                    "committed_at_return": commit.is_complete(Path(path))}, f)
     if args.how == "raise":
         raise RuntimeError("uncaught error after fabric.save")

@@ -187,7 +187,7 @@ def case_sharded_exit(args, fabric, io, report):
 def case_sharded_abandoned(args, fabric, io, report):
     """FSDP2: rank 0 dies with a sharded save in flight while rank 1 is elsewhere (it never comes to
     commit). Rank 0 must give up after the exit group's timeout and drop the save, not hang."""
-    io.drain_timeout_s = 3.0  # also the exit group's timeout: made at the first collective save
+    io.session.configure(drain_timeout_s=3.0)  # also the exit group's timeout: made at the first collective save
     model, opt = _setup_sharded(fabric)
     _step(fabric, model, opt, 0)
     path = os.path.join(args.out, "ckpt", "step-0")
@@ -204,7 +204,7 @@ def case_sharded_abandoned(args, fabric, io, report):
     try:
         with io:
             fabric.save(path, {"model": model, "optimizer": opt})
-            pids = io.worker_pids()
+            pids = io.session.worker_pids()
             raise ValueError("boom on rank 0")
     except ValueError as e:
         report["raised"] = str(e)

@@ -352,7 +352,7 @@ def case_die(args, report):
 
     class ExitGroupAtStart(L.Callback):
         def on_train_start(self, trainer, pl_module):  # made at setup, not inside the first save's stall
-            report["exit_group_at_start"] = io.exit_group_ready
+            report["exit_group_at_start"] = io.session.exit_group_ready
 
     t = _trainer(args, AsyncModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
                  [rec, ExitGroupAtStart(), ck], plugins=[io], max_steps=40)

@@ -83,7 +83,7 @@ def case_drain_interrupted(args, fabric, io, report):
     ckpts = Path(args.out) / "ckpts"
     io.faults = InterruptCommit()
     io.save_checkpoint_distributed(_state(1.0), ckpts / "one.ckpt")
-    io.wait_for_local_writes()  # both parts written: the drain goes on to commit it
+    io.session.wait_for_local_writes()  # both parts written: the drain goes on to commit it
     io.abort()
     report["interrupted"] = InterruptCommit.fired
     fabric.barrier()

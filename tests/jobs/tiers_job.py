@@ -51,7 +51,7 @@ class HoldAt10(L.Callback):
     def on_train_batch_start(self, trainer, *a):
         if trainer.global_step != 10:
             return
-        assert self.io.tier.finish() == 10
+        assert self.io.session.tier.finish() == 10
         self.io.finalize(blocking=True)
         r = trainer.global_rank
         for step in (8, 10):
@@ -70,7 +70,7 @@ class TierState(L.Callback):
         self.io, self.complete = io, None
 
     def on_train_end(self, trainer, pl_module):
-        self.complete = self.io.tier.complete if self.io.tier is not None else None
+        self.complete = self.io.session.tier.complete if self.io.session.tier is not None else None
 
 
 class MarkStep(L.Callback):
