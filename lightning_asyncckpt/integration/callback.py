@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -76,7 +75,6 @@ class AsyncFinalizerCallback(Callback):
         self._prepare_pending = False
         self._writes_everywhere = False
         self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
-        self._local_dump = False  # building a checkpoint for the local tier (not a persistent save)
         self._patches = InstancePatches()  # the strategy's save_checkpoint, the checkpoint callbacks' file_exists
         self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
         self._tier_step_end = TierStepEnd(self._local_step_end)  # the local tier's, after every other callback
@@ -128,7 +126,7 @@ class AsyncFinalizerCallback(Callback):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
-        if self._io is not None and not self._local_dump:
+        if self._io is not None and not tier_trainer.building_local_checkpoint():
             self._io.announce()
             self._io.track_optimizers(trainer.optimizers)  # the ones this save holds (configure may replace them)
             self._counted = checkpoint
@@ -213,22 +211,9 @@ class AsyncFinalizerCallback(Callback):
         tier's agreement and save; on a preemption, the persistent saves drained too, then training stops."""
         if self._io is None or self._io.tier is None:
             return
-        # AsyncModelParallelStrategy: each rank's shards, even where the persistent saves gather a full state
-        sharded = getattr(trainer.strategy, "sharded_state_dicts", contextlib.nullcontext)
-        with sharded():
-            preempted = tier_trainer.step_end(trainer, self._io, lambda: self._dump(trainer))
-        if preempted:
+        if tier_trainer.step_end(trainer, self._io):
             self._finalize(blocking=True)
             self._log_committed(trainer)
-
-    def _dump(self, trainer: Trainer) -> dict[str, Any]:
-        """(all ranks) The checkpoint ``ModelCheckpoint`` would save now, for the local tier: not counted as a
-        persistent save."""
-        self._local_dump = True
-        try:
-            return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        finally:
-            self._local_dump = False
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -34,7 +34,7 @@ from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.tiers import restore_key
 from lightning_asyncckpt.tiers.config import LocalTier
-from lightning_asyncckpt.tiers.run import TierRun
+from lightning_asyncckpt.tiers.hook import LocalTierHook
 
 __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 
@@ -129,7 +129,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         self._returned = 0  # history[:_returned] was returned by finalize()
         self.local = local
         self.verify_on_load = verify_on_load  # read by every load path of the plugin and the strategies
-        self.tier: TierRun | None = None  # the local tier's run, made at setup on every rank (tier_trainer, tier_fabric)
+        self._tier: LocalTierHook | None = None  # the local tier's run, attached at setup (tier_trainer, tier_fabric)
         autoattach.install()  # the finalizer in the next Trainer, even without the package's entry point
 
     def wait_for_snapshot(self) -> None:
@@ -140,6 +140,24 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         SavePipeline.wait_for_snapshot(self)
         if self.tier is not None:
             self.tier.wait_copy()
+
+    @property
+    def tier(self) -> LocalTierHook | None:
+        """(any rank) The run's local tier (``local=``), while attached: from setup to the end of the run."""
+        return self._tier
+
+    def attach_tier(self, tier: LocalTierHook) -> None:
+        """(every rank, at setup) Drives ``tier`` (:func:`~lightning_asyncckpt.tiers.setup.open_tier`'s) from
+        now on: its lazy copy waited for before the optimizer step, its restored checkpoint given to a load."""
+        if self._tier is not None and self._tier is not tier:
+            raise RuntimeError("AsyncCheckpointIO.attach_tier: a local tier is attached already; detach_tier() it first.")
+        self._tier = tier
+
+    def detach_tier(self) -> LocalTierHook | None:
+        """(every rank, at the end of the run) The attached local tier, no longer driven (None: none); the
+        caller finishes and closes it."""
+        tier, self._tier = self._tier, None
+        return tier
 
     @property
     def engine(self) -> str:
@@ -213,7 +231,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         ``path`` is raised here. With other ranks up, a save that another rank is still writing into that
         directory is waited for first (at most ``timeout_s``): Fabric's ``save`` returns on every rank once
         rank 0 has scheduled it, and its ``load`` then reads on every rank. A path that the local tier's
-        recovery returned (``TierRun.latest``) gives the checkpoint it fetched, once; loaded again later it
+        recovery returned (``LocalTierHook.latest``) gives the checkpoint it fetched, once; loaded again later it
         raises ``FileNotFoundError`` saying what to load instead (:mod:`~lightning_asyncckpt.tiers.restore_key`)."""
         restored = self.tier.take(path) if self.tier is not None else None
         if restored is not None:
