@@ -56,7 +56,7 @@ def test_setup_logs_the_hint_once_for_a_tmpfs_without_huge_pages_only(tmp_path, 
             caplog.clear()
             with caplog.at_level(logging.INFO, logger="lightning_asyncckpt"):
                 run = open_tier(LocalTier(str(where), replication_factor=1, emergency_signals=()), node_rank=0,
-                              local_world_size=1)
+                                local_world_size=1)
                 run.close()
             lines[name] = [r.getMessage() for r in caplog.records if "huge pages" in r.getMessage()]
     assert len(lines["plain"]) == 1 and "huge=within_size" in lines["plain"][0], lines

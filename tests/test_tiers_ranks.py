@@ -25,7 +25,7 @@ def _shared_dir_rank(rank, path):
     from lightning_asyncckpt.tiers.setup import open_tier
 
     open_tier(LocalTier(path, replication_factor=2, timeout_s=30, emergency_signals=()), node_rank=rank,
-            local_world_size=1)
+              local_world_size=1)
 
 
 def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):

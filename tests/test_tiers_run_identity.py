@@ -116,7 +116,7 @@ def _second_job(directory, q):
         from lightning_asyncckpt.tiers.setup import open_tier
 
         run = open_tier(LocalTier(directory, replication_factor=1, emergency_signals=()), node_rank=0,
-                      local_world_size=1)
+                        local_world_size=1)
         run.close()
         q.put("no error")
     except BaseException as e:  # noqa: BLE001
