@@ -5,7 +5,7 @@
     python benchmarks/bench_tiers.py --render benchmarks/results/tiers-<time>.json
 
 Four ranks (``torch.multiprocessing``, spawn; gloo on 127.0.0.1) simulate two nodes: ranks 0 and 1 are
-node 0, ranks 2 and 3 node 1 (``TierRun(node_rank=rank // 2, local_world_size=2)``), so the local tier's
+node 0, ranks 2 and 3 node 1 (``open_tier(config, node_rank=rank // 2, local_world_size=2)``), so the local tier's
 cliques are {0, 2} and {1, 3} and every share has its replica on the other node. Each node has its own
 local directory (``/dev/shm/bench-tiers-<pid>/node<k>``); the persistent tier (``AsyncCheckpointIO("nvrx")``
 on rank 0) writes a ``torch.save`` file under a temporary directory on the normal disk (``--dir``).

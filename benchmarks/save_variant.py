@@ -146,12 +146,12 @@ class Variant:
             self.io.warmup(like=state)  # starts the worker and allocates the staging buffers
         elif self.name == "local_tier":
             from lightning_asyncckpt import LocalTier
-            from lightning_asyncckpt.tiers.run import TierRun
+            from lightning_asyncckpt.tiers.setup import open_tier
 
             shm = Path("/dev/shm")
             self.local_dir = Path(tempfile.mkdtemp(prefix="bench-local-", dir=shm if shm.is_dir() else None))
-            self.io = TierRun(LocalTier(self.local_dir, every_n_train_steps=1, replication_factor=1,
-                                        emergency_signals=()), node_rank=0, local_world_size=1)
+            self.io = open_tier(LocalTier(self.local_dir, every_n_train_steps=1, replication_factor=1,
+                                          emergency_signals=()), node_rank=0, local_world_size=1)
             self.io.prepare(state)  # the first save's files, made ahead as the integrations do
             self.io.writer.wait(600)  # as the other variants' warmup, done before the first save
         elif self.name == "lightning_async":

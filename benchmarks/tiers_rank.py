@@ -50,7 +50,7 @@ class Trainer:
         except ImportError:
             tier_replication = None
         from lightning_asyncckpt.tiers.config import LocalTier
-        from lightning_asyncckpt.tiers.run import TierRun
+        from lightning_asyncckpt.tiers.setup import open_tier
 
         self.torch, self.dist, self.rank, self.args, self.ckpt_dir = torch, dist, rank, args, ckpt_dir
         self.sharded = getattr(args, "layout", "replicated") == "sharded"
@@ -67,7 +67,7 @@ class Trainer:
         self.step = 0
         config = LocalTier(node_dir, every_n_train_steps=args.every, replication_factor=2, emergency_signals=(),
                            timeout_s=args.timeout)
-        self.tier = TierRun(config, node_rank=rank // PER_NODE, local_world_size=PER_NODE)
+        self.tier = open_tier(config, node_rank=rank // PER_NODE, local_world_size=PER_NODE)
         self.io = AsyncCheckpointIO("nvrx")
         if rank == 0 and not self.sharded:
             self.io.warmup(like=self.state)  # starts the worker and allocates its staging buffers
@@ -201,7 +201,7 @@ class Trainer:
         t0 = time.perf_counter()
         stall = None
         if variant.startswith("local"):
-            self.tier.agreement.overlapped = variant == "local_overlap"  # LocalTier(overlap_agreement=True)
+            self.tier._steps.agreement.overlapped = variant == "local_overlap"  # benchmark only: LocalTier(overlap_agreement=True) in place
             stall = self.local_save(lazy=variant == "local_lazy")
         elif variant.startswith("persistent"):
             stall = self.persistent_save(s3=variant == "persistent_s3")

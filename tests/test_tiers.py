@@ -44,10 +44,10 @@ def test_the_default_factor_is_two_on_several_nodes_and_one_on_one():
 
 
 def test_one_process_without_a_factor_keeps_no_replicas_and_says_so(tmp_path, caplog):
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     with caplog.at_level("INFO"):
-        run = TierRun(LocalTier(tmp_path, emergency_signals=()), node_rank=0, local_world_size=1)
+        run = open_tier(LocalTier(tmp_path, emergency_signals=()), node_rank=0, local_world_size=1)
     run.close()
     assert run.factor == 1 and run.clique == [0]
     assert "the local tier keeps no replicas: this job runs on one node" in caplog.text
@@ -63,9 +63,9 @@ def test_emergency_signals_may_be_given_as_signals():
 def test_signals_that_cannot_be_handled_off_the_main_thread_are_named_in_a_warning(tmp_path, caplog):
     import threading
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
-    run = TierRun(LocalTier(tmp_path, emergency_signals=("SIGUSR2",)), node_rank=0, local_world_size=1)
+    run = open_tier(LocalTier(tmp_path, emergency_signals=("SIGUSR2",)), node_rank=0, local_world_size=1)
     armed = []
     try:
         with caplog.at_level("WARNING"):

@@ -40,10 +40,10 @@ def _plain(state):
 
 def _restore(tier, rank):
     """A new run's restore: the tensors it restored (None: it fell back) and the log lines."""
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     with log_lines() as lines:
-        run = TierRun(tier, node_rank=rank, local_world_size=1)
+        run = open_tier(tier, node_rank=rank, local_world_size=1)
         try:
             restored = run.take(run.latest(None))
             got = _plain(restored) if restored is not None else None
@@ -58,11 +58,11 @@ def _own_copy_corrupt_rank(rank, root, layout):
     restore (rank 1's copy fails, node 0's replica of it does not), then restore once more."""
     import torch.distributed as dist
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     state = _state(rank, layout)
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     run.save(2, state)
     assert run.finish() == 2
     run.close()

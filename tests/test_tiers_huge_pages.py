@@ -45,7 +45,7 @@ def test_the_deepest_mount_holding_the_directory_decides():
 
 
 def test_setup_logs_the_hint_once_for_a_tmpfs_without_huge_pages_only(tmp_path, caplog):
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     if "[deny]" in huge_pages.SHMEM_ENABLED.read_text() or "[force]" in huge_pages.SHMEM_ENABLED.read_text():
         pytest.skip("this kernel decides huge pages for every tmpfs, whatever the mount says")
@@ -55,8 +55,8 @@ def test_setup_logs_the_hint_once_for_a_tmpfs_without_huge_pages_only(tmp_path, 
         for name, where in (("plain", plain), ("huge", huge)):
             caplog.clear()
             with caplog.at_level(logging.INFO, logger="lightning_asyncckpt"):
-                run = TierRun(LocalTier(str(where), replication_factor=1, emergency_signals=()), node_rank=0,
-                              local_world_size=1)
+                run = open_tier(LocalTier(str(where), replication_factor=1, emergency_signals=()), node_rank=0,
+                                local_world_size=1)
                 run.close()
             lines[name] = [r.getMessage() for r in caplog.records if "huge pages" in r.getMessage()]
     assert len(lines["plain"]) == 1 and "huge=within_size" in lines["plain"][0], lines

@@ -15,11 +15,11 @@ def _overlapped_rank(rank, root):
     import os
     import signal
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=("SIGUSR1",),
                      overlap_agreement=True)
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     state = {"w": torch.arange(10_000, dtype=torch.float32), "global_step": 2}
     try:
         assert run.arm()
@@ -37,7 +37,7 @@ def _overlapped_rank(rank, root):
         complete_after = run.finish()  # reads that round, then agrees at once
     finally:
         run.close()
-    again = TierRun(LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=(),
+    again = open_tier(LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=(),
                               overlap_agreement=True), node_rank=rank, local_world_size=1)
     restored = again.take(again.latest(None))
     again.close()

@@ -22,10 +22,10 @@ def small_node1(tmpfs_1m, tmp_path):
 
 
 def _shared_dir_rank(rank, path):
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
-    TierRun(LocalTier(path, replication_factor=2, timeout_s=30, emergency_signals=()), node_rank=rank,
-            local_world_size=1)
+    open_tier(LocalTier(path, replication_factor=2, timeout_s=30, emergency_signals=()), node_rank=rank,
+              local_world_size=1)
 
 
 def test_a_directory_shared_between_nodes_is_refused_on_every_rank(tmp_path):
@@ -41,13 +41,13 @@ def _default_factor_rank(rank, root):
     does not say how many nodes there are), then the same two as two nodes. Then two nodes with
     ``replication_jump=2``, which would put a clique's ranks two nodes apart in a job of two: refused."""
     from lightning_asyncckpt.tiers.cliques import TierConfigError
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     got = []
     for node_rank, per_node, jump in ((0, 2, None), (0, 2, 1), (rank, 1, None), (rank, 1, 2)):
         tier = LocalTier(f"{root}/node{node_rank}", replication_jump=jump, timeout_s=30, emergency_signals=())
         try:
-            run = TierRun(tier, node_rank=node_rank, local_world_size=per_node)
+            run = open_tier(tier, node_rank=node_rank, local_world_size=per_node)
         except TierConfigError as e:
             got.append(str(e))
             continue
@@ -69,18 +69,18 @@ def _replicas_rank(rank, root):
     """Two ranks on two "nodes" (each its own directory), a DDP-like state of which one tensor differs
     between the ranks: each rank copies both shares from its own memory; the replica of the differing one
     is repaired (sent by its owner). Then both ranks restore from their own directories."""
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     gen = torch.Generator().manual_seed(0)
     state = {"state_dict": {f"w{i}": torch.rand(1000 + i, generator=gen) for i in range(6)}, "global_step": 2}
     state["state_dict"]["running_mean"] = torch.full((500,), float(rank))  # not replicated bit for bit
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     run.save(2, state)
     assert run.finish() == 2
     repaired = run.writer.repaired
     run.close()
-    again = TierRun(tier, node_rank=rank, local_world_size=1)
+    again = open_tier(tier, node_rank=rank, local_world_size=1)
     key = again.latest(None)
     restored = again.take(key)
     assert restored is not None, "the local tier did not restore (see the log line: a check failed)"
@@ -112,10 +112,10 @@ def _full_peer_rank(rank, root):
     import torch.distributed as dist
 
     from lightning_asyncckpt.errors import CheckpointWriteError
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     run.save(2, {"w": torch.ones(1000), "global_step": 2})
     assert run.finish() == 2
     if rank == 1:
@@ -153,10 +153,10 @@ def _refill_full_rank(rank, root):
 
     import torch.distributed as dist
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=600, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     run.save(2, {"w": torch.ones(100_000), "global_step": 2})  # two shares of 200 kB
     assert run.finish() == 2
     run.close()
@@ -173,7 +173,7 @@ def _refill_full_rank(rank, root):
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("lightning_asyncckpt").addHandler(handler)
-    again = TierRun(tier, node_rank=rank, local_world_size=1)
+    again = open_tier(tier, node_rank=rank, local_world_size=1)
     key = again.latest(None)
     again.close()
     return key, lines
@@ -239,10 +239,10 @@ def _lazy_save_torn_on_rank0(rank, root, state, lazy, edit):
 
     from lightning_asyncckpt.errors import CheckpointWriteError
     from lightning_asyncckpt.testing import HoldCopy
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     hold = HoldCopy(timeout_s=60)
     run.save(2, state, lazy=lazy, hook=hold)
     hold.wait_started()
@@ -266,13 +266,13 @@ def _signals_rank(rank, root):
     import os
     import signal
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     cases = {"one rank": ("SIGUSR1", None), "both, the same": ("SIGUSR1", "SIGUSR1"),
              "both, different": ("SIGUSR1", "SIGUSR2")}
     seen = {}
     for case, sent in cases.items():
-        run = TierRun(LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=30,
+        run = open_tier(LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=30,
                                 emergency_signals=("SIGUSR1", "SIGUSR2")), node_rank=rank, local_world_size=1)
         try:
             assert run.arm()
@@ -302,13 +302,13 @@ def _pass_on_rank(rank, root):
     import os
     import signal
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     seen = {}
     for case, rank1_had_one in (("rank 1 had none", False), ("both had one", True)):
         before = signal.getsignal(signal.SIGUSR1)
         signal.signal(signal.SIGUSR1, (lambda *_: None) if rank == 0 or rank1_had_one else signal.SIG_DFL)
-        run = TierRun(LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=30,
+        run = open_tier(LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=30,
                                 emergency_signals=("SIGUSR1",)), node_rank=rank, local_world_size=1)
         try:
             assert run.arm(pass_on=("SIGUSR1",))

@@ -183,10 +183,10 @@ def _restore_and_look(tier: LocalTier, rank: int, root: str) -> tuple:
     mappings of the tier's files left once it returned, the same after the first boundary, its log)``. The
     pool's own shared mappings of the files it wrote (``rw-s``) are its spares for the next saves."""
     from helpers import log_lines
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     with log_lines() as lines:
-        run = TierRun(tier, node_rank=rank, local_world_size=1)
+        run = open_tier(tier, node_rank=rank, local_world_size=1)
         try:
             restored = run.take(run.latest(None))
             private = [m for m in tier_mappings(Path(root)) if " rw-s " not in m[2]]
@@ -207,7 +207,7 @@ def _replicated_rank(rank: int, root: str, factor: int) -> tuple:
 
     import torch.distributed as dist
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     gen = torch.Generator().manual_seed(0)
     moments = {i: {"step": torch.tensor(2.0), "exp_avg": torch.rand(3000, generator=gen),
@@ -216,7 +216,7 @@ def _replicated_rank(rank: int, root: str, factor: int) -> tuple:
              "optimizer_states": [{"state": moments, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}],
              "global_step": 2}
     tier = LocalTier(f"{root}/node{rank}", replication_factor=factor, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     run.save(2, state)
     assert run.finish() == 2
     run.close()
@@ -280,12 +280,12 @@ def _sharded_rank(rank: int, root: str) -> tuple:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     w = distribute_tensor(torch.arange(100_000, dtype=torch.float32), init_device_mesh("cpu", (2,)), [Shard(0)])
     m = distribute_tensor(torch.arange(100_000, dtype=torch.float32) * 2, init_device_mesh("cpu", (2,)), [Shard(0)])
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     state = {"w": w, "optimizer": {"state": {"w": {"exp_avg": m, "step": torch.tensor(2.0)}}}, "global_step": 2}
     run.save(2, state)
     assert run.finish() == 2

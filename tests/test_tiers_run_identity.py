@@ -76,10 +76,10 @@ def _node_replaced_rank(rank, root):
     Then a run for another destination, with ``ckpt_path="last"``, restores nothing of it."""
     import torch.distributed as dist
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     run.begin("ckpts", resuming=False)
     for step in (2, 4):
         run.save(step, {"w": torch.full((1000,), float(step)), "global_step": step})
@@ -89,11 +89,11 @@ def _node_replaced_rank(rank, root):
     if rank == 1:
         shutil.rmtree(f"{root}/node1/asyncckpt-local")  # the node replaced: nothing left of the session
     dist.barrier()
-    again = TierRun(tier, node_rank=rank, local_world_size=1)
+    again = open_tier(tier, node_rank=rank, local_world_size=1)
     again.begin("ckpts", resuming=True)
     restored = again.take(again.latest(None))
     again.close()
-    other = TierRun(tier, node_rank=rank, local_world_size=1)
+    other = open_tier(tier, node_rank=rank, local_world_size=1)
     other.begin("elsewhere", resuming=True)
     key = other.latest(None)
     other.close()
@@ -113,10 +113,10 @@ def _second_job(directory, q):
     """Another job (its own process) on the same directory and session: its tier's setup, reported back."""
     torch.set_num_threads(1)
     try:
-        from lightning_asyncckpt.tiers.run import TierRun
+        from lightning_asyncckpt.tiers.setup import open_tier
 
-        run = TierRun(LocalTier(directory, replication_factor=1, emergency_signals=()), node_rank=0,
-                      local_world_size=1)
+        run = open_tier(LocalTier(directory, replication_factor=1, emergency_signals=()), node_rank=0,
+                        local_world_size=1)
         run.close()
         q.put("no error")
     except BaseException as e:  # noqa: BLE001
@@ -128,10 +128,10 @@ def test_a_second_job_on_the_same_directory_and_session_is_refused_at_setup_nami
     host and pid, and touches nothing; the first then saves on, unharmed (before, the second's start
     removed the first's spare files: its next save failed with ``FileNotFoundError``)."""
     from lightning_asyncckpt.tiers.cliques import TierConfigError
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(local_dir, replication_factor=1, emergency_signals=())
-    first = TierRun(tier, node_rank=0, local_world_size=1)
+    first = open_tier(tier, node_rank=0, local_world_size=1)
     try:
         state = {"w": torch.ones(10_000), "global_step": 2}
         for step in (2, 4):
@@ -164,11 +164,11 @@ def test_a_second_job_on_the_same_directory_and_session_is_refused_at_setup_nami
     finally:
         first.close()
     # the first job's end lets the session go: the next job takes it (a requeue after a crash likewise)
-    TierRun(tier, node_rank=0, local_world_size=1).close()
+    open_tier(tier, node_rank=0, local_world_size=1).close()
     with pytest.raises(TierConfigError):  # and this process's own second tier is a second job too
-        held = TierRun(tier, node_rank=0, local_world_size=1)
+        held = open_tier(tier, node_rank=0, local_world_size=1)
         try:
-            TierRun(tier, node_rank=0, local_world_size=1)
+            open_tier(tier, node_rank=0, local_world_size=1)
         finally:
             held.close()
 
@@ -181,16 +181,16 @@ def _outlive(r):
 def test_a_process_forked_from_the_job_never_keeps_the_session_locked(local_dir):
     """A child forked while the job holds the session (a fork-per-save writer, a DataLoader worker) may outlive
     it: the next job still takes the session at once."""
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(local_dir, replication_factor=1, emergency_signals=())
-    first = TierRun(tier, node_rank=0, local_world_size=1)
+    first = open_tier(tier, node_rank=0, local_world_size=1)
     r, w = os.pipe()
     child = mp.get_context("fork").Process(target=_outlive, args=(r,))
     child.start()
     try:
         first.close()
-        TierRun(tier, node_rank=0, local_world_size=1).close()  # the child still runs: it holds no lock
+        open_tier(tier, node_rank=0, local_world_size=1).close()  # the child still runs: it holds no lock
         assert child.is_alive()
     finally:
         os.write(w, b"x")

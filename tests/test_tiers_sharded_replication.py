@@ -57,11 +57,11 @@ def _full_for_the_replica_rank(rank, root):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from lightning_asyncckpt.errors import CheckpointWriteError
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     mesh = init_device_mesh("cpu", (2,))
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=600, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     run.save(2, {"w": distribute_tensor(torch.ones(2_000), mesh, [Shard(0)]), "global_step": 2})
     assert run.finish() == 2
     if rank == 1:
@@ -99,11 +99,11 @@ def _replicas_rank(rank, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     mesh = init_device_mesh("cpu", (2,))
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     w = distribute_tensor(torch.arange(40_000, dtype=torch.float32), mesh, [Shard(0)])
     for step in (2, 4, 6):  # from the third save on, the files are reused ones
         w.to_local().add_(step)
@@ -128,15 +128,15 @@ def _empty_share_rank(rank, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     w = distribute_tensor(torch.full((1,), 7.0), init_device_mesh("cpu", (2,)), [Shard(0)])
     run.save(2, {"w": w, "global_step": 2})
     complete = run.finish()
     run.close()
-    again = TierRun(tier, node_rank=rank, local_world_size=1)
+    again = open_tier(tier, node_rank=rank, local_world_size=1)
     restored = again.take(again.latest(None))
     again.close()
     return complete, None if restored is None else restored["w"].local.tolist()

@@ -22,10 +22,10 @@ def _lose(root, node):
 
 def _restore(tier, rank):
     """A new run's restore on this rank: the checkpoint's local shard, the log lines, what it holds after."""
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     with log_lines() as lines:
-        run = TierRun(tier, node_rank=rank, local_world_size=1)
+        run = open_tier(tier, node_rank=rank, local_world_size=1)
         try:
             restored = run.take(run.latest(None))
             held_at_resume = sorted((h.step, h.owner) for h in run.store.holdings(run.topology))
@@ -44,11 +44,11 @@ def _saved_step_2(rank, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     w = distribute_tensor(torch.arange(100_000, dtype=torch.float32), init_device_mesh("cpu", (2,)), [Shard(0)])
     tier = LocalTier(f"{root}/node{rank}", replication_factor=2, timeout_s=60, emergency_signals=())
-    run = TierRun(tier, node_rank=rank, local_world_size=1)
+    run = open_tier(tier, node_rank=rank, local_world_size=1)
     run.save(2, {"w": w, "global_step": 2})
     assert run.finish() == 2
     run.close()
@@ -136,9 +136,9 @@ def _room_for_one_share_rank(rank, root):
             f.truncate(max(0, f.tell() - 320 * 1024))
     dist.barrier()
     restored = _restore(tier, rank)
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
-    run = TierRun(tier, node_rank=rank, local_world_size=1)  # the resumed job's first local save
+    run = open_tier(tier, node_rank=rank, local_world_size=1)  # the resumed job's first local save
     try:
         run.save(4, {"w": w, "global_step": 4})
         refused = None

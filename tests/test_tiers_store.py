@@ -108,9 +108,9 @@ def test_a_spare_made_ahead_is_faulted_in_and_a_file_written_at_once_is_faulted_
 def test_before_the_first_save_its_files_are_made_in_the_background_and_the_save_reuses_them(tmp_path):
     """TierRun.prepare (called at a step boundary before the first local save) makes the first save's files
     in the writer thread; the save then renames them (the same inodes) instead of creating its own."""
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
-    run = TierRun(LocalTier(tmp_path, replication_factor=1, emergency_signals=()), node_rank=0, local_world_size=1)
+    run = open_tier(LocalTier(tmp_path, replication_factor=1, emergency_signals=()), node_rank=0, local_world_size=1)
     try:
         state = {"w": torch.ones(10_000), "global_step": 2}
         assert run.wants_files
@@ -132,10 +132,10 @@ def test_a_restored_checkpoint_maps_its_files_privately_and_later_saves_never_wr
     """The restored tensors view private mappings of the step's files (no copy): writing them leaves the
     files as saved, and the saves after the restore take new files instead of reusing these (a reused file
     would show the new bytes through every page the checkpoint has not written)."""
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(tmp_path, replication_factor=1, emergency_signals=())
-    run = TierRun(tier, node_rank=0, local_world_size=1)
+    run = open_tier(tier, node_rank=0, local_world_size=1)
     try:
         state = {"w": torch.full((50_000,), 2.0), "global_step": 2}
         run.save(2, state)
@@ -158,14 +158,14 @@ def test_a_resized_job_does_not_use_steps_saved_under_another_topology_and_says_
     """Step 10 was saved by 4 ranks (replication 2 x 2); a job of 1 rank finds it in its holder directory but
     cannot reshard it: it resumes from the persistent tier, and the log line names both layouts and the fix."""
     from lightning_asyncckpt.tiers import run_identity
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
     tier = LocalTier(tmp_path, replication_factor=1, emergency_signals=())
     old = LocalStore(tier.root, 0)
     _write(old, 10, 0, torch.arange(10, dtype=torch.uint8), run="r1")  # this run's, before it was resized
     run_identity.write_record(old.dir, run_identity.RunRecord("r1", "", 1))
     old.close()
-    run = TierRun(tier, node_rank=0, local_world_size=1)
+    run = open_tier(tier, node_rank=0, local_world_size=1)
     try:
         with caplog.at_level("WARNING"):
             assert run.latest("persistent.ckpt") == "persistent.ckpt"

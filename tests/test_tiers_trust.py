@@ -47,9 +47,9 @@ def shared():
 
 
 def _run(dir, **kw):
-    from lightning_asyncckpt.tiers.run import TierRun
+    from lightning_asyncckpt.tiers.setup import open_tier
 
-    return TierRun(LocalTier(dir, emergency_signals=(), **kw), node_rank=0, local_world_size=1)
+    return open_tier(LocalTier(dir, emergency_signals=(), **kw), node_rank=0, local_world_size=1)
 
 
 def _save_step(dir, step=2, **kw):

@@ -75,7 +75,6 @@ class AsyncFinalizerCallback(Callback):
         self._prepare_pending = False
         self._capabilities = contract.StrategyCapabilities()  # the trainer's strategy's
         self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
-        self._local_dump = False  # building a checkpoint for the local tier (not a persistent save)
         self._patches = InstancePatches()  # the strategy's save_checkpoint, the checkpoint callbacks' file_exists
         self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
         self._tier_step_end = TierStepEnd(self._local_step_end)  # the local tier's, after every other callback
@@ -126,7 +125,7 @@ class AsyncFinalizerCallback(Callback):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
-        if self._io is not None and not self._local_dump:
+        if self._io is not None and not tier_trainer.building_local_checkpoint():
             self._io.session.announce()
             self._io.session.track_optimizers(trainer.optimizers)  # the ones this save holds (configure may replace them)
             self._counted = checkpoint
@@ -213,19 +212,10 @@ class AsyncFinalizerCallback(Callback):
             return
         # AsyncModelParallelStrategy: each rank's shards, even where the persistent saves gather a full state
         with contract.local_tier_state(trainer.strategy):
-            preempted = tier_trainer.step_end(trainer, self._io, lambda: self._dump(trainer))
+            preempted = tier_trainer.step_end(trainer, self._io)
         if preempted:
             self._finalize(blocking=True)
             self._log_committed(trainer)
-
-    def _dump(self, trainer: Trainer) -> dict[str, Any]:
-        """(all ranks) The checkpoint ``ModelCheckpoint`` would save now, for the local tier: not counted as a
-        persistent save."""
-        self._local_dump = True
-        try:
-            return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        finally:
-            self._local_dump = False
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -172,7 +172,7 @@ class AsyncCheckpointIO(CheckpointIO):
         ``path`` is raised here. With other ranks up, a save that another rank is still writing into that
         directory is waited for first (at most ``timeout_s``): Fabric's ``save`` returns on every rank once
         rank 0 has scheduled it, and its ``load`` then reads on every rank. A path that the local tier's
-        recovery returned (``TierRun.latest``) gives the checkpoint it fetched, once; loaded again later it
+        recovery returned (``LocalTierHook.latest``) gives the checkpoint it fetched, once; loaded again later it
         raises ``FileNotFoundError`` saying what to load instead (:mod:`~lightning_asyncckpt.tiers.restore_key`)."""
         restored = self._session.take_restored(path)
         if restored is not None:

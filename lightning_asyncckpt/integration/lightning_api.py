@@ -81,6 +81,14 @@ ModelParallelStrategy = trainer_module("strategies").ModelParallelStrategy
 ModelCheckpoint = trainer_module("callbacks").ModelCheckpoint
 
 
+def dump_checkpoint(trainer: Trainer) -> dict:
+    """(all ranks) The checkpoint ``ModelCheckpoint`` would save now: the Trainer's own
+    ``_checkpoint_connector.dump_checkpoint`` (Lightning has no public way to build it without writing it),
+    with every callback's ``on_save_checkpoint`` run. Used by the local tier's saves
+    (:mod:`~lightning_asyncckpt.integration.tier_trainer`)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
 def register_with_the_other(cls: type) -> None:
     """(at import) Where both distributions are installed, makes ``cls`` (a ``CheckpointIO``) count as the
     other distribution's ``CheckpointIO`` too, so that either Trainer accepts it."""

@@ -5,7 +5,7 @@ sets a flag and the ranks save at the next step boundary. The handler it replace
 
 - **Lightning's SLURM requeue** (the requeue signal under ``SLURMEnvironment(auto_requeue=True)``) saves
   ``hpc_ckpt_<N>.ckpt`` and requeues the job. Its save is collective, so it runs on every rank or on none
-  (:attr:`~lightning_asyncckpt.tiers.run.Boundary.handlers_everywhere`).
+  (:attr:`~lightning_asyncckpt.tiers.boundary.Boundary.handlers_everywhere`).
 - **A user's own handler**, installed before ``fit`` (or before ``FabricTiers``): stock Lightning calls it
   from its composed SIGTERM handler, after its own. It runs on the ranks that received the signal, as
   without the local tier.

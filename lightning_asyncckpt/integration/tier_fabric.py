@@ -37,7 +37,8 @@ from lightning_asyncckpt.integration import lightning_api, replaced_handlers
 from lightning_asyncckpt.integration.fabric import sharded_state
 from lightning_asyncckpt.integration.io import find_async_io
 from lightning_asyncckpt.tiers import run_identity
-from lightning_asyncckpt.tiers.run import TierRun
+from lightning_asyncckpt.tiers.hook import LocalTierHook
+from lightning_asyncckpt.tiers.setup import open_tier
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ class FabricTiers:
             raise ValueError(f"FabricTiers(fabric): {where}; found {self.io!r}.")
         if self.io.session.tier is None:
             nodes = max(int(getattr(fabric.strategy, "num_nodes", 1) or 1), 1)
-            self.io.session.attach_tier(TierRun(self.io.local, node_rank=fabric.node_rank,
-                                                local_world_size=max(fabric.world_size // nodes, 1)))
-        self.tier: TierRun = self.io.session.tier
+            self.io.session.attach_tier(open_tier(self.io.local, node_rank=fabric.node_rank,
+                                          local_world_size=max(fabric.world_size // nodes, 1)))
+        self.tier: LocalTierHook = self.io.session.tier
         self.tier.arm()
 
     def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True,
@@ -83,23 +84,18 @@ class FabricTiers:
         tier every ``every_n_train_steps``; on a preemption signal saves now, waits for the copies, drains
         the persistent saves, runs the handler that signal had before ``FabricTiers`` (on the ranks that
         received it) and returns True (the loop should stop)."""
-        boundary = self.tier.boundary()
-        due = step > 0 and step % self.io.local.every_n_train_steps == 0
-        if (due or boundary.preempted) and step != self.tier.saved_step:
-            self.tier.save(step, self._convert(state), lazy=self.io.session.lazy_rule(), hook=self.io.copy_hook)
-        elif step > 0 and self.tier.wants_files:  # the first save's files, made while the next steps run
-            self.tier.prepare(self._convert(state))
-        if not boundary.preempted:
+        end = self.tier.step_end(step, lambda: self._convert(state), lambda: self._convert(state),
+                                 lazy=self.io.session.lazy_rule(), hook=self.io.copy_hook)
+        if not end.preempted:
             return False
-        complete = self.tier.finish()
         self.io.finalize(blocking=True)
         if self.tier.preemption_signal is not None:
             log.warning("lightning-asyncckpt: global rank %d received %s", self.fabric.global_rank,
                         self.tier.preemption_signal)
         if self.fabric.global_rank == 0:
             log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier; stop the loop",
-                        complete)
-        replaced_handlers.pass_on(self.tier, boundary.handlers_everywhere)  # a handler installed before, if any
+                        end.complete)
+        replaced_handlers.pass_on(self.tier, end.handlers_everywhere)  # a handler installed before, if any
         return True
 
     def _convert(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +108,7 @@ class FabricTiers:
         return self.fabric.strategy._convert_stateful_objects_in_state(unwrap(state), filter={})
 
     def close(self) -> None:
-        """(every rank) Waits for the local save in flight; gives the signals back."""
-        self.tier.close()
+        """(every rank) Waits for the local save in flight; gives the signals back; detaches the tier from
+        the plugin."""
         self.io.session.detach_tier()
+        self.tier.close()

@@ -1,31 +1,41 @@
 """The local tier in the Lightning Trainer: started at setup, agreed on and saved at every step's end,
 and consulted by ``ckpt_path="last"`` (:mod:`lightning_asyncckpt.integration.tier_resume`).
 
-``AsyncFinalizerCallback`` calls these on every rank; nothing here is a hook of its own.
+``AsyncFinalizerCallback`` calls these on every rank; nothing here is a hook of its own. The tier is made
+by :func:`~lightning_asyncckpt.tiers.setup.open_tier`, attached to the plugin (``io.session.attach_tier``) and driven
+through :class:`~lightning_asyncckpt.tiers.hook.LocalTierHook`; :func:`stop` detaches it.
+
+One save path to either tier: the checkpoint a local save holds is the one ``ModelCheckpoint`` would save
+(:func:`~lightning_asyncckpt.integration.lightning_api.dump_checkpoint`), built here while
+:func:`building_local_checkpoint` is True, so that ``AsyncFinalizerCallback.on_save_checkpoint`` does not
+count it as a persistent save.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import signal
-from collections.abc import Callable
 from typing import Any
 
 from lightning_asyncckpt.integration import contract, lightning_api, replaced_handlers
 from lightning_asyncckpt.tiers.cliques import TierConfigError
-from lightning_asyncckpt.tiers.run import TierRun
+from lightning_asyncckpt.tiers.hook import LocalTierHook
+from lightning_asyncckpt.tiers.setup import open_tier
 
 log = logging.getLogger(__name__)
 
+_BUILDING_LOCAL = contextvars.ContextVar("lightning_asyncckpt_building_local", default=False)
 
-def start(trainer: Any, io: Any) -> TierRun | None:
+
+def start(trainer: Any, io: Any) -> LocalTierHook | None:
     """(all ranks, at setup, once the process group exists) Makes the run's local tier (collective: its
-    groups and setup checks), unless there is none or it exists already."""
+    groups and setup checks) and attaches it to ``io``, unless there is none or one is attached already."""
     if io is None or io.local is None:
         return None
     _refuse_stock_sharded(trainer.strategy)
     if io.session.tier is None:
-        io.session.attach_tier(TierRun(io.local, node_rank=trainer.node_rank, local_world_size=trainer.num_devices))
+        io.session.attach_tier(open_tier(io.local, node_rank=trainer.node_rank, local_world_size=trainer.num_devices))
     return io.session.tier
 
 
@@ -69,42 +79,56 @@ def _slurm_requeue_signal(trainer: Any) -> tuple[str, ...]:
     return ()
 
 
-def step_end(trainer: Any, io: Any, dump: Callable[[], dict[str, Any]]) -> bool:
+def building_local_checkpoint() -> bool:
+    """(the training thread) Whether the checkpoint being built now is a local-tier save's (not counted as a
+    persistent save by ``AsyncFinalizerCallback.on_save_checkpoint``)."""
+    return _BUILDING_LOCAL.get()
+
+
+def _dump(trainer: Any) -> dict[str, Any]:
+    """(all ranks) The checkpoint ``ModelCheckpoint`` would save now, for the local tier."""
+    token = _BUILDING_LOCAL.set(True)
+    try:
+        return lightning_api.dump_checkpoint(trainer)
+    finally:
+        _BUILDING_LOCAL.reset(token)
+
+
+def _like(trainer: Any) -> dict[str, Any]:
+    """The states that make up nearly all of a checkpoint's bytes: sizes the first save's files without
+    :func:`_dump`, which would run the user's ``on_save_checkpoint``."""
+    return {"state_dict": trainer.lightning_module.state_dict(),
+            "optimizer_states": [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]}
+
+
+def step_end(trainer: Any, io: Any) -> bool:
     """(all ranks, after every training batch) Agrees on the step boundary, saves to the local tier when
-    one is due (``dump`` builds the checkpoint as ``ModelCheckpoint`` would), and on a preemption request
-    saves now, waits for the copies and their replicas, and stops training. Returns True then."""
+    one is due (the checkpoint as ``ModelCheckpoint`` would build it), and on a preemption request saves
+    now, waits for the copies and their replicas, and stops training. Returns True then."""
     tier = io.session.tier
-    boundary = tier.boundary()
-    step = trainer.global_step
-    due = step > 0 and step % io.local.every_n_train_steps == 0
-    if (due or boundary.preempted) and step != tier.saved_step:
-        # snapshot="lazy": the optimizers' tensors copied while the next forward and backward run
-        tier.save(step, dump(), lazy=io.session.lazy_rule(), hook=io.copy_hook)
-    elif step > 0 and tier.wants_files:  # the first save's files, made while the next steps run; sized from
-        # the states that make up nearly all its bytes, not dump(), which would run the user's on_save_checkpoint
-        tier.prepare({"state_dict": trainer.lightning_module.state_dict(),
-                      "optimizer_states": [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]})
-    if not boundary.preempted:
+    # snapshot="lazy": the optimizers' tensors copied while the next forward and backward run
+    end = tier.step_end(trainer.global_step, lambda: _dump(trainer), lambda: _like(trainer),
+                        lazy=io.session.lazy_rule(), hook=io.copy_hook)
+    if not end.preempted:
         return False
-    complete = tier.finish()
     trainer.should_stop = True
     if tier.preemption_signal is not None:
         log.warning("lightning-asyncckpt: global rank %d received %s", trainer.global_rank, tier.preemption_signal)
     if trainer.is_global_zero:
         log.warning("lightning-asyncckpt: preemption requested: step %d is in the local tier%s; stopping training",
-                    complete, " with its replicas" if tier.factor > 1 else "")
-    replaced_handlers.pass_on(tier, boundary.handlers_everywhere)
+                    end.complete, " with its replicas" if end.replicated else "")
+    replaced_handlers.pass_on(tier, end.handlers_everywhere)
     return True
 
 
 def stop(io: Any, wait: bool = True) -> None:
-    """(all ranks, at the end of fit; ``wait=False`` on an exception, where a peer may be gone) Waits for
-    the local save in flight and agrees on it (raising a failed one), gives the signals back and forgets
-    the run's tier."""
-    if io is not None and io.session.tier is not None:
+    """(all ranks, at the end of fit; ``wait=False`` on an exception, where a peer may be gone) Detaches the
+    run's tier from ``io``, waits for the local save in flight and agrees on it (raising a failed one), and
+    closes it: gives the signals back and releases its lock."""
+    tier = io.session.detach_tier() if io is not None else None
+    if tier is not None:
         try:
             if wait:  # the last local save complete everywhere, and the steps before it removed
-                io.session.tier.finish()
+                tier.finish()
         finally:
-            io.session.tier.close(wait)
-            io.session.detach_tier()
+            tier.close(wait)

@@ -245,7 +245,9 @@ class SaveSession:
 
     def attach_tier(self, tier: AttachedTier) -> None:
         """(every rank, at setup, before any restore) The local tier's run, waited for with the persistent saves'
-        lazy copies and asked first at a load."""
+        lazy copies and asked first at a load. A second tier while one is attached is refused."""
+        if self._tier is not None and self._tier is not tier:
+            raise RuntimeError("SaveSession.attach_tier: a local tier is attached already; detach_tier() it first.")
         self._tier = tier
 
     def detach_tier(self) -> AttachedTier | None:

@@ -25,7 +25,13 @@ One concern per module, lowest first:
 - ``restore``: refill, check and read the newest complete step on every rank (one try).
 - ``deferred_refill``: the replicas a sharded restore leaves for later, sent from the writer's thread.
 - ``restore_key``: the name a resume from the local tier goes by (``restore-step-N``).
-- ``run``: :class:`TierRun`, one run's local tier on one rank (a restore tried again without a bad copy).
+- ``tier_groups``: the tier's ranks, nodes, cliques and process groups, made once at setup.
+- ``boundary``: the step boundary's agreement (preemption, a failed save, the newest complete step).
+- ``saving``: one rank's local save: its shares copied into mapped files, handed to the writer.
+- ``resuming``: which tier to resume from, and the local restore tried again without a bad copy.
+- ``hook``: :class:`LocalTierHook`, the interface the plugin and Lightning's side drive the tier through.
+- ``run``: :class:`TierRun`, one run's local tier on one rank: the parts above, composed.
+- ``setup``: :func:`open_tier`, which makes the groups, runs the setup checks, takes the lock, then a ``TierRun``.
 
 Its collectives (the step boundary's agreement, its gathers and transfers, its gloo groups) go through
 :mod:`lightning_asyncckpt.collectives`. No Lightning here: ``integration`` connects it to the Trainer and to Fabric.

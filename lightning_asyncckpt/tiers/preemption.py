@@ -2,7 +2,7 @@
 
 The handler runs between two bytecodes of whatever the main thread is doing (a collective, a write):
 saving or talking to other ranks there can deadlock or corrupt (Lightning #21406). So it only records the
-signal; the ranks agree on it at the next step boundary (:meth:`TierRun.boundary`) and save there.
+signal; the ranks agree on it at the next step boundary (:mod:`~lightning_asyncckpt.tiers.boundary`) and save there.
 
 The handlers it replaced may still be owed the signal (Lightning's SLURM requeue, a user's own handler):
 after the emergency save the caller runs them itself, at the boundary
@@ -12,9 +12,12 @@ where every rank received the same signal: a save that only some ranks enter wou
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class PreemptionFlag:
@@ -38,6 +41,17 @@ class PreemptionFlag:
             self._previous.setdefault(sig, signal.getsignal(sig))
             signal.signal(sig, self._handle)
         return True
+
+    def arm(self, rank: int, pass_on: tuple[str, ...] = ()) -> bool:
+        """(global rank ``rank``, once the training loop starts) :meth:`install`, with one warning where the
+        signals could not be handled (not the main thread), which the user then learns at setup."""
+        armed = self.install(pass_on)
+        if not armed and self.names:
+            log.warning("lightning-asyncckpt: LocalTier(emergency_signals=%s) are not handled on global rank %d:"
+                        " its training loop runs off Python's main thread, where no signal handler can be"
+                        " installed, so a preemption stops it without an emergency save. Fix: train on the main"
+                        " thread, or emergency_signals=() to say that this is meant.", self.names, rank)
+        return armed
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum).name

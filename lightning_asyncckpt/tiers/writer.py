@@ -90,6 +90,10 @@ class ShareWriter:
         """(the training thread, once, before the first save) The run id every manifest written from now names."""
         self.run = run
 
+    def clear_error(self) -> None:
+        """(the training thread, once every rank has raised it) Forgets the failed save's error: reported once."""
+        self.error = None
+
     def _job(self, step: int, mode: str, copied: list[Copied], failure: str | None,
              copy: BackgroundCopy | None) -> None:
         start = time.perf_counter()
