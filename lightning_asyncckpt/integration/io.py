@@ -130,7 +130,7 @@ class AsyncCheckpointIO(SavePipeline, CheckpointIO):
         self.local = local
         self.verify_on_load = verify_on_load  # read by every load path of the plugin and the strategies
         self.tier: TierRun | None = None  # the local tier's run, made at setup on every rank (tier_trainer, tier_fabric)
-        autoattach.install()  # the finalizer in the next Trainer, even without the package's entry point
+        autoattach.install(self)  # the Trainer that takes this plugin gets the finalizer (and no other Trainer)
 
     def wait_for_snapshot(self) -> None:
         """(every rank, on the training thread, right before ``optimizer.step()``) As
