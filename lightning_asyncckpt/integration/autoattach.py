@@ -72,6 +72,19 @@ def _wrapper(original: Any) -> Any:
     return on_trainer_init
 
 
+def _uses_an_owner(strategy: Any) -> bool:
+    """Whether ``strategy`` is one of the package's strategies, or its checkpoint IO (unwrapped as
+    ``find_async_io`` does) an ``AsyncCheckpointIO``: each is an owner. Asks no property, so that a strategy
+    without the plugin makes no default checkpoint IO here."""
+    alive = [o for o in (r() for r in _owners) if o is not None]
+    io = vars(strategy).get("_checkpoint_io") if hasattr(strategy, "__dict__") else None
+    for _ in range(8):
+        if any(strategy is o or io is o for o in alive):
+            return True
+        io = vars(io).get("_checkpoint_io") if hasattr(io, "__dict__") else None
+    return False
+
+
 def attach(connector: Any) -> None:
     """(every rank, at the end of ``_CallbackConnector.on_trainer_init``) For a Trainer whose strategy saves
     through ``AsyncCheckpointIO``: the finalizer where it has none, and its connector's resume wrappers.
@@ -79,11 +92,11 @@ def attach(connector: Any) -> None:
     Args:
         connector: the Trainer's ``_CallbackConnector``, whose ``trainer`` has its callbacks now.
     """
+    trainer = connector.trainer
+    if not _uses_an_owner(trainer.strategy):
+        return
     # by name, as Lightning loads an entry point: the callback and the plugin import this module
     plugged = importlib.import_module(ATTACH)
-    trainer = connector.trainer
-    if not plugged.uses_the_plugin(trainer):
-        return
     if plugged.needs_a_finalizer(trainer):
         # where the entry point's callbacks went: Lightning then puts its checkpoint callbacks last
         callbacks = [*trainer.callbacks, plugged.automatic_finalizer()]

@@ -263,11 +263,6 @@ class AsyncFinalizerCallback(Callback):
         self._tier_step_end.detach(trainer)
 
 
-def uses_the_plugin(trainer: Trainer) -> bool:
-    """Whether ``trainer``'s strategy saves through ``AsyncCheckpointIO`` (:mod:`~lightning_asyncckpt.integration.autoattach`)."""
-    return find_async_io(trainer.strategy) is not None
-
-
 def needs_a_finalizer(trainer: Trainer) -> bool:
     """Whether ``trainer`` has no ``AsyncFinalizerCallback`` (:mod:`~lightning_asyncckpt.integration.autoattach`)."""
     return not any(isinstance(cb, AsyncFinalizerCallback) for cb in trainer.callbacks)
