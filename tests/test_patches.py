@@ -170,3 +170,14 @@ def test_after_a_trainer_with_the_plugin_the_next_trainer_without_it_is_unwrappe
     with pytest.raises(Boom) as raised:
         plain.fit(RaisingModel(), loader())
     assert _our_frames(raised.value) == []
+
+
+def test_a_trainer_made_with_the_packages_strategy_alone_is_attached(tmp_path):
+    """``AsyncDDPStrategy()`` without a plugin (it makes its ``AsyncCheckpointIO`` when first asked): the Trainer
+    gets the finalizer and the resume wrappers as it is made, and no plugin is made before it is needed."""
+    from lightning_asyncckpt import AsyncDDPStrategy
+
+    t = trainer(tmp_path, [], [], strategy=AsyncDDPStrategy(), max_steps=1)
+    assert len([cb for cb in t.callbacks if isinstance(cb, AsyncFinalizerCallback)]) == 1
+    assert patches.is_ours(t._checkpoint_connector._parse_ckpt_path)
+    assert vars(t.strategy).get("_checkpoint_io") is None
