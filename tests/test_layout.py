@@ -91,11 +91,14 @@ def test_there_are_no_import_circles():
         visit(m, [])
 
 
-def test_the_entry_point_that_autoattach_loads_is_the_one_pyproject_declares():
+def test_the_package_declares_no_lightning_callbacks_entry_point():
+    """A ``callbacks_factory`` entry point adds its callbacks to every Trainer: the finalizer goes only to a
+    Trainer made with the plugin (``integration/autoattach.py``). An earlier install's entry point, still in
+    the environment until the package is installed again, adds nothing."""
     import tomllib
 
-    from lightning_asyncckpt.integration import autoattach
+    from lightning_asyncckpt.integration.callback import external_callbacks
 
     project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]["entry-points"]
-    for group in ("lightning.pytorch.callbacks_factory", "pytorch_lightning.callbacks_factory"):
-        assert project[group]["lightning_asyncckpt"] == autoattach.ENTRY_POINT
+    assert not [group for group in project if group.endswith("callbacks_factory")], project
+    assert external_callbacks() == []

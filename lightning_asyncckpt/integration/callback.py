@@ -9,7 +9,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_asyncckpt.integration import contract, resume, tier_resume, tier_trainer
+from lightning_asyncckpt.integration import contract, tier_resume, tier_trainer
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.integration.lightning_api import Callback, LightningModule, Trainer
 from lightning_asyncckpt.integration.logger_relay import LoggerRelay
@@ -58,16 +58,14 @@ class AsyncFinalizerCallback(Callback):
     and made, in order, after the finalize that committed every save scheduled before them. A call for
     which a save failed is dropped (the failure is raised as ``CheckpointWriteError``).
 
-    Installing the package registers this callback with every ``Trainer`` through Lightning's
-    ``callbacks_factory`` entry point; it stays inert unless the trainer uses ``AsyncCheckpointIO``
-    and no other ``AsyncFinalizerCallback`` was given.
+    A ``Trainer`` made with ``AsyncCheckpointIO`` gets one without being given it
+    (:mod:`~lightning_asyncckpt.integration.autoattach`), unless another ``AsyncFinalizerCallback`` was given;
+    a ``Trainer`` without the plugin gets none.
     """
 
     def __init__(self, log_metrics: bool = True) -> None:
         if not isinstance(log_metrics, bool):
             raise TypeError(f"`AsyncFinalizerCallback(log_metrics={log_metrics!r})` must be True or False.")
-        resume.install()  # before any fit: ckpt_path="last" on object stores
-        tier_resume.install()  # and from the local tier
         self.log_metrics = log_metrics
         self._logged = 0  # io.history[:_logged] went to the loggers
         self._io: AsyncCheckpointIO | None = None
@@ -78,14 +76,6 @@ class AsyncFinalizerCallback(Callback):
         self._patches = InstancePatches()  # the strategy's save_checkpoint, the checkpoint callbacks' file_exists
         self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
         self._tier_step_end = TierStepEnd(self._local_step_end)  # the local tier's, after every other callback
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickled in a process of its own (``strategy="ddp_spawn"`` pickles the trainer with its callbacks):
-        ``__init__`` does not run there, so what it installs is installed here, before that process's fit
-        resolves ``ckpt_path="last"``."""
-        self.__dict__.update(state)
-        resume.install()
-        tier_resume.install()
 
     @property
     def state_key(self) -> str:
@@ -260,16 +250,30 @@ class AsyncFinalizerCallback(Callback):
         self._tier_step_end.detach(trainer)
 
 
-def external_callbacks() -> list[Callback]:
-    """Lightning ``callbacks_factory`` entry point (and :mod:`~lightning_asyncckpt.integration.autoattach`
-    where none is installed): an inert-by-default finalizer for every Trainer. Also lets ``ckpt_path="last"``
-    find checkpoints on object stores for trainers that use the plugin
-    (:mod:`lightning_asyncckpt.integration.resume`)."""
-    resume.install()
-    tier_resume.install()
+def needs_a_finalizer(trainer: Trainer) -> bool:
+    """Whether ``trainer`` has no ``AsyncFinalizerCallback`` (:mod:`~lightning_asyncckpt.integration.autoattach`)."""
+    return not any(isinstance(cb, AsyncFinalizerCallback) for cb in trainer.callbacks)
+
+
+def attach_resume(trainer: Trainer) -> None:
+    """The wrappers of ``trainer``'s checkpoint connector that resolve ``ckpt_path="last"``
+    (:mod:`~lightning_asyncckpt.integration.tier_resume`), for a Trainer made with the plugin."""
+    tier_resume.attach(trainer)
+
+
+def automatic_finalizer() -> AsyncFinalizerCallback:
+    """The finalizer :mod:`~lightning_asyncckpt.integration.autoattach` adds to a Trainer made with the plugin
+    and without a finalizer of its own: inert where one is given later."""
     cb = AsyncFinalizerCallback()
     cb._auto = True
-    return [cb]
+    return cb
+
+
+def external_callbacks() -> list[Callback]:
+    """No callbacks: where an earlier install left the package's Lightning ``callbacks_factory`` entry point
+    (installing again removes it), this is what it gives every Trainer now. The finalizer goes only to Trainers made with
+    the plugin (:mod:`~lightning_asyncckpt.integration.autoattach`)."""
+    return []
 
 
 _external_callbacks = external_callbacks  # the name the entry point had: an editable install not yet reinstalled

@@ -117,7 +117,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self.copy_hook: Any = None  # a lazy snapshot's copy thread calls it before copying (testing.HoldCopy)
         self.local = local
         self.verify_on_load = verify_on_load  # read by every load path of the plugin and the strategies
-        autoattach.install()  # the finalizer in the next Trainer, even without the package's entry point
+        autoattach.install(self)  # the Trainer that takes this plugin gets the finalizer (and no other Trainer)
 
     # what the plugin holds --------------------------------------------------------------------------------
     @property

@@ -1,22 +1,25 @@
 """Every change this package makes to Lightning's own objects, made and undone in one place.
 
-Lightning gives a plugin no hook for these, so the package wraps these methods:
+Lightning gives a plugin no hook for these, so the package wraps these methods, only for trainers that use
+``AsyncCheckpointIO``; a Trainer without the plugin runs Lightning's own code, with no frame of this package:
 
-- a strategy's ``save_checkpoint`` (instance, the callback): counts weights-only saves, finishes a SLURM
-  requeue save before it returns;
-- each ``ModelCheckpoint``'s ``file_exists`` (instance, the callback): a save still being written counts as
-  existing, so that a later save does not take its name;
+- a strategy's ``save_checkpoint`` (instance, the callback, from ``setup`` to ``teardown``): counts
+  weights-only saves, finishes a SLURM requeue save before it returns;
+- each ``ModelCheckpoint``'s ``file_exists`` (instance, the callback, from ``setup`` to ``teardown``): a save
+  still being written counts as existing, so that a later save does not take its name;
 - each logger's ``after_save_checkpoint`` (instance, the logger relay): deferred until the save commits;
-- ``ModelCheckpoint._find_last_checkpoints`` (the class, ``resume``): ``ckpt_path="last"`` on object stores;
-- ``_CheckpointConnector._parse_ckpt_path`` and ``resume_start`` (the class, ``tier_resume``): ``"last"`` with
-  a local tier;
-- ``_CallbackConnector.on_trainer_init`` (the class, ``autoattach``): the finalizer where the package's
-  entry point is not installed.
+- the trainer's own checkpoint connector's ``_parse_ckpt_path`` and ``resume_start`` (instance, ``tier_resume``,
+  for the trainer's life, made as the trainer is): ``ckpt_path="last"`` with a local tier and on object
+  stores; while ``"last"`` is resolved, its ``ModelCheckpoint``'s ``_find_last_checkpoints`` (instance,
+  ``resume``);
+- ``_CallbackConnector.on_trainer_init`` (the class, ``autoattach``), only while an ``AsyncCheckpointIO`` or one of
+  the package's strategies exists: the finalizer, and the connector's wrappers above, for a Trainer made
+  with the plugin.
 
-Instance wrappers are given back by :meth:`InstancePatches.undo` (the callback's ``teardown``); the class
-wrapper by :func:`undo_class_patches`. Each wrapper carries a mark, so nothing is wrapped twice. A method
-that this Lightning does not have is left alone, with one warning naming the Lightning version, rather
-than patched blindly.
+Instance wrappers are given back by :meth:`InstancePatches.undo`; the class wrapper by
+:func:`undo_class_patches`. Each wrapper carries a mark, so nothing is wrapped twice. A method that this
+Lightning does not have is left alone, with one warning naming the Lightning version, rather than patched
+blindly.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ _class_patches: list[tuple[type, str, Any, Any]] = []  # (class, name, our wrapp
 _warned: set[str] = set()
 
 
-def is_ours(fn: Any) -> bool:
+def is_ours(fn: object) -> bool:
+    """Whether ``fn`` is a wrapper this package installed."""
     return bool(getattr(fn, MARK, False))
 
 
-def _missing(owner: Any, name: str) -> None:
+def _missing(owner: object, name: str) -> None:
     what = f"{type(owner).__name__ if not isinstance(owner, type) else owner.__name__}.{name}"
     if what not in _warned:
         _warned.add(what)
@@ -71,13 +75,43 @@ def _give_back(owner: Any, name: str, wrapper: Any, before: Any) -> None:
             setattr(owner, name, before)
 
 
+class MethodHook:
+    """One object's method, wrapped: calls ``around(original, *args, **kwargs)`` with the class's method bound
+    to the object. Unlike a closure it pickles (``strategy="ddp_spawn"`` pickles the trainer, and with it the
+    trainer's own objects that carry these), as long as ``around`` is a module-level function."""
+
+    def __init__(self, obj: object, name: str, around: Callable[..., Any]) -> None:
+        self._obj = obj
+        self._name = name
+        self._around = around
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        original = getattr(type(self._obj), self._name).__get__(self._obj)
+        return self._around(original, *args, **kwargs)
+
+
+def hook_method(obj: object, name: str, around: Callable[..., Any]) -> bool:
+    """(any process) Wraps ``obj.name`` in a :class:`MethodHook`, for ``obj``'s life: ``obj`` alone is changed,
+    not its class. False, and ``obj`` left as it is, where its class has no such method or ``obj`` has an
+    attribute of that name of its own already (ours, or someone's that would have shadowed the class's)."""
+    if getattr(type(obj), name, None) is None:
+        _missing(obj, name)
+        return False
+    if name in vars(obj):
+        return False
+    hook = MethodHook(obj, name, around)
+    setattr(hook, MARK, True)
+    setattr(obj, name, hook)
+    return True
+
+
 class InstancePatches:
     """(one callback or relay, on every rank) The instance attributes it put on Lightning objects."""
 
     def __init__(self) -> None:
         self._made: list[tuple[Any, str, Any, Any]] = []  # (object, name, our wrapper, its own attribute before)
 
-    def wrap(self, obj: Any, name: str, make: Callable[[Any], Any]) -> Any | None:
+    def wrap(self, obj: object, name: str, make: Callable[[Any], Any]) -> Any | None:
         """Sets ``obj.name`` to ``make(current)``; returns the wrapper, or None where ``obj`` has no such method
         or it is ours already."""
         made = _wrap(obj, name, make)
@@ -100,6 +134,11 @@ def wrap_class(cls: type, name: str, make: Callable[[Any], Any]) -> bool:
     if made is not None:
         _class_patches.append((cls, name, *made))
     return made is not None
+
+
+def class_patched() -> bool:
+    """Whether any class wrapper of this package is installed."""
+    return bool(_class_patches)
 
 
 def undo_class_patches() -> None:

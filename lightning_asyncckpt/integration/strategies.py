@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_asyncckpt.format import commit, integrity, metadata, paths, remote
 from lightning_asyncckpt.format import dcp as dcp_format
-from lightning_asyncckpt.integration import lightning_api
+from lightning_asyncckpt.integration import autoattach, lightning_api
 from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
 from lightning_asyncckpt.integration.contract import StrategyCapabilities
 from lightning_asyncckpt.integration.io import META_FILE, AsyncCheckpointIO, find_async_io
@@ -50,9 +50,13 @@ class _AsyncStrategyMixin:
             )
         return io
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        autoattach.install(self)  # the Trainer made with this strategy gets the finalizer and the resume wrappers
+
     def _add_finalizer(self) -> None:
-        """Every rank must finalize: add ``AsyncFinalizerCallback`` when the trainer has none (the package's
-        entry point usually adds one already)."""
+        """Every rank must finalize: add ``AsyncFinalizerCallback`` when the trainer has none (the Trainer made
+        with this strategy usually has one already: :mod:`~lightning_asyncckpt.integration.autoattach`)."""
         module = getattr(self, "_lightning_module", None)
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if trainer is not None and not any(isinstance(cb, AsyncFinalizerCallback) for cb in trainer.callbacks):

@@ -5,12 +5,12 @@ Load with ``-p asyncckpt_inject`` (this folder on PYTHONPATH). The mode comes fr
 
 - ``plugin`` (default): every ``lightning.pytorch.Trainer(...)`` whose ``plugins`` hold no ``CheckpointIO`` and
   whose ``strategy`` is not a ``Strategy`` object that already has its own ``checkpoint_io`` gets
-  ``lightning_asyncckpt.AsyncCheckpointIO()`` appended to ``plugins``. The package's ``callbacks_factory``
-  entry point (``AsyncFinalizerCallback``) stays active, as it is for any user who installed the package.
-- ``callback``: nothing is injected; only the entry point's inert ``AsyncFinalizerCallback`` is present
-  (what every Trainer gets just from having the package installed).
-- ``stock``: nothing is injected and the package's ``callbacks_factory`` entry point is hidden from Lightning,
-  so Trainers are exactly stock Lightning (the package stays installed in the venv, editable).
+  ``lightning_asyncckpt.AsyncCheckpointIO()`` appended to ``plugins``; such a Trainer gets
+  ``AsyncFinalizerCallback`` as any Trainer made with the plugin does (``integration/autoattach.py``).
+- ``callback``: nothing is injected. The package no longer adds anything to a Trainer without the plugin, so
+  this is stock Lightning too (kept for comparison with earlier runs).
+- ``stock``: nothing is injected and an earlier install's ``callbacks_factory`` entry point, if the venv still
+  has one, is hidden from Lightning, so Trainers are exactly stock Lightning.
 
 Every ``lightning.fabric.Fabric(...)`` is handled the same way in ``plugin`` mode, unless its strategy is one
 that refuses a ``CheckpointIO`` (FSDP, ``ModelParallelStrategy``, DeepSpeed, XLA; a user cannot add the plugin
