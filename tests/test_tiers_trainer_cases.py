@@ -14,7 +14,6 @@ the data chosen by index stock's own mid-epoch resume is exact (checked here fir
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -34,7 +33,7 @@ from tier_cases import (
 
 from helpers import assert_tree_equal, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, LocalTier
-from processes import job_script, launch
+from processes import job_command, launch, rank_reports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -239,12 +238,9 @@ def test_pytorch_lightning_one_line_local_tier_resumes_mid_epoch_exactly(tmp_pat
     if not PL_PYTHON.exists():
         pytest.skip(f"{PL_PYTHON} is missing: `make test` builds it (the pytorch-lightning environment)")
     out = tmp_path / "out"
-    with launch([PL_PYTHON, job_script("pl_tier_cases_job.py"), "--out", str(out)], out, 100, cwd=tmp_path) as job:
+    with launch([*job_command("pl_tier_cases_job", PL_PYTHON), "--out", str(out)], out, 100, cwd=tmp_path) as job:
         job.wait()
-    path = out / "report.json"
-    assert path.exists(), f"no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
-    report = json.loads(path.read_text())
-    assert "crash" not in report, report["crash"]
+    (report,) = rank_reports(out, 1, lambda: (out / "log.txt").read_text()[-4000:])
     assert report["lightning_importable"] is False
     assert report["plugin"] == "AsyncCheckpointIO" and report["finalizers"] == 1
     assert report["local_saves"] == [2, 4, 6, 8, 10]
@@ -270,15 +266,13 @@ def test_ddp_spawn_resumes_from_the_newer_local_step(tmp_path, distribution):
     if not python.exists():
         pytest.skip(f"{python} is missing: `make test` builds it (the pytorch-lightning environment)")
     out = tmp_path / "out"
-    with launch([python, job_script("spawn_tier_job.py"), str(out)], out, 180, cwd=tmp_path) as job:
+    with launch([*job_command("spawn_tier_job", python), str(out)], out, 180, cwd=tmp_path) as job:
         job.wait()
     log = (out / "log.txt").read_text()
     starts = {}
-    for n in (1, 2):
-        for rank in (0, 1):
-            path = out / f"start-{n}-rank{rank}.json"
-            assert path.exists(), f"fit {n}, rank {rank} never started; log:\n{log[-4000:]}"
-            starts[n, rank] = json.loads(path.read_text())
+    for n in (1, 2):  # a fit's rank that never started wrote no report: the test fails with the log
+        for rank, report in enumerate(rank_reports(out, 2, lambda: log[-4000:], prefix=f"start-{n}-rank")):
+            starts[n, rank] = report
     assert starts[1, 0]["step"] == 0
     for rank in (0, 1):
         assert starts[2, rank]["step"] == 4, (starts, log[-4000:])

@@ -9,24 +9,21 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-
-from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, loader  # noqa: E402
-from lightning_asyncckpt import (  # noqa: E402
+from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, loader
+from lightning_asyncckpt import (
     AsyncCheckpointIO,
     AsyncDDPStrategy,
     AsyncModelParallelStrategy,
     CheckpointWriteError,
     testing,
 )
-from processes import other_children, run_job  # noqa: E402
+from processes import other_children, run_job
 
 WIDTH = 64
 
@@ -144,7 +141,7 @@ def run_all(args, report):
 
 
 def main():
-    run_job(run_all, extra=("--faults",), report={"cases": {}})
+    run_job(run_all, extra=("--faults",), seen={"cases": {}})
 
 
 if __name__ == "__main__":

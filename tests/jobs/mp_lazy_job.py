@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from mp_job import FullStateRecorder, _trainer, failing_fit, read_with_dcp  # noqa: E402
-
-from helpers import HoldWriteAt, ShardedModel, assert_tree_equal, loader  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
-from processes import other_children, run_job  # noqa: E402
+from helpers import HoldWriteAt, ShardedModel, assert_tree_equal, loader
+from jobs.mp_job import FullStateRecorder, _trainer, failing_fit, read_with_dcp
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing
+from processes import other_children, run_job
 
 
 def _own_children():

@@ -1,17 +1,15 @@
 """Run with a newer nvidia-resiliency-ext first on PYTHONPATH (see scripts/nvrx_versions.sh): saves and
-loads with both workers, then a real ENOSPC through that version's writer. Prints one JSON line."""
+loads with both workers, then a real ENOSPC through that version's writer. Prints one JSON line. Its test
+starts it with ``PYTHONWARNINGS=ignore``: that release's import-time warnings stay out of its log."""
 
 import json
 import sys
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
+import torch
 
-import torch  # noqa: E402
-
-from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError  # noqa: E402
-from lightning_asyncckpt.engines.base import engine_version  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError
+from lightning_asyncckpt.engines.base import engine_version
 
 
 def main() -> None:
