@@ -37,6 +37,21 @@ from processes import job_command, launch, rank_reports
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(**kw)``: stock's uninterrupted ``fit(local=False, **kw)``, run once per module (and
+    pytest process) for each ``kw``: several cases compare against the same one. Nothing here changes it."""
+    runs = {}
+
+    def get(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in runs:
+            runs[key] = fit(tmp_path_factory.mktemp("uninterrupted"), local=False, **kw)
+        return runs[key]
+
+    return get
+
 # 1. accumulate_grad_batches=3 with every_n_train_steps=2 ------------------------------------------------------
 
 def test_accumulation_local_saves_where_stock_modelcheckpoint_saves_and_resumes_exactly(tmp_path):
@@ -71,7 +86,7 @@ def test_accumulation_local_saves_where_stock_modelcheckpoint_saves_and_resumes_
     assert_tree_equal(again.final, stock.final, "resumed from local step 4 against uninterrupted")
 
 
-def test_accumulation_a_second_loss_after_the_mid_accumulation_resave_ends_as_stock(tmp_path):
+def test_accumulation_a_second_loss_after_the_mid_accumulation_resave_ends_as_stock(tmp_path, uninterrupted):
     """Lost after step 3 (the epoch's end), resumed from step 2 (batch 6); that run saves step 2 again at batch 7
     (mid-accumulation, as stock) and is lost after step 3 again; the third run resumes from that save. Stock then
     ends with other weights than an uninterrupted run (the re-save does not hold batch 7's gradients, which the
@@ -79,7 +94,7 @@ def test_accumulation_a_second_loss_after_the_mid_accumulation_resave_ends_as_st
     quirk included."""
     every = dict(every_n_train_steps=2, save_top_k=-1)
     kw = dict(max_steps=6, accumulate_grad_batches=3)
-    uninterrupted = fit(tmp_path / "u", local=False, **kw)
+    reference = uninterrupted(**kw)
     finals = {}
     for name, local in (("stock", False), ("ours", True)):
         ck = None if local else every
@@ -92,8 +107,8 @@ def test_accumulation_a_second_loss_after_the_mid_accumulation_resave_ends_as_st
         assert third.record.start["batch_progress"]["current"]["ready"] == 7
         finals[name] = third.final
     with pytest.raises(AssertionError, match="tensor values differ"):  # stock's quirk
-        assert_tree_equal(finals["stock"], uninterrupted.final, "stock, twice lost")
-    if not equal(finals["ours"], uninterrupted.final):  # better than stock would do too
+        assert_tree_equal(finals["stock"], reference.final, "stock, twice lost")
+    if not equal(finals["ours"], reference.final):  # better than stock would do too
         assert_tree_equal(finals["ours"], finals["stock"], "twice lost, local tier against stock")
 
 
@@ -108,14 +123,14 @@ class SignalAtBatch(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_accumulation_a_preemption_mid_accumulation_resumes_as_stocks_save_on_exception(tmp_path):
+def test_accumulation_a_preemption_mid_accumulation_resumes_as_stocks_save_on_exception(tmp_path, uninterrupted):
     """SIGTERM at batch 9 (epoch 1's first batch: global step 3, mid-accumulation). The local tier saves step 3
     there, at that batch, and stops; stock with ``ModelCheckpoint(save_on_exception=True)`` saves at the same
     point (stock's default saves nothing then). A resume from either drops batch 9's gradients, so both end
     with other weights than an uninterrupted run, and the same ones. (Where the local tier's last save is the
     step already, as at batch 7, it stops without a new save and the resume is exact.)"""
     kw = dict(max_steps=6, accumulate_grad_batches=3)
-    uninterrupted = fit(tmp_path / "u", local=False, **kw)
+    reference = uninterrupted(**kw)
     first = fit(tmp_path / "ours", local=True, callbacks=(SignalAtBatch(9),), **kw)
     assert first.trainer.global_step == 3 and first.record.saves == [(2, 6), (3, 1)]
     ours = fit(tmp_path / "ours", local=True, ckpt_path="last", **kw)
@@ -127,8 +142,8 @@ def test_accumulation_a_preemption_mid_accumulation_resumes_as_stocks_save_on_ex
                  **kw)
     assert stock.record.start["batch_progress"]["current"]["ready"] == 1
     with pytest.raises(AssertionError, match="tensor values differ"):
-        assert_tree_equal(stock.final, uninterrupted.final, "stock, resumed from its save on the exception")
-    if not equal(ours.final, uninterrupted.final):  # better than stock would do too
+        assert_tree_equal(stock.final, reference.final, "stock, resumed from its save on the exception")
+    if not equal(ours.final, reference.final):  # better than stock would do too
         assert_tree_equal(ours.final, stock.final, "resumed from the emergency save, against stock's")
 
 
@@ -209,12 +224,12 @@ def test_after_a_resume_from_a_local_step_loading_trainer_ckpt_path_again_says_w
 # 4. max_steps ending at a local save step, then fit again with a higher max_steps ---------------------------
 
 @pytest.mark.parametrize("first_max_steps", [10, BATCHES], ids=["mid-epoch", "epoch-end"])
-def test_max_steps_ending_at_a_local_save_then_fit_again_further(tmp_path, first_max_steps):
+def test_max_steps_ending_at_a_local_save_then_fit_again_further(tmp_path, first_max_steps, uninterrupted):
     """``max_steps`` at a local save step (10: mid-epoch; 8: the epoch's last batch), no persistent tier: that
     step is complete in the local tier when ``fit`` returns, and a new Trainer with ``max_steps=16`` and
     ``ckpt_path="last"`` starts there and ends bit for bit as an uninterrupted 16-step run (stock, with its
     ``ModelCheckpoint(every_n_train_steps=2)`` file, does the same)."""
-    reference = fit(tmp_path / "u", local=False, max_steps=16, scheduler=True)
+    reference = uninterrupted(max_steps=16, scheduler=True)
     first = fit(tmp_path / "ours", local=True, max_steps=first_max_steps, scheduler=True)
     assert first.trainer.global_step == first_max_steps
     holder = tmp_path / "ours" / "local" / "asyncckpt-local" / "default" / "holder-0"
