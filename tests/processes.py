@@ -33,6 +33,10 @@ from reports import RankReport, read_report, report_path, reported
 # tests/: job scripts live under it, and launch puts it on the jobs' PYTHONPATH
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
+# the interpreter of the pytorch_lightning-alone environment that `make test` builds beside .venv (the jobs of
+# tests/test_distributions.py and the tier tests that run under either distribution)
+PL_PYTHON = Path(os.environ.get("LIGHTNING_ASYNCCKPT_PL_PYTHON", Path(TESTS).parent / ".venv-pl" / "bin" / "python"))
+
 STACKS_AFTER_VAR = "ASYNCCKPT_TEST_STACKS_AFTER_S"
 STACKS_PREFIX = "stacks-"
 

@@ -9,6 +9,7 @@ import it too, and nothing of the test helpers (those import ``lightning``)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,12 +51,17 @@ class RankReport:
         return self.seen.setdefault(name, default)
 
     def write(self, path: str | os.PathLike) -> None:
-        """Writes the report to ``path`` whole: a temp file beside it, then a rename (values JSON cannot
-        hold are written as their ``str``)."""
+        """Writes the report to ``path`` whole: a temp file beside it, then a rename; a write that fails
+        leaves ``path`` as it was and no temp file (values JSON cannot hold are written as their ``str``)."""
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=1, default=str)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(dataclasses.asdict(self), f, indent=1, default=str)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
 
 def report_path(out: str | os.PathLike, rank: int, prefix: str = "rank") -> Path:

@@ -13,11 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from processes import job_command, launch, rank_reports
+from processes import PL_PYTHON, job_command, launch, rank_reports
 from reports import RankReport
-
-ROOT = Path(__file__).resolve().parents[1]
-PL_PYTHON = Path(os.environ.get("LIGHTNING_ASYNCCKPT_PL_PYTHON", ROOT / ".venv-pl" / "bin" / "python"))
 
 
 @pytest.fixture

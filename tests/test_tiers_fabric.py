@@ -12,11 +12,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from test_distributions import PL_PYTHON
 
 from helpers import assert_tree_equal, clone_tree
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, FabricTiers, LocalTier, testing
-from processes import job_command, launch, rank_reports
+from processes import PL_PYTHON, job_command, launch, rank_reports
 
 
 def _state_of(state):

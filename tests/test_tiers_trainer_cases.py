@@ -21,7 +21,6 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from test_distributions import PL_PYTHON
 from tier_cases import (
     BATCHES,
     IndexedModel,
@@ -33,7 +32,7 @@ from tier_cases import (
 
 from helpers import assert_tree_equal, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, LocalTier
-from processes import job_command, launch, rank_reports
+from processes import PL_PYTHON, job_command, launch, rank_reports
 
 pytestmark = pytest.mark.timeout(120)
 
