@@ -41,10 +41,10 @@ def _model(kind):
 def _state(trainer, pl_module, kind):
     """(all ranks) The full model and optimizer state, as a checkpoint must hold it."""
     if kind == "mp":
-        from mp_job import full_state
+        from jobs.mp_job import full_state
 
         return full_state(trainer, pl_module)
-    from mp_job import _sorted
+    from jobs.mp_job import _sorted
 
     return _sorted({"state_dict": dict(pl_module.state_dict()),
                     "optimizer_0": {"state": trainer.optimizers[0].state_dict()["state"]}})
@@ -52,10 +52,10 @@ def _state(trainer, pl_module, kind):
 
 def _read(path, kind, out):
     if kind == "mp":
-        from mp_job import read_with_dcp
+        from jobs.mp_job import read_with_dcp
 
         return read_with_dcp(path, out)
-    from mp_job import _sorted
+    from jobs.mp_job import _sorted
 
     got = AsyncCheckpointIO().load_checkpoint(path, weights_only=False)
     return _sorted({"state_dict": dict(got["state_dict"]), "optimizer_0": {"state": got["optimizer_states"][0]["state"]}})
@@ -76,7 +76,7 @@ class StartStep(L.Callback):
 
 
 def _children():
-    return [line for _, line in other_children(lambda pid, line: "fault_job.py" in line)]
+    return [line for _, line in other_children(lambda pid, line: "jobs.fault_job" in line)]
 
 
 def _faults(item):

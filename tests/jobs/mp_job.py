@@ -123,7 +123,7 @@ def _trainer(args, strategy, callbacks, devices=2, plugins=(), **kw):
 
 def _own_children():
     """Child processes other than the ranks (a process that is already exiting gets a moment to go)."""
-    return other_children(lambda pid, line: "mp_job.py" in line)
+    return other_children(lambda pid, line: "jobs.mp_job" in line)
 
 
 def _resume(args, strategy, ckpt_path, max_steps, callbacks=(), plugins=()):

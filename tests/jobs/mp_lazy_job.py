@@ -17,7 +17,7 @@ from processes import other_children, run_job
 
 def _own_children():
     """Child processes other than the ranks (the writers must be gone after fit)."""
-    return other_children(lambda pid, line: "mp_lazy_job.py" in line)
+    return other_children(lambda pid, line: "jobs.mp_lazy_job" in line)
 
 
 LAZY_WIDTH = 256  # a 256x256 weight's local shard on 2 ranks is 128 KiB: above the lazy threshold
