@@ -1,16 +1,15 @@
 import glob
 import os
 import shutil
-import sys
 import tempfile
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from helpers import combo_params, hold_write, mounted_tmpfs  # noqa: E402
-from lightning_asyncckpt.pipeline import scratch  # noqa: E402
-from processes import live_children, wait_no_children  # noqa: E402
+# tests/ is importable (``helpers``, ``processes``, ``reports``, ``jobs``): pytest's default import mode
+# ("prepend") puts this file's directory first on sys.path before it imports it
+from helpers import combo_params, hold_write, mounted_tmpfs
+from lightning_asyncckpt.pipeline import scratch
+from processes import live_children, wait_no_children
 
 # The longest tests of `make test`, longest first (from `--durations`, 2026-12-06, 20 s to 90 s each on 2
 # cores), then the other simulated-node (`scale`) ones, then the rest: under pytest-xdist a long test that

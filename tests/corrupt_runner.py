@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import signal
 import sys
 import traceback
@@ -166,6 +165,5 @@ def main(argv: list[str]) -> None:
         print(json.dumps(r), flush=True)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # run as a script: tests/ is sys.path[0], and corrupt_variants imports from it
     main(sys.argv[1:])

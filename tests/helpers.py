@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import time
@@ -27,21 +26,13 @@ ROOT = os.path.dirname(TESTS)
 
 def run_fabric_case(args: Any, fabric: Any, io: Any, cases: dict) -> None:
     """The ``main`` of a Fabric job script after ``fabric.launch()``: runs ``case_<args.case>`` from ``cases``
-    on this rank, then writes ``<out>/rank<r>.json`` (whole: temp file, then rename) with its report and
-    the traceback, if it raised."""
-    import traceback
+    on this rank, then writes its ``reports.RankReport`` to ``<out>/rank<r>.json`` (``reports.reported``),
+    with the traceback, if it raised."""
+    from reports import report_path, reported
 
-    report = {"rank": fabric.global_rank}
-    try:
-        cases[f"case_{args.case}"](args, fabric, io, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    report["world_size"] = fabric.world_size
-    path = os.path.join(args.out, f"rank{fabric.global_rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
-
+    rank = fabric.global_rank
+    reported(rank, report_path(args.out, rank), lambda report: cases[f"case_{args.case}"](args, fabric, io, report),
+             lambda: fabric.world_size)
 
 
 def combo_params(single: bool = False, fast: Any = MAIN_COMBOS, combos: Any = COMBOS) -> list:

@@ -7,7 +7,8 @@ Each node gets node-local state, so that nothing can silently rely on a shared h
 its own scratch directory (``NODE_SCRATCH``; the working directory and Lightning's ``default_root_dir``). The shared directory (``<tmp_path>/out``) is what a
 parallel filesystem is to a real job: checkpoints and the ranks' reports go there.
 
-Job scripts read ``--nodes`` and ``--devices`` and write ``<out>/rank<global rank>.json`` (``nodes_job.py``).
+Job scripts (modules of ``tests/jobs``, started as ``python -m jobs.<name>``) read ``--nodes`` and ``--devices``
+and write a ``reports.RankReport`` to ``<out>/rank<global rank>.json`` (``run_and_report``, ``jobs/nodes_job.py``).
 """
 
 from __future__ import annotations
@@ -15,15 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,8 @@ from typing import Any
 import psutil
 
 from helpers import TESTS
-from processes import STACKS_AFTER_VAR, free_port, hang_report
+from processes import STACKS_AFTER_VAR, free_port, hang_report, job_command, rank_reports
+from reports import RankReport, report_path, reported
 
 # the node's own /dev/shm, then the job: `sh` execs it, so the node's leader keeps the pid Popen returned
 _NODE_SHELL = 'mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && exec "$@"'
@@ -77,20 +76,12 @@ def global_rank(devices: int) -> int:
     return int(os.environ["NODE_RANK"]) * devices + int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def run_and_report(out: str, devices: int, body: Callable[[dict], None]) -> None:
-    """(each rank of a node job) Runs ``body(report)`` and writes ``report`` to ``<out>/rank<global
+def run_and_report(out: str, devices: int, body: Callable[[RankReport], None]) -> None:
+    """(each rank of a node job) Runs ``body(report)`` and writes the report to ``<out>/rank<global
     rank>.json`` (:func:`read_reports`), with the traceback as ``crash`` if ``body`` raised. The report
-    appears whole (a rename): the test may be polling for it while a node is being killed."""
+    appears whole (``reports.reported``): the test may be polling for it while a node is being killed."""
     rank = global_rank(devices)
-    report: dict[str, Any] = {"rank": rank}
-    try:
-        body(report)
-    except BaseException as e:  # noqa: BLE001 - the report carries it to the test
-        report["crash"] = "".join(traceback.format_exception(e))
-    path = os.path.join(out, f"rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
+    reported(rank, report_path(out, rank), body)
 
 
 def skip_without_namespaces() -> None:
@@ -178,9 +169,9 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, devices: int = 2, timeout: float = 300,
+def launch_nodes(job: str, args: list, tmp_path: Path, nodes: int = 2, devices: int = 2, timeout: float = 300,
                  env: dict | None = None, node_local: bool = False) -> Iterator[Cluster]:
-    """Starts ``script`` once per node (``NODE_RANK`` 0..``nodes``-1) with ``--nodes``/``--devices`` and the
+    """Starts the job ``jobs.<job>`` once per node (``NODE_RANK`` 0..``nodes``-1) with ``--nodes``/``--devices`` and the
     reports' directory ``--out <tmp_path>/out``; each node in its own session and mount namespace, with its
     log in ``<tmp_path>/node<k>/log.txt``, its scratch in ``<tmp_path>/node<k>/scratch`` and its own
     ``TMPDIR`` (a short directory under the system's temp directory, removed afterwards). Leaving the block
@@ -209,14 +200,14 @@ def launch_nodes(script: str, args: list, tmp_path: Path, nodes: int = 2, device
             if node_local:
                 (home / "local").mkdir(exist_ok=True)
                 node_env["NODE_LOCAL"] = str(home / "local")
-            cmd = [*_UNSHARE, "sh", "-c", _NODE_LOCAL_SHELL if node_local else _NODE_SHELL, "node", sys.executable, script, *map(str, args),
+            cmd = [*_UNSHARE, "sh", "-c", _NODE_LOCAL_SHELL if node_local else _NODE_SHELL, "node", *job_command(job), *map(str, args),
                    "--out", str(out), "--nodes", str(nodes), "--devices", str(devices)]
             log = open(home / "log.txt", "w")  # noqa: SIM115 - closed below
             logs.append(log)
             proc = subprocess.Popen(cmd, cwd=home / "scratch", stdout=log, stderr=subprocess.STDOUT, env=node_env,
                                     start_new_session=True)
             started.append(Node(k, proc, home, log))
-        yield Cluster(started, script, out, timeout)
+        yield Cluster(started, f"jobs.{job}", out, timeout)
     finally:
         for node in started:
             node.kill()
@@ -233,24 +224,18 @@ def node_local_dir(tmp_path: Path, node: int) -> Path:
     return tmp_path / f"node{node}" / "local"
 
 
-def run_nodes(script: str, tmp_path: Path, case: str, nodes: int = 2, devices: int = 2, timeout: float = 300,
-              engine: str = "nvrx", worker: str = "persistent", **extra: Any) -> list[dict]:
-    """Runs ``case`` of ``script`` on ``nodes`` x ``devices`` ranks and returns every rank's report in global
+def run_nodes(job: str, tmp_path: Path, case: str, nodes: int = 2, devices: int = 2, timeout: float = 300,
+              engine: str = "nvrx", worker: str = "persistent", **extra: Any) -> list[RankReport]:
+    """Runs ``case`` of the job ``jobs.<job>`` on ``nodes`` x ``devices`` ranks and returns every rank's report in global
     rank order (a missing report or a crashed rank fails the test with its traceback and the logs)."""
     args = ["--case", case, "--engine", engine, "--worker", worker]
     for k, v in extra.items():
         args += [f"--{k}", str(v)]
-    with launch_nodes(script, args, tmp_path, nodes=nodes, devices=devices, timeout=timeout) as cluster:
+    with launch_nodes(job, args, tmp_path, nodes=nodes, devices=devices, timeout=timeout) as cluster:
         cluster.wait()
         return read_reports(cluster, nodes * devices)
 
 
-def read_reports(cluster: Cluster, ranks: int, crashed_ok: bool = False) -> list[dict]:
-    reports = []
-    for rank in range(ranks):
-        path = cluster.out / f"rank{rank}.json"
-        assert path.exists(), f"global rank {rank} wrote no report; logs:\n{cluster.logs()}"
-        reports.append(json.loads(path.read_text()))
-    for r in reports:
-        assert crashed_ok or "crash" not in r, f"global rank {r['rank']} crashed:\n{r['crash']}\n{cluster.logs()}"
-    return reports
+def read_reports(cluster: Cluster, ranks: int, crashed_ok: bool = False) -> list[RankReport]:
+    """The reports of global ranks ``0..ranks-1`` (``processes.rank_reports``), failing with every node's log."""
+    return rank_reports(cluster.out, ranks, cluster.logs, crashed_ok)

@@ -1,8 +1,11 @@
 """The harness for tests that run code in other processes. ``launch`` starts a command (a job) in its own
 session, with its output in a log file, its own ``MASTER_PORT`` and a hard timeout, and kills the job's
-whole process group when its block ends. ``run_ranks`` runs a multi-rank job script that way and returns
-the JSON report that each rank wrote (job scripts write it with ``run_job``). A job still running at its
-timeout fails the test with its log and the stacks of all its processes (``hang_report``).
+whole process group when its block ends. Job scripts are modules of the package ``jobs`` (``tests/jobs``),
+started as ``python -m jobs.<name>`` (``job_command``) with ``tests/`` on their ``PYTHONPATH``: they import
+the test helpers as the tests do, without path hacks. ``run_ranks`` runs a multi-rank job that way and
+returns the typed report that each rank wrote (``reports.RankReport``; job scripts write it with
+``run_job``, the tests read it with ``rank_reports``). A job still running at its timeout fails the test
+with its log and the stacks of all its processes (``hang_report``).
 ``live_children``, ``other_children`` and ``wait_no_children`` check that no child process is left
 behind. ``two_ranks`` runs a function in two forked processes of one gloo group."""
 
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import multiprocessing as mp
 import os
 import random
@@ -26,16 +28,28 @@ from typing import Any
 
 import psutil
 
+from reports import RankReport, read_report, report_path, reported
+
 # tests/: job scripts live under it, and launch puts it on the jobs' PYTHONPATH
 TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# the interpreter of the pytorch_lightning-alone environment that `make test` builds beside .venv (the jobs of
+# tests/test_distributions.py and the tier tests that run under either distribution)
+PL_PYTHON = Path(os.environ.get("LIGHTNING_ASYNCCKPT_PL_PYTHON", Path(TESTS).parent / ".venv-pl" / "bin" / "python"))
 
 STACKS_AFTER_VAR = "ASYNCCKPT_TEST_STACKS_AFTER_S"
 STACKS_PREFIX = "stacks-"
 
 
-def job_script(name: str) -> str:
-    """The path of a job script in ``tests/jobs`` (the scripts the tests start in their own processes)."""
-    return os.path.join(TESTS, "jobs", name)
+def job_command(name: str, python: str | os.PathLike = sys.executable) -> list[str]:
+    """The command that runs the job script ``tests/jobs/<name>.py`` as the module ``jobs.<name>`` (Lightning
+    and Fabric relaunch it the same way for their other ranks); ``launch`` puts ``tests/`` on its path.
+
+    Args:
+        name: the job's module in ``tests/jobs``, without ``.py``.
+        python: the interpreter (another environment's, e.g. ``.venv-pl``'s).
+    """
+    return [str(python), "-m", f"jobs.{name}"]
 
 
 def job_args(extra: tuple = ()) -> Any:
@@ -52,12 +66,10 @@ def job_args(extra: tuple = ()) -> Any:
     return p.parse_args()
 
 
-def run_job(run: Any, extra: tuple = ("--dir",), report: dict | None = None) -> None:
+def run_job(run: Any, extra: tuple = ("--dir",), seen: dict | None = None) -> None:
     """The ``main`` of a job script: ``run(args, report)`` on this rank, then ``<out>/rank<r>.json`` with the
-    report (and the traceback, if it raised)."""
+    report (and the traceback, if it raised; ``reports.reported``). ``seen``: the report's first values."""
     import faulthandler
-    import json
-    import traceback
 
     import torch
 
@@ -71,15 +83,12 @@ def run_job(run: Any, extra: tuple = ("--dir",), report: dict | None = None) -> 
         stacks = open(os.path.join(args.out, f"{STACKS_PREFIX}{os.getpid()}.txt"), "w")  # noqa: SIM115 - kept open
         faulthandler.dump_traceback_later(float(stacks_after), exit=False, file=stacks)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    report = {"rank": rank, **(report or {})}
-    try:
-        run(args, report)
-    except BaseException as e:  # noqa: BLE001
-        report["crash"] = "".join(traceback.format_exception(e))
-    if torch.distributed.is_initialized():
-        report["world_size"] = torch.distributed.get_world_size()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+
+    def world_size() -> int | None:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
+
+    reported(rank, report_path(args.out, rank), lambda report: run(args, report), world_size,
+             RankReport(rank=rank, seen=dict(seen or {})))
 
 
 def hang_report(pgid: int, script: str, out: Any, log: Any) -> str:
@@ -165,6 +174,15 @@ class Job:
             pytest.fail(f"{self.script} hung for {self.timeout}s; log, and every stack:\n{report}")
 
 
+def _script(cmd: list) -> str:
+    """What names the job in ``cmd``'s process command lines: the module after ``-m``, else the ``.py``
+    file, else the program."""
+    words = [str(c) for c in cmd]
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]
+    return next((w for w in words if w.endswith(".py")), words[0])
+
+
 @contextlib.contextmanager
 def launch(cmd: list, out: Any, timeout: float, cwd: Any = None, env: dict | None = None,
            log_name: str = "log.txt") -> Iterator[Job]:
@@ -179,7 +197,7 @@ def launch(cmd: list, out: Any, timeout: float, cwd: Any = None, env: dict | Non
                **{STACKS_AFTER_VAR: str(max(timeout - 8, timeout * 0.8))}, **(env or {}))
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths + [TESTS] * (TESTS not in paths))
-    script = next((str(c) for c in cmd if str(c).endswith(".py")), str(cmd[0]))
+    script = _script(cmd)
     with open(out / log_name, "w") as log:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -222,24 +240,33 @@ def end_group(proc: subprocess.Popen, tracker_grace_s: float = 10.0) -> None:
 
 
 def run_ranks(
-    script: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, ranks: int = 2, **extra: Any
-) -> list:
-    """Runs a ``ranks``-rank job script with ``launch`` and returns each rank's JSON report (a rank that
+    job: str, tmp_path: Any, case: str, engine: str, worker: str, timeout: float = 180, ranks: int = 2, **extra: Any
+) -> list[RankReport]:
+    """Runs the ``ranks``-rank job ``jobs.<job>`` with ``launch`` and returns each rank's report (a rank that
     crashed fails the test with its traceback)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, script, "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
+    cmd = [*job_command(job), "--case", case, "--engine", engine, "--worker", worker, "--out", str(out)]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
-    with launch(cmd, out, timeout, cwd=tmp_path) as job:
-        job.wait()
+    with launch(cmd, out, timeout, cwd=tmp_path) as job_:
+        job_.wait()
+    reports = rank_reports(out, ranks, lambda: (out / "log.txt").read_text()[-4000:])
+    for r in reports:
+        assert r.world_size == ranks
+    return reports
+
+
+def rank_reports(out: Any, ranks: int, logs: Any, crashed_ok: bool = False, prefix: str = "rank") -> list[RankReport]:
+    """The reports of ranks ``0..ranks-1`` of a job that ended, from ``<out>/<prefix><r>.json``: a missing one
+    fails the test with ``logs()``, and so does a rank that crashed, with its traceback (unless
+    ``crashed_ok``)."""
     reports = []
     for rank in range(ranks):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
-        reports.append(json.loads(path.read_text()))
+        path = report_path(out, rank, prefix)
+        assert path.exists(), f"rank {rank} wrote no report; log:\n{logs()}"
+        reports.append(read_report(path))
     for r in reports:
-        assert "crash" not in r, f"rank {r['rank']} crashed:\n{r['crash']}"
-        assert r["world_size"] == ranks
+        assert crashed_ok or r.crash is None, f"rank {r.rank} crashed:\n{r.crash}\n{logs()}"
     return reports
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from helpers import combo_params, latest_raise_step
-from processes import job_script, run_ranks
+from processes import run_ranks
 
-JOB = job_script("ddp_job.py")
+JOB = "ddp_job"
 
 
 def run_job(tmp_path, case, engine, worker, **extra):

@@ -8,16 +8,13 @@ The environment is ``.venv-pl``, which ``make test`` builds beside ``.venv`` (pi
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from processes import job_script, launch
-
-ROOT = Path(__file__).resolve().parents[1]
-PL_PYTHON = Path(os.environ.get("LIGHTNING_ASYNCCKPT_PL_PYTHON", ROOT / ".venv-pl" / "bin" / "python"))
+from processes import PL_PYTHON, job_command, launch, rank_reports
+from reports import RankReport
 
 
 @pytest.fixture
@@ -30,19 +27,14 @@ def pl_python() -> Path:
     return PL_PYTHON
 
 
-def _run(python: Path, case: str, tmp_path: Path, ranks: int) -> list[dict]:
+def _run(python: Path, case: str, tmp_path: Path, ranks: int) -> list[RankReport]:
     out = tmp_path / "out"
-    with launch([python, job_script("pl_job.py"), "--case", case, "--out", str(out)], out, 240, cwd=tmp_path) as job:
+    with launch([*job_command("pl_job", python), "--case", case, "--out", str(out)], out, 240, cwd=tmp_path) as job:
         job.wait()
-    reports = []
-    for rank in range(ranks):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
-        report = json.loads(path.read_text())
-        assert "crash" not in report, f"rank {rank} crashed:\n{report['crash']}"
+    reports = rank_reports(out, ranks, lambda: (out / "log.txt").read_text()[-4000:])
+    for report in reports:
         assert report["lightning_importable"] is False  # the standalone distribution only
         assert report["plugin"] == "AsyncCheckpointIO" and report["finalizers"] >= 1
-        reports.append(report)
     return reports
 
 

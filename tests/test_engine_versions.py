@@ -9,15 +9,13 @@ that release first on ``PYTHONPATH`` (it is skipped without them).
 from __future__ import annotations
 
 import inspect
-import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_asyncckpt.write.dcp_writer import write_call_kwargs
-from processes import job_script, launch
+from processes import job_command, launch, rank_reports
 
 
 # The parameter lists of write_preloaded_data, release by release (signatures only).
@@ -50,13 +48,11 @@ _TREES = [t for t in os.environ.get("LIGHTNING_ASYNCCKPT_NVRX_TREES", "").split(
 def test_a_newer_release_saves_loads_and_reports_enospc(tree, tmp_path, small_tmpfs):
     if tree is None:
         pytest.skip("no unpacked nvidia-resiliency-ext releases given (scripts/nvrx_versions.sh)")
-    env = dict(PYTHONPATH=os.pathsep.join([tree, str(Path(__file__).parents[1])]))
-    job = job_script("nvrx_version_job.py")
-    with launch([sys.executable, job, tmp_path, small_tmpfs], tmp_path / "log", 240, env=env) as run:
+    env = dict(PYTHONPATH=os.pathsep.join([tree, str(Path(__file__).parents[1])]), PYTHONWARNINGS="ignore")
+    with launch([*job_command("nvrx_version_job"), tmp_path, small_tmpfs], tmp_path / "log", 240, env=env) as run:
         code = run.wait()
-    lines = [ln for ln in run.log_text().splitlines() if ln.startswith("RESULT ")]
-    assert code == 0 and lines, run.log_text()[-4000:]
-    report = json.loads(lines[-1][len("RESULT "):])
+    assert code == 0, run.log_text()[-4000:]
+    (report,) = rank_reports(tmp_path, 1, lambda: run.log_text()[-4000:])
     assert report["module"].startswith(tree), report  # the release under test, not the installed one
     for worker in ("fork", "persistent"):
         assert report[worker]["exact"], (worker, report)

@@ -1,8 +1,6 @@
 """Interpreter exit without teardown (Fabric never tears down): the last save still lands."""
 
-import json
 import os
-import sys
 
 import psutil
 import pytest
@@ -10,21 +8,22 @@ import torch
 
 from helpers import combo_params
 from lightning_asyncckpt.format import commit
-from processes import job_script, launch
+from processes import job_command, launch
+from reports import read_report
 
-JOB = job_script("exit_job.py")
+JOB = job_command("exit_job")
 
 
 def _run(tmp_path, how, engine="nvrx", worker="persistent", **extra):
     """Runs the script (its output in ``<tmp_path>/job``) and returns its exit status, its output and its report."""
     out = tmp_path / "job"
     out.mkdir()
-    cmd = [sys.executable, JOB, "--how", how, "--engine", engine, "--worker", worker, "--out", out]
+    cmd = [*JOB, "--how", how, "--engine", engine, "--worker", worker, "--out", out]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
     with launch(cmd, tmp_path, timeout=120) as job:
         code = job.wait()
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out / "report.json")
     for pid in report["pids"]:  # no writer outlives the script
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
     return code, job.log_text(), report

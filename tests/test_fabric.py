@@ -7,9 +7,9 @@ import os
 import pytest
 
 from helpers import combo_params
-from processes import job_script, run_ranks
+from processes import run_ranks
 
-JOB = job_script("fabric_job.py")
+JOB = "fabric_job"
 
 
 # one combination in make test (the engines' single-writer path runs there in test_io); all four in make test-all

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from helpers import COMBOS
-from processes import job_script, run_ranks
+from processes import run_ranks
 
-JOB = job_script("fault_job.py")
+JOB = "fault_job"
 CAUSE = {  # what the message must say about the cause
     "enospc": "ENOSPC", "eio": "EIO", "permission": "PermissionError", "slow": "TimeoutError",
     "crash": "WorkerDied", "metadata": ".metadata", "commit": "rename",

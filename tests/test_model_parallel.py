@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import combo_params
-from processes import job_script, run_ranks
+from processes import run_ranks
 
-JOB = job_script("mp_job.py")
-LAZY_JOB = job_script("mp_lazy_job.py")
+JOB = "mp_job"
+LAZY_JOB = "mp_lazy_job"
 
 
 

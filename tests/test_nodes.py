@@ -10,9 +10,9 @@ import time
 import pytest
 from nodes import launch_nodes, read_reports, run_nodes, skip_without_namespaces
 
-from processes import job_script
+from reports import read_report
 
-JOB = job_script("nodes_job.py")
+JOB = "nodes_job"
 RANKS = [0, 1, 2, 3]
 SHARDS = [f"__{r}_0.distcp" for r in RANKS]
 
@@ -27,7 +27,7 @@ def _namespaces():
 def _assert_identities(reports):
     """Global rank = node * 2 + local rank on every rank, and each node's /dev/shm is its own."""
     for r in reports:
-        g = r["rank"]
+        g = r.rank
         assert r["identity"] == {"global": g, "local": g % 2, "node": g // 2, "dist": g, "world": 4}, r["identity"]
         assert r["shm_marks"] == [2 * (g // 2), 2 * (g // 2) + 1], r["shm_marks"]  # only its own node's ranks
 
@@ -164,7 +164,7 @@ def test_node_lost_mid_save_ends_node_0_and_the_next_launch_resumes_from_last(tm
     for rank in (0, 1):  # node 0's ranks ended by an error, not by the test's timeout
         path = cluster.out / f"rank{rank}.json"
         if path.exists():
-            assert "crash" in json.loads(path.read_text())
+            assert read_report(path).crash is not None
     print(f"node 0 exited {exit_s:.1f}s after node 1 was killed, with status {code}")
     (tmp_path / "exit_s.txt").write_text(f"{exit_s:.2f}\n")
 

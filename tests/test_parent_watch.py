@@ -18,11 +18,12 @@ import psutil
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the processes import this checkout's package (first on their path), whatever the environment installed
+CHECKOUT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
 
 # argv: ready file, scratch dir, "poll" to take the path of kernels without pidfd
 WRITER = """
 import os, sys, time
-sys.path.insert(0, {repo!r})
 from lightning_asyncckpt.write import parent_watch
 if sys.argv[3] == "poll":
     del os.pidfd_open
@@ -61,8 +62,8 @@ def test_a_writer_whose_trainer_is_killed_exits_and_removes_the_scratch_dir(tmp_
     scratch.mkdir()
     (scratch / "3.result").write_bytes(b"x")
     ready = tmp_path / "ready"
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, WRITER.format(repo=REPO), str(ready), str(scratch), watch],
-                               start_new_session=True)
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, WRITER, str(ready), str(scratch), watch],
+                               start_new_session=True, env=CHECKOUT_ENV)
     writer = None
     try:
         _wait("the writer started", ready.exists, 60)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from processes import job_script, run_ranks
+from processes import run_ranks
 
-JOB = job_script("pipeline_job.py")
+JOB = "pipeline_job"
 
 
 @pytest.mark.parametrize("stage", ["snapshot", pytest.param("handover", marks=pytest.mark.slow)])

@@ -14,9 +14,9 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
 from lightning_asyncckpt.pipeline.plan_cache import PlanCache, structure_digest
-from processes import job_script, run_ranks
+from processes import run_ranks
 
-JOB = job_script("plan_job.py")
+JOB = "plan_job"
 
 
 def local_plan(state: dict, planner_data=None) -> SavePlan:
@@ -132,8 +132,8 @@ def _run(tmp_path, case, kinds):
     r0, r1 = run_ranks(JOB, tmp_path, case, "nvrx", "fork", timeout=240)
     for r in (r0, r1):
         for kind in kinds:
-            assert r[kind]["problems"] == [], (r["rank"], kind, r[kind]["problems"])
-            assert r[kind]["decisions"] == r[kind]["expected"], (r["rank"], kind)
+            assert r[kind]["problems"] == [], (r.rank, kind, r[kind]["problems"])
+            assert r[kind]["decisions"] == r[kind]["expected"], (r.rank, kind)
     return r0, r1
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from helpers import combo_params, latest_raise_step
 from lightning_asyncckpt.format import commit
-from processes import job_script, launch, run_ranks
+from processes import job_command, launch, rank_reports, run_ranks
+from reports import read_report
 
 
 def _gone(pid):
@@ -26,7 +27,7 @@ def _gone(pid):
 
 def _launch(tmp_path, case, engine, worker, timeout, env=None):
     out = tmp_path / "out"
-    cmd = [sys.executable, job_script("crash_job.py"), "--case", case, "--engine", engine, "--worker", worker, "--out", out]
+    cmd = [*job_command("crash_job"), "--case", case, "--engine", engine, "--worker", worker, "--out", out]
     return launch(cmd, out, timeout, cwd=tmp_path, env=env, log_name=f"{case}.log")
 
 
@@ -39,7 +40,7 @@ def test_trainer_killed_mid_write_resumes_from_newest_committed(tmp_path, engine
             assert job.running, job.log_text()[-3000:]
             assert time.monotonic() < job.deadline, "the job never reached step 13"
             time.sleep(0.1)
-        ready = json.loads((out / "ready").read_text())
+        ready = read_report(out / "ready")
         assert ready["pending"] == 2  # both step-12 writes are in flight
         os.kill(job.proc.pid, signal.SIGKILL)  # the trainer only: an orphaned writer must not commit anything
         job.proc.wait()
@@ -51,7 +52,7 @@ def test_trainer_killed_mid_write_resumes_from_newest_committed(tmp_path, engine
         assert [e for e in entries if not e.startswith(".")] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     with _launch(tmp_path, "resume", engine, worker, 180) as job:
         assert job.wait() == 0, job.log_text()[-3000:]
-    resumed = json.loads((out / "resumed.json").read_text())
+    (resumed,) = rank_reports(out, 1, lambda: job.log_text()[-3000:])
     assert resumed["start"] == 8  # `last` is the newest committed checkpoint, never the interrupted one
     assert resumed["files"] == ["epoch=0-step=12.ckpt", "epoch=0-step=16.ckpt", "last.ckpt"]  # leftovers gone
 
@@ -136,7 +137,7 @@ def test_read_only_remount(tmp_path, small_tmpfs, engine, worker):
 @pytest.mark.slow
 def test_soak_hundred_saves_nothing_grows(tmp_path):
     """100 saves (and 100 of `last`) on 2 ranks with save_top_k=2 (AsyncDDPStrategy, persistent worker)."""
-    r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "soak", "nvrx", "persistent", timeout=200)
+    r0, r1 = run_ranks("ddp_job", tmp_path, "soak", "nvrx", "persistent", timeout=200)
     for r in (r0, r1):
         assert r["saves"] == 200
         assert r["files"] == ["epoch=0-step=100.ckpt", "epoch=0-step=99.ckpt", "last.ckpt"]  # exactly these

@@ -17,7 +17,7 @@ from lightning_asyncckpt import (
     last_checkpoint,
 )
 from lightning_asyncckpt.format import remote
-from processes import job_script, run_ranks
+from processes import run_ranks
 
 URL = "s3://ckpt/run1"
 
@@ -159,21 +159,21 @@ def test_load_checkpoint_reads_a_url_after_its_save_commits(s3):
 
 @pytest.mark.slow  # the single-writer path of the tests above, under DDP (make test-all)
 def test_ddp_save_to_s3(tmp_path, s3):
-    r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "remote", "nvrx", "persistent", dir=URL)
+    r0, r1 = run_ranks("ddp_job", tmp_path, "remote", "nvrx", "persistent", dir=URL)
     assert r0["objects"] == r1["objects"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     assert r0["last_step"] == 8
 
 
 @pytest.mark.slow  # make test-all: every rank's spooled upload runs in make test too, in the sharded case below
 def test_async_ddp_strategy_every_rank_writes_to_s3(tmp_path, s3):
-    r0, r1 = run_ranks(job_script("ddp_job.py"), tmp_path, "remote_dcp", "nvrx", "persistent", dir=URL)
+    r0, r1 = run_ranks("ddp_job", tmp_path, "remote_dcp", "nvrx", "persistent", dir=URL)
     assert r0["objects"] == r1["objects"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     assert r0["verified"] == r1["verified"] == r0["objects"]  # bit-exact against the state at each save
     assert r0["resumed_at"] == r1["resumed_at"] == [8]
 
 
 def test_sharded_saves_to_s3_read_with_plain_dcp_and_resume(tmp_path, s3):
-    r0, r1 = run_ranks(job_script("mp_job.py"), tmp_path, "remote", "nvrx", "persistent", dir=URL, timeout=300)
+    r0, r1 = run_ranks("mp_job", tmp_path, "remote", "nvrx", "persistent", dir=URL, timeout=300)
     assert r0["objects"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     assert r0["verified"] == r0["objects"]
     assert r0["last"] == f"{URL}/last.ckpt"

@@ -20,12 +20,13 @@ import pytest
 from lightning_asyncckpt.pipeline import scratch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the stand-ins import this checkout's package (first on their path), whatever the environment installed
+CHECKOUT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
 TIMEOUT_S = 60
 
 # argv: base dir. Prints its scratch dir, then holds until its stdin closes (or it is killed).
 TRAINER = """
 import sys
-sys.path.insert(0, {repo!r})
 from lightning_asyncckpt.pipeline import scratch
 print(scratch.make_scratch_dir(sys.argv[1]), flush=True)
 sys.stdin.read()
@@ -46,7 +47,7 @@ def trainers(base: Path, n: int):
     procs = []
     try:
         for _ in range(n):
-            procs.append(subprocess.Popen([sys.executable, "-c", TRAINER.format(repo=REPO), str(base)],
+            procs.append(subprocess.Popen([sys.executable, "-c", TRAINER, str(base)], env=CHECKOUT_ENV,
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         yield [(p, _read_path(p)) for p in procs]
     finally:

@@ -26,7 +26,6 @@ def test_script_without_main_guard(tmp_path, engine):
     script = tmp_path / "train_no_guard.py"
     script.write_text(textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
         with open("runs.txt", "a") as f:
             f.write(str(os.getpid()) + "\\n")
         from lightning.pytorch.callbacks import ModelCheckpoint

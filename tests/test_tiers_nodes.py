@@ -14,9 +14,8 @@ import pytest
 from nodes import launch_nodes, node_local_dir, read_reports, skip_without_namespaces
 
 from lightning_asyncckpt.testing import local_tier
-from processes import job_script
 
-JOB = job_script("tiers_job.py")
+JOB = "tiers_job"
 
 # a test here is up to five 4-rank launches, each under its own hard deadline (launch_nodes' timeout, which
 # kills every process); the whole test gets their sum's worth, not the suite's 240 s: two of them side by side
@@ -176,7 +175,7 @@ def test_fsdp2_node_lost_resumes_from_replicas_then_persistent(tmp_path, engine)
     _scenarios(tmp_path, ["--engine", engine, "--strategy", "fsdp2"])
 
 
-FABRIC_JOB = job_script("tiers_fabric_job.py")
+FABRIC_JOB = "tiers_fabric_job"
 
 
 def _fabric_case(tmp_path, case, args):

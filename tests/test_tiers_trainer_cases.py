@@ -14,7 +14,6 @@ the data chosen by index stock's own mid-epoch resume is exact (checked here fir
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -22,7 +21,6 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from test_distributions import PL_PYTHON
 from tier_cases import (
     BATCHES,
     IndexedModel,
@@ -34,9 +32,24 @@ from tier_cases import (
 
 from helpers import assert_tree_equal, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, LocalTier
-from processes import job_script, launch
+from processes import PL_PYTHON, job_command, launch, rank_reports
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(**kw)``: stock's uninterrupted ``fit(local=False, **kw)``, run once per module (and
+    pytest process) for each ``kw``: several cases compare against the same one. Nothing here changes it."""
+    runs = {}
+
+    def get(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in runs:
+            runs[key] = fit(tmp_path_factory.mktemp("uninterrupted"), local=False, **kw)
+        return runs[key]
+
+    return get
 
 # 1. accumulate_grad_batches=3 with every_n_train_steps=2 ------------------------------------------------------
 
@@ -72,7 +85,7 @@ def test_accumulation_local_saves_where_stock_modelcheckpoint_saves_and_resumes_
     assert_tree_equal(again.final, stock.final, "resumed from local step 4 against uninterrupted")
 
 
-def test_accumulation_a_second_loss_after_the_mid_accumulation_resave_ends_as_stock(tmp_path):
+def test_accumulation_a_second_loss_after_the_mid_accumulation_resave_ends_as_stock(tmp_path, uninterrupted):
     """Lost after step 3 (the epoch's end), resumed from step 2 (batch 6); that run saves step 2 again at batch 7
     (mid-accumulation, as stock) and is lost after step 3 again; the third run resumes from that save. Stock then
     ends with other weights than an uninterrupted run (the re-save does not hold batch 7's gradients, which the
@@ -80,7 +93,7 @@ def test_accumulation_a_second_loss_after_the_mid_accumulation_resave_ends_as_st
     quirk included."""
     every = dict(every_n_train_steps=2, save_top_k=-1)
     kw = dict(max_steps=6, accumulate_grad_batches=3)
-    uninterrupted = fit(tmp_path / "u", local=False, **kw)
+    reference = uninterrupted(**kw)
     finals = {}
     for name, local in (("stock", False), ("ours", True)):
         ck = None if local else every
@@ -93,8 +106,8 @@ def test_accumulation_a_second_loss_after_the_mid_accumulation_resave_ends_as_st
         assert third.record.start["batch_progress"]["current"]["ready"] == 7
         finals[name] = third.final
     with pytest.raises(AssertionError, match="tensor values differ"):  # stock's quirk
-        assert_tree_equal(finals["stock"], uninterrupted.final, "stock, twice lost")
-    if not equal(finals["ours"], uninterrupted.final):  # better than stock would do too
+        assert_tree_equal(finals["stock"], reference.final, "stock, twice lost")
+    if not equal(finals["ours"], reference.final):  # better than stock would do too
         assert_tree_equal(finals["ours"], finals["stock"], "twice lost, local tier against stock")
 
 
@@ -109,14 +122,14 @@ class SignalAtBatch(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_accumulation_a_preemption_mid_accumulation_resumes_as_stocks_save_on_exception(tmp_path):
+def test_accumulation_a_preemption_mid_accumulation_resumes_as_stocks_save_on_exception(tmp_path, uninterrupted):
     """SIGTERM at batch 9 (epoch 1's first batch: global step 3, mid-accumulation). The local tier saves step 3
     there, at that batch, and stops; stock with ``ModelCheckpoint(save_on_exception=True)`` saves at the same
     point (stock's default saves nothing then). A resume from either drops batch 9's gradients, so both end
     with other weights than an uninterrupted run, and the same ones. (Where the local tier's last save is the
     step already, as at batch 7, it stops without a new save and the resume is exact.)"""
     kw = dict(max_steps=6, accumulate_grad_batches=3)
-    uninterrupted = fit(tmp_path / "u", local=False, **kw)
+    reference = uninterrupted(**kw)
     first = fit(tmp_path / "ours", local=True, callbacks=(SignalAtBatch(9),), **kw)
     assert first.trainer.global_step == 3 and first.record.saves == [(2, 6), (3, 1)]
     ours = fit(tmp_path / "ours", local=True, ckpt_path="last", **kw)
@@ -128,8 +141,8 @@ def test_accumulation_a_preemption_mid_accumulation_resumes_as_stocks_save_on_ex
                  **kw)
     assert stock.record.start["batch_progress"]["current"]["ready"] == 1
     with pytest.raises(AssertionError, match="tensor values differ"):
-        assert_tree_equal(stock.final, uninterrupted.final, "stock, resumed from its save on the exception")
-    if not equal(ours.final, uninterrupted.final):  # better than stock would do too
+        assert_tree_equal(stock.final, reference.final, "stock, resumed from its save on the exception")
+    if not equal(ours.final, reference.final):  # better than stock would do too
         assert_tree_equal(ours.final, stock.final, "resumed from the emergency save, against stock's")
 
 
@@ -210,12 +223,12 @@ def test_after_a_resume_from_a_local_step_loading_trainer_ckpt_path_again_says_w
 # 4. max_steps ending at a local save step, then fit again with a higher max_steps ---------------------------
 
 @pytest.mark.parametrize("first_max_steps", [10, BATCHES], ids=["mid-epoch", "epoch-end"])
-def test_max_steps_ending_at_a_local_save_then_fit_again_further(tmp_path, first_max_steps):
+def test_max_steps_ending_at_a_local_save_then_fit_again_further(tmp_path, first_max_steps, uninterrupted):
     """``max_steps`` at a local save step (10: mid-epoch; 8: the epoch's last batch), no persistent tier: that
     step is complete in the local tier when ``fit`` returns, and a new Trainer with ``max_steps=16`` and
     ``ckpt_path="last"`` starts there and ends bit for bit as an uninterrupted 16-step run (stock, with its
     ``ModelCheckpoint(every_n_train_steps=2)`` file, does the same)."""
-    reference = fit(tmp_path / "u", local=False, max_steps=16, scheduler=True)
+    reference = uninterrupted(max_steps=16, scheduler=True)
     first = fit(tmp_path / "ours", local=True, max_steps=first_max_steps, scheduler=True)
     assert first.trainer.global_step == first_max_steps
     holder = tmp_path / "ours" / "local" / "asyncckpt-local" / "default" / "holder-0"
@@ -239,12 +252,9 @@ def test_pytorch_lightning_one_line_local_tier_resumes_mid_epoch_exactly(tmp_pat
     if not PL_PYTHON.exists():
         pytest.skip(f"{PL_PYTHON} is missing: `make test` builds it (the pytorch-lightning environment)")
     out = tmp_path / "out"
-    with launch([PL_PYTHON, job_script("pl_tier_cases_job.py"), "--out", str(out)], out, 100, cwd=tmp_path) as job:
+    with launch([*job_command("pl_tier_cases_job", PL_PYTHON), "--out", str(out)], out, 100, cwd=tmp_path) as job:
         job.wait()
-    path = out / "report.json"
-    assert path.exists(), f"no report; log:\n{(out / 'log.txt').read_text()[-4000:]}"
-    report = json.loads(path.read_text())
-    assert "crash" not in report, report["crash"]
+    (report,) = rank_reports(out, 1, lambda: (out / "log.txt").read_text()[-4000:])
     assert report["lightning_importable"] is False
     assert report["plugin"] == "AsyncCheckpointIO" and report["finalizers"] == 1
     assert report["local_saves"] == [2, 4, 6, 8, 10]
@@ -270,15 +280,13 @@ def test_ddp_spawn_resumes_from_the_newer_local_step(tmp_path, distribution):
     if not python.exists():
         pytest.skip(f"{python} is missing: `make test` builds it (the pytorch-lightning environment)")
     out = tmp_path / "out"
-    with launch([python, job_script("spawn_tier_job.py"), str(out)], out, 180, cwd=tmp_path) as job:
+    with launch([*job_command("spawn_tier_job", python), str(out)], out, 180, cwd=tmp_path) as job:
         job.wait()
     log = (out / "log.txt").read_text()
     starts = {}
-    for n in (1, 2):
-        for rank in (0, 1):
-            path = out / f"start-{n}-rank{rank}.json"
-            assert path.exists(), f"fit {n}, rank {rank} never started; log:\n{log[-4000:]}"
-            starts[n, rank] = json.loads(path.read_text())
+    for n in (1, 2):  # a fit's rank that never started wrote no report: the test fails with the log
+        for rank, report in enumerate(rank_reports(out, 2, lambda: log[-4000:], prefix=f"start-{n}-rank")):
+            starts[n, rank] = report
     assert starts[1, 0]["step"] == 0
     for rank in (0, 1):
         assert starts[2, rank]["step"] == 4, (starts, log[-4000:])

@@ -48,11 +48,12 @@ def test_writers_run_at_the_nice_value_given(tmp_path, worker, nice):
 def test_a_trainer_already_at_lower_priority_keeps_its_writers_there(tmp_path):
     """Nice only rises: writers of a trainer started with ``nice -n 15`` stay at 15, not 10."""
     code = (
-        "import os, sys, pathlib; os.nice(15); sys.path.insert(0, sys.argv[1]);"
-        "import test_worker_priority as t; print(t._written_at(pathlib.Path(sys.argv[2]), worker='persistent', worker_nice=10))"
+        "import os, sys, pathlib; os.nice(15);"
+        "import test_worker_priority as t; print(t._written_at(pathlib.Path(sys.argv[1]), worker='persistent', worker_nice=10))"
     )
-    out = subprocess.run([sys.executable, "-c", code, TESTS, str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = ast.literal_eval(out.stdout.strip().splitlines()[-1])  # the (pid, nice) pairs the child printed
     assert [n for _, n in seen] == [15, 15]

@@ -12,10 +12,10 @@ import time
 
 import lightning as L
 import torch
-from ddp_common import ddp_trainer, no_kill, own_children
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import FailOnRankFrom, SlowSteps, TinyModel, loader
+from jobs.ddp_common import ddp_trainer, no_kill, own_children
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
 
 

@@ -11,11 +11,11 @@ import os
 
 import lightning as L
 import torch
-from ddp_common import ddp_trainer, no_kill, own_children
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import HoldWriteAt, SnapshotRecorder, TinyModel, assert_tree_equal, clone_tree, loader
+from jobs.ddp_common import ddp_trainer, no_kill, own_children
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, testing
 
 

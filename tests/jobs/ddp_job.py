@@ -10,16 +10,8 @@ grows); what they share is in ``ddp_common.py``.
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
-
-import ddp_fault_cases  # noqa: E402
-import ddp_fit_cases  # noqa: E402
-import ddp_soak_case  # noqa: E402
-
-from processes import run_job  # noqa: E402
+from jobs import ddp_fault_cases, ddp_fit_cases, ddp_soak_case
+from processes import run_job
 
 CASES = {
     name[len("case_"):]: case

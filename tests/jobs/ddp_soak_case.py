@@ -9,10 +9,10 @@ import os
 
 import lightning as L
 import torch
-from ddp_common import ddp_trainer, own_children
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import TinyModel, loader
+from jobs.ddp_common import ddp_trainer, own_children
 from lightning_asyncckpt import AsyncCheckpointIO
 from processes import live_children
 

@@ -1,13 +1,13 @@
 """A one-process Fabric script that saves and leaves without any teardown, for tests/test_exit.py.
 
 ``--how end``: the script just ends after ``fabric.save``; ``--how raise``: it dies of an uncaught
-exception. Before leaving it writes ``<out>/report.json``: what it saved and its writers' PIDs.
+exception. Before leaving it writes its ``reports.RankReport`` to ``<out>/report.json``: what it saved and its
+writers' PIDs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import torch
 
 from lightning_asyncckpt import AsyncCheckpointIO, testing
 from lightning_asyncckpt.format import commit
+from reports import RankReport
 
 
 def main() -> None:
@@ -38,9 +39,8 @@ def main() -> None:
     expected = {k: v.tolist() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model.weight.add_(1.0)  # after save returned: must not reach the checkpoint
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump({"expected": expected, "pids": io.session.worker_pids(),
-                   "committed_at_return": commit.is_complete(Path(path))}, f)
+    seen = {"expected": expected, "pids": io.session.worker_pids(), "committed_at_return": commit.is_complete(Path(path))}
+    RankReport(rank=0, seen=seen).write(os.path.join(args.out, "report.json"))
     if args.how == "raise":
         raise RuntimeError("uncaught error after fabric.save")
 

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import psutil
+import torch
 
-import lightning as L  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
-
-from helpers import assert_tree_equal, clone_tree, run_fabric_case  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing  # noqa: E402
+from helpers import assert_tree_equal, clone_tree, run_fabric_case
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
 from lightning_asyncckpt.format import commit
-from processes import job_args, other_children  # noqa: E402
+from processes import job_args, other_children
 
 
 def _setup(fabric, width=64):

@@ -9,24 +9,21 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-
-from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, loader  # noqa: E402
-from lightning_asyncckpt import (  # noqa: E402
+from helpers import ShardedModel, SlowSteps, TinyModel, assert_tree_equal, loader
+from lightning_asyncckpt import (
     AsyncCheckpointIO,
     AsyncDDPStrategy,
     AsyncModelParallelStrategy,
     CheckpointWriteError,
     testing,
 )
-from processes import other_children, run_job  # noqa: E402
+from processes import other_children, run_job
 
 WIDTH = 64
 
@@ -44,10 +41,10 @@ def _model(kind):
 def _state(trainer, pl_module, kind):
     """(all ranks) The full model and optimizer state, as a checkpoint must hold it."""
     if kind == "mp":
-        from mp_job import full_state
+        from jobs.mp_job import full_state
 
         return full_state(trainer, pl_module)
-    from mp_job import _sorted
+    from jobs.mp_job import _sorted
 
     return _sorted({"state_dict": dict(pl_module.state_dict()),
                     "optimizer_0": {"state": trainer.optimizers[0].state_dict()["state"]}})
@@ -55,10 +52,10 @@ def _state(trainer, pl_module, kind):
 
 def _read(path, kind, out):
     if kind == "mp":
-        from mp_job import read_with_dcp
+        from jobs.mp_job import read_with_dcp
 
         return read_with_dcp(path, out)
-    from mp_job import _sorted
+    from jobs.mp_job import _sorted
 
     got = AsyncCheckpointIO().load_checkpoint(path, weights_only=False)
     return _sorted({"state_dict": dict(got["state_dict"]), "optimizer_0": {"state": got["optimizer_states"][0]["state"]}})
@@ -79,7 +76,7 @@ class StartStep(L.Callback):
 
 
 def _children():
-    return [line for _, line in other_children(lambda pid, line: "fault_job.py" in line)]
+    return [line for _, line in other_children(lambda pid, line: "jobs.fault_job" in line)]
 
 
 def _faults(item):
@@ -144,7 +141,7 @@ def run_all(args, report):
 
 
 def main():
-    run_job(run_all, extra=("--faults",), report={"cases": {}})
+    run_job(run_all, extra=("--faults",), seen={"cases": {}})
 
 
 if __name__ == "__main__":

@@ -7,23 +7,20 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
-
-from helpers import FailOnRankFrom, ShardedModel, assert_tree_equal, clone_tree, loader  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
+from helpers import FailOnRankFrom, ShardedModel, assert_tree_equal, clone_tree, loader
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing
 from lightning_asyncckpt.format import commit
-from lightning_asyncckpt.integration.io import META_FILE  # noqa: E402
-from processes import other_children, run_job  # noqa: E402
+from lightning_asyncckpt.integration.io import META_FILE
+from processes import other_children, run_job
 
 WIDTH = 64
 DATA = dict(width=WIDTH, n=64, batch_size=4)  # 8 steps per epoch per rank on 2 ranks
@@ -126,7 +123,7 @@ def _trainer(args, strategy, callbacks, devices=2, plugins=(), **kw):
 
 def _own_children():
     """Child processes other than the ranks (a process that is already exiting gets a moment to go)."""
-    return other_children(lambda pid, line: "mp_job.py" in line)
+    return other_children(lambda pid, line: "jobs.mp_job" in line)
 
 
 def _resume(args, strategy, ckpt_path, max_steps, callbacks=(), plugins=()):

@@ -4,23 +4,20 @@
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from mp_job import FullStateRecorder, _trainer, failing_fit, read_with_dcp  # noqa: E402
-
-from helpers import HoldWriteAt, ShardedModel, assert_tree_equal, loader  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing  # noqa: E402
-from processes import other_children, run_job  # noqa: E402
+from helpers import HoldWriteAt, ShardedModel, assert_tree_equal, loader
+from jobs.mp_job import FullStateRecorder, _trainer, failing_fit, read_with_dcp
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing
+from processes import other_children, run_job
 
 
 def _own_children():
     """Child processes other than the ranks (the writers must be gone after fit)."""
-    return other_children(lambda pid, line: "mp_lazy_job.py" in line)
+    return other_children(lambda pid, line: "jobs.mp_lazy_job" in line)
 
 
 LAZY_WIDTH = 256  # a 256x256 weight's local shard on 2 ranks is 128 KiB: above the lazy threshold

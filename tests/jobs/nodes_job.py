@@ -14,27 +14,24 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from nodes import node_job_args, run_and_report
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from mp_job import _sorted, full_state, read_with_dcp  # noqa: E402
-from nodes import node_job_args, run_and_report  # noqa: E402
-
-from helpers import ShardedModel, TinyModel, assert_tree_equal, loader  # noqa: E402
-from lightning_asyncckpt import (  # noqa: E402
+from helpers import ShardedModel, TinyModel, assert_tree_equal, loader
+from jobs.mp_job import _sorted, full_state, read_with_dcp
+from lightning_asyncckpt import (
     AsyncCheckpointIO,
     AsyncDDPStrategy,
     AsyncModelParallelStrategy,
     CheckpointWriteError,
     testing,
 )
-from processes import STACKS_AFTER_VAR, STACKS_PREFIX  # noqa: E402
+from processes import STACKS_AFTER_VAR, STACKS_PREFIX
 
 WIDTH = 64
 DATA = dict(width=WIDTH, n=128, batch_size=4)  # 8 steps per epoch on 4 data-parallel ranks

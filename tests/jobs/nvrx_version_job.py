@@ -1,24 +1,29 @@
 """Run with a newer nvidia-resiliency-ext first on PYTHONPATH (see scripts/nvrx_versions.sh): saves and
-loads with both workers, then a real ENOSPC through that version's writer. Prints one JSON line."""
+loads with both workers, then a real ENOSPC through that version's writer. Writes its ``reports.RankReport``
+to ``<out>/rank0.json``. Its test starts it with ``PYTHONWARNINGS=ignore``: that release's import-time
+warnings stay out of its log."""
 
 import json
 import sys
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
+import torch
 
-import torch  # noqa: E402
-
-from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError  # noqa: E402
-from lightning_asyncckpt.engines.base import engine_version  # noqa: E402
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError
+from lightning_asyncckpt.engines.base import engine_version
+from reports import RankReport, report_path, reported
 
 
 def main() -> None:
     out, full = Path(sys.argv[1]), (Path(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] else None)
+    reported(0, report_path(out, 0), lambda report: run(out, full, report))
+
+
+def run(out: Path, full: Path | None, report: RankReport) -> None:
     import nvidia_resiliency_ext
 
-    report = {"version": engine_version("nvidia-resiliency-ext"), "module": nvidia_resiliency_ext.__file__}
+    report["version"] = engine_version("nvidia-resiliency-ext")
+    report["module"] = nvidia_resiliency_ext.__file__
     for worker in ("fork", "persistent"):
         # format="dcp": the directory layout goes through this release's own DCP writer (write_preloaded_data)
         io = AsyncCheckpointIO("nvrx", worker=worker, thread_count=2, timeout_s=120, format="dcp")
@@ -43,7 +48,6 @@ def main() -> None:
             io.teardown()
         info = json.loads((out / worker / ".asyncckpt.json").read_text())
         report[worker] = {"exact": exact, "enospc_errno": raised, "engine_version": info["engine_version"]}
-    print("RESULT " + json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

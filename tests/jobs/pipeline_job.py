@@ -4,20 +4,17 @@ cross-rank protocol's edge cases in tests/test_pipeline.py. Each rank writes <ou
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-
-from helpers import run_fabric_case  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing  # noqa: E402
-from lightning_asyncckpt.faults.injected import EnvironmentFaults  # noqa: E402
-from lightning_asyncckpt.faults.policy import SaveFaults  # noqa: E402
+from helpers import run_fabric_case
+from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
+from lightning_asyncckpt.faults.injected import EnvironmentFaults
+from lightning_asyncckpt.faults.policy import SaveFaults
 from lightning_asyncckpt.format import commit
-from processes import job_args  # noqa: E402
+from processes import job_args
 
 
 def _state(value: float) -> dict:

@@ -6,8 +6,8 @@ runs, the loop waiting before each optimizer step), the model and optimizer then
 ``FabricTiers.resume`` loads each rank's shards of step 6 back, bit for bit.
 
 Run by ``tests/test_tiers_fabric.py`` in ``.venv`` and ``.venv-pl``; imports nothing of the test helpers (they
-import ``lightning``). Fabric's launcher runs this script again for rank 1. Each rank writes
-``<out>/report-rank<r>.json``.
+import ``lightning``). Fabric's launcher runs this script again for rank 1. Each rank writes its
+``reports.RankReport`` to ``<out>/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from pl_report import report_main
+from reports import RankReport, run_reported
 
 
 def main() -> None:
     snapshot, layout = os.environ.get("JOB_SNAPSHOT", "eager"), os.environ.get("JOB_LAYOUT", "fsdp2")
-    report_main(lambda out, report: run(out, report, snapshot, layout),
-                lambda: f"report-rank{os.environ.get('LOCAL_RANK', '0')}.json")
+    run_reported(lambda args, report: run(args.out, report, snapshot, layout))
 
 
 def _fsdp2(model, mesh):
@@ -49,7 +48,7 @@ def _local(state) -> list:
     return model + moments
 
 
-def run(out: str, report: dict, snapshot: str, layout: str) -> None:
+def run(out: str, report: RankReport, snapshot: str, layout: str) -> None:
     report["lightning_importable"] = importlib.util.find_spec("lightning") is not None
     import torch
 

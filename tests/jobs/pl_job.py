@@ -2,34 +2,23 @@
 (``pip install pytorch-lightning``: ``pytorch_lightning`` and ``lightning_fabric``, no ``lightning``).
 
 Runs in the environment ``make test`` builds for it (``.venv-pl``); imports nothing of the test helpers,
-which import ``lightning``. Writes ``<out>/rank<r>.json``.
+which import ``lightning``. Writes its ``reports.RankReport`` to ``<out>/rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import traceback
+
+from reports import RankReport, run_reported
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=["quickstart", "ddp", "async_ddp", "fabric", "local", "fabric_local"], required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    report: dict = {"rank": rank}
-    try:
-        run(args, report)
-    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-        report["crash"] = traceback.format_exc()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
+    run_reported(run, ["quickstart", "ddp", "async_ddp", "fabric", "local", "fabric_local"])
 
 
-def run(args: argparse.Namespace, report: dict) -> None:
+def run(args: argparse.Namespace, report: RankReport) -> None:
     report["lightning_importable"] = importlib.util.find_spec("lightning") is not None
     import pytorch_lightning as pl
     import torch
@@ -102,7 +91,7 @@ def run(args: argparse.Namespace, report: dict) -> None:
         report["files_after_resume"] = sorted(os.listdir(ckpt_dir))
 
 
-def local_case(args: argparse.Namespace, report: dict, model_class: type, data) -> None:
+def local_case(args: argparse.Namespace, report: RankReport, model_class: type, data) -> None:
     """The local tier under ``pytorch_lightning``: local saves every 2 steps, persistent ones every 8; after 10
     steps a new Trainer with ``ckpt_path="last"`` resumes at local step 10, bit for bit, not at 8."""
     import pytorch_lightning as pl
@@ -145,7 +134,7 @@ def torch_equal(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a, b)
 
 
-def fabric_case(args: argparse.Namespace, report: dict) -> None:
+def fabric_case(args: argparse.Namespace, report: RankReport) -> None:
     """``lightning_fabric.Fabric`` with the plugin: save, finalize, load back exactly (one process)."""
     import torch
     from lightning_fabric import Fabric
@@ -168,7 +157,7 @@ def fabric_case(args: argparse.Namespace, report: dict) -> None:
         torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True))
 
 
-def fabric_local_case(args: argparse.Namespace, report: dict) -> None:
+def fabric_local_case(args: argparse.Namespace, report: RankReport) -> None:
     """``FabricTiers`` on ``lightning_fabric.Fabric``: local saves every 2 steps; a second loop resumes at step
     10 with its model and optimizer state exactly."""
     import torch

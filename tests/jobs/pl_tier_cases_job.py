@@ -4,7 +4,7 @@ step 11 (mid-epoch), the next Trainer resumes with ``ckpt_path="last"`` from loc
 uninterrupted run and with stock's resume from ``ModelCheckpoint(every_n_train_steps=2)``'s file.
 
 Runs in ``.venv-pl`` (``tests/test_tiers_trainer_cases.py``); imports nothing of the test helpers, which import
-``lightning``. Writes ``<out>/report.json``.
+``lightning``. Writes its ``reports.RankReport`` to ``<out>/rank0.json``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from pl_report import report_main
+from reports import RankReport, run_reported
 
 
 def main() -> None:
-    report_main(run)
+    run_reported(lambda args, report: run(args.out, report))
 
 
-def run(out: str, report: dict) -> None:
+def run(out: str, report: RankReport) -> None:
     report["lightning_importable"] = importlib.util.find_spec("lightning") is not None
     import pytorch_lightning as pl
     import torch

@@ -15,20 +15,17 @@ import dataclasses
 import logging
 import os
 import pickle
-import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
-
-from helpers import assert_tree_equal, clone_tree  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO  # noqa: E402
-from lightning_asyncckpt.format import commit  # noqa: E402
-from lightning_asyncckpt.pipeline import dcp_plan, plan_cache  # noqa: E402
-from processes import run_job  # noqa: E402
+from helpers import assert_tree_equal, clone_tree
+from lightning_asyncckpt import AsyncCheckpointIO
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.pipeline import dcp_plan, plan_cache
+from processes import run_job
 
 WORLD = 2
 

@@ -1,12 +1,12 @@
 """The local tier under ``strategy="ddp_spawn"`` (2 CPU ranks): Lightning pickles the trainer, its plugin and
 callbacks into processes it spawns, where nothing of this package's ``__init__`` runs again. A first fit saves
 locally every 2 steps (to step 4) and persistently at step 3; a second fit with ``ckpt_path="last"`` must
-resume from local step 4, the newer. Each rank of each fit writes ``<out>/start-<fit>-rank<r>.json``. Imports
+resume from local step 4, the newer. Each rank of each fit writes a ``reports.RankReport`` to
+``<out>/start-<fit>-rank<r>.json``. Imports
 nothing of the test helpers (they import ``lightning``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -20,6 +20,7 @@ except ImportError:
     from pytorch_lightning.demos.boring_classes import BoringModel
 
 from lightning_asyncckpt import AsyncCheckpointIO, LocalTier
+from reports import RankReport, report_path
 
 
 class Start(L.Callback):
@@ -27,9 +28,9 @@ class Start(L.Callback):
         self.out, self.fit = out, fit
 
     def on_train_start(self, trainer, pl_module) -> None:
-        path = os.path.join(self.out, f"start-{self.fit}-rank{trainer.global_rank}.json")
-        with open(path, "w") as f:
-            json.dump({"step": trainer.global_step, "ckpt_path": str(trainer.ckpt_path)}, f)
+        rank = trainer.global_rank
+        seen = {"step": trainer.global_step, "ckpt_path": str(trainer.ckpt_path)}
+        RankReport(rank=rank, seen=seen).write(report_path(self.out, rank, f"start-{self.fit}-rank"))
 
 
 def fit(out: str, n: int, max_steps: int, ckpt_path: str | None = None) -> None:

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
+from nodes import node_job_args, run_and_report
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from nodes import node_job_args, run_and_report  # noqa: E402
-
-from helpers import assert_tree_equal  # noqa: E402
-from lightning_asyncckpt import AsyncCheckpointIO, FabricTiers, LocalTier  # noqa: E402
+from helpers import assert_tree_equal
+from lightning_asyncckpt import AsyncCheckpointIO, FabricTiers, LocalTier
 
 
 def _state_of(state):

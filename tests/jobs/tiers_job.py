@@ -16,20 +16,17 @@ Cases:
 from __future__ import annotations
 
 import os
-import sys
 import time
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from nodes import node_job_args, run_and_report
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from nodes import node_job_args, run_and_report  # noqa: E402
-from nodes_job import WIDTH, Recorder, TPModel  # noqa: E402
-
-from helpers import ShardedModel, TinyModel, assert_tree_equal, loader  # noqa: E402
-from lightning_asyncckpt import (  # noqa: E402
+from helpers import ShardedModel, TinyModel, assert_tree_equal, loader
+from jobs.nodes_job import WIDTH, Recorder, TPModel
+from lightning_asyncckpt import (
     AsyncCheckpointIO,
     AsyncDDPStrategy,
     AsyncFinalizerCallback,
