@@ -42,8 +42,8 @@ from lightning_asyncckpt.format.zip_records import (
 )
 
 __all__ = ["ArchiveError", "CorruptCheckpointError", "ZipCheck", "check_directory", "check_file", "check_items",
-           "check_path", "crc32", "decode", "first_line", "open_regular", "scan_torch_zip", "shard_path",
-           "side_file_problems"]
+           "check_path", "crc32", "decode", "first_line", "open_regular", "payload_problem", "scan_torch_zip",
+           "shard_path", "side_file_problems"]
 
 META_FILE = "meta.pt"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -126,16 +126,24 @@ def _item_problem(path: Path, storage: Any, raw: memoryview, check: ItemsCheck, 
     if getattr(storage, "transform_descriptors", None) and need > BITS_PER_BYTE * len(data):  # others: `length`
         return (f"holds {len(data)} bytes, fewer than its tensor chunk's {need} elements at one bit each: refused "
                 "before anything is allocated")
-    if bytes(data[:4]) != ZIP_MAGIC:  # DCP's planner writes tensors and objects alike with torch.save
-        return "corrupt (not a torch.save payload: no zip header)"
+    problem, checked = payload_problem(data, crc)
+    check.crc_checked += checked
+    return problem
+
+
+def payload_problem(data: bytes | memoryview, crc: bool = True) -> tuple[str | None, bool]:
+    """(what is wrong with one DCP item's bytes, after its storage transforms, or None; whether a CRC32 was
+    checked): it must be a ``torch.save`` archive (DCP's planner writes tensors and objects alike with
+    ``torch.save``) and, with ``crc``, its records must match their sizes and CRC32."""
+    if bytes(data[:4]) != ZIP_MAGIC:
+        return "corrupt (not a torch.save payload: no zip header)", False
     if not crc:
-        return None
+        return None, False
     try:
         scan = scan_torch_zip(data)
     except ArchiveError as e:
-        return f"corrupt: {e}"
-    check.crc_checked += scan.crc_checked > 0
-    return f"corrupt: {scan.bad[0]}" if scan.bad else None
+        return f"corrupt: {e}", False
+    return (f"corrupt: {scan.bad[0]}" if scan.bad else None), scan.crc_checked > 0
 
 
 def check_items(path: Path, metadata: Any, crc: bool = True,
@@ -250,10 +258,14 @@ def _layout(path: Path) -> str | None:
     return info.get("layout") if info is not None else None
 
 
-def check_directory(path: Path, metadata: Any, crc: bool = True) -> None:
+def check_directory(path: Path, metadata: Any, crc: bool = True, item_crc: bool | None = None) -> None:
     """(any rank, before a DCP directory is loaded) :func:`check_items` and :func:`side_file_problems`; raises
-    :class:`CorruptCheckpointError` naming the file and the item (and how many more problems there are)."""
-    problems = check_items(path, metadata, crc).problems + side_file_problems(path, crc)
+    :class:`CorruptCheckpointError` naming the file and the item (and how many more problems there are).
+    ``item_crc`` (default: ``crc``) False leaves the items' CRC32 to the reader that loads them
+    (:class:`~lightning_asyncckpt.format.dcp_reader.CheckedReader`: each rank checks the bytes it reads, once);
+    the paths, sizes and headers of every item are checked here all the same, before anything is read."""
+    item_crc = crc if item_crc is None else item_crc
+    problems = check_items(path, metadata, item_crc).problems + side_file_problems(path, crc)
     if problems:
         more = f" (and {len(problems) - 1} more problems: `lightning-asyncckpt verify {path}` lists them)" \
             if len(problems) > 1 else ""

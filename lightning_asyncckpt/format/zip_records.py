@@ -52,7 +52,7 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-class _View(io.RawIOBase):
+class MemoryFile(io.RawIOBase):
     """A seekable file over bytes in memory (a memory map's), without copying them."""
 
     def __init__(self, view: memoryview) -> None:
@@ -101,9 +101,9 @@ def scan_torch_zip(data: bytes | memoryview | BinaryIO) -> ZipCheck:
     size and CRC32 of the archive's central directory. Raises :class:`ArchiveError` if the archive cannot be
     opened; ``OSError`` if the file cannot be read."""
     if isinstance(data, (bytes, bytearray, memoryview)):
-        return _scan(_View(memoryview(data)), memoryview(data))
+        return _scan(MemoryFile(memoryview(data)), memoryview(data))
     with mapped(data) as view:
-        return _scan(_View(view), view) if view is not None else _scan(data, None)
+        return _scan(MemoryFile(view), view) if view is not None else _scan(data, None)
 
 
 def _scan(f: Any, view: memoryview | None) -> ZipCheck:

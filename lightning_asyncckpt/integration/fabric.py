@@ -8,6 +8,7 @@ stock layout. (For Fabric's DDP strategy, pass ``AsyncCheckpointIO`` in ``plugin
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch.nn import Module
@@ -15,7 +16,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_asyncckpt.format import integrity, paths
-from lightning_asyncckpt.integration import lightning_api, tier_fabric_load
+from lightning_asyncckpt.integration import lightning_api, loading, tier_fabric_load
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO
 from lightning_asyncckpt.integration.lightning_api import FabricModelParallelStrategy as ModelParallelStrategy
@@ -96,8 +97,11 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
         step = restore_key.step_of(path)
         if step is not None:  # a local step's key loaded again: it is not a file
             raise restore_key.not_held(path, step)
+        path = self.broadcast(path)
+        if isinstance(state, dict) and loading.is_sharded(path):  # each rank checks the items it reads, once
+            return loading.load_sharded(Path(path), state, strict, weights_only, io.verify_on_load)
         # paths inside the checkpoint, regular files, CRC32 (io.verify_on_load), before Fabric's reader reads
-        integrity.check_path(self.broadcast(path), crc=io.verify_on_load, allow_pickle=weights_only is False)
+        integrity.check_path(path, crc=io.verify_on_load, allow_pickle=weights_only is False)
         return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 

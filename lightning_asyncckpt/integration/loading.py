@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning_asyncckpt.format import commit, integrity, remote
 from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.lightning_api import TorchCheckpointIO
 from lightning_asyncckpt.integration.map_location import for_file as map_location_for_file
 
@@ -48,3 +49,66 @@ def load(path: Path | str, map_location: Any | None = None, weights_only: bool |
     if not commit.is_committed(path):
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {commit.METADATA_FILE}).")
     return dcp_format.load(path, map_location=map_location, weights_only=weights_only, verify=verify)
+
+
+def is_sharded(path: Any) -> bool:
+    """Whether ``path`` is a local, committed sharded checkpoint directory (Lightning's layout: ``meta.pt``)."""
+    if not isinstance(path, (str, Path)) or remote.is_remote(path):
+        return False
+    return Path(path).is_dir() and commit.is_committed(Path(path)) and (Path(path) / dcp_format.META_FILE).is_file()
+
+
+def load_sharded(path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None, verify: bool,
+                 metadata: Any | None = None) -> dict[str, Any]:
+    """(all ranks, together: DCP's ``load`` is collective) Lightning's and Fabric's load of a sharded checkpoint
+    directory (``ModelParallelStrategy``'s, its sharded branch, unchanged in effect), with every rank's items
+    read through :class:`~lightning_asyncckpt.format.dcp_reader.CheckedReader`: each rank checks the CRC32 of
+    exactly the items it loads, as it reads them (once). A bad item raises ``CorruptCheckpointError`` naming
+    the file and the item on every rank (DCP gathers each rank's failure).
+
+    Args:
+        path: the committed checkpoint directory, local, the same on every rank.
+        state: the Fabric-style state: one distributed model, its optimizers, other values to fill in.
+        strict: as the stock load's ``strict``.
+        weights_only: as ``torch.load``'s, for ``.metadata`` (DCP's types only unless ``False``) and ``meta.pt``.
+        verify: ``AsyncCheckpointIO.verify_on_load``: the CRC32 of the items, skeleton and ``meta.pt``.
+        metadata: ``.metadata``, if the caller read it already.
+
+    Returns:
+        what the stock load returns: the values of ``meta.pt`` that ``state`` did not ask for.
+    """
+    import torch
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.optim import Optimizer
+
+    from lightning_asyncckpt.format.metadata import read_metadata
+
+    model_parallel = lightning_api.fabric_module("strategies.model_parallel")
+    if metadata is None:
+        metadata = read_metadata(path, allow_pickle=weights_only is False, hint=dcp_format.PICKLE_HINT)
+    integrity.check_directory(path, metadata, crc=verify, item_crc=False)  # paths, sizes, meta.pt: before reads
+    modules = {k: m for k, m in state.items() if model_parallel._has_dtensor_modules(m)}
+    if len(modules) != 1:  # the stock load says what is wrong
+        return model_parallel._load_checkpoint(path=path, state=state, strict=strict, weights_only=weights_only)
+    optimizers = {k: o for k, o in state.items() if isinstance(o, Optimizer)}
+    (module_key, module), = modules.items()
+    module_state = {module_key: get_model_state_dict(module)}
+    dcp_format.read_into(path, metadata, module_state, verify)
+    module.load_state_dict(module_state[module_key], strict=strict)
+    for key, optimizer in optimizers.items():  # the optimizer states are loaded separately, as stock does
+        optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp_format.read_into(path, metadata, optimizer_state, verify)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key],
+                                 options=StateDictOptions(cpu_offload=True))
+    meta = torch.load(path / dcp_format.META_FILE, weights_only=weights_only)
+    requested = state.keys() - modules.keys() - optimizers.keys()
+    model_parallel._validate_keys_for_strict_loading(requested, meta.keys(), strict=strict)
+    for key in requested:
+        if key in meta:
+            state[key] = meta.pop(key)
+    return meta

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_asyncckpt.format import commit, integrity, metadata, paths, remote
 from lightning_asyncckpt.format import dcp as dcp_format
-from lightning_asyncckpt.integration import autoattach, lightning_api
+from lightning_asyncckpt.integration import autoattach, lightning_api, loading
 from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
 from lightning_asyncckpt.integration.contract import StrategyCapabilities
 from lightning_asyncckpt.integration.io import META_FILE, AsyncCheckpointIO, find_async_io
@@ -196,7 +196,10 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
             md = metadata.read_metadata(path, allow_pickle=weights_only is False)
             if not (path / META_FILE).is_file():
                 return self._load_full(io, path, weights_only)  # a full checkpoint written by AsyncCheckpointIO
-            integrity.check_directory(path, md, crc=io.verify_on_load)  # paths, sizes, CRC32, before stock reads
+            assert self.lightning_module is not None  # each rank checks the CRC32 of the items it reads, once
+            state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
+            return loading.load_sharded(path, state, self.lightning_module.strict_loading, weights_only,
+                                        io.verify_on_load, md)
         elif path.exists() and not path.is_dir():
             integrity.check_file(path, crc=io.verify_on_load)
         return self._load_stock(path, weights_only)

@@ -33,8 +33,8 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
     the dict is items too, so that the plain DCP view is the checkpoint dict and nothing else; each part
     without tensors (``loops``, ``callbacks``, hyper-parameters, ``param_groups``) is one item, not one per
     leaf, since every item costs a ``torch.save`` frame and a ``.metadata`` entry. The paths cover every
-    rank's tensors. A wrapper subclass (torchao's optimizer states) is its inner tensors here, one item each
-    (``<key>.codes``, ...); the skeleton beside them rebuilds it."""
+    rank's tensors. A wrapper subclass (torchao's optimizer states) is one item, as in stock's DCP save: the
+    wrapper rebuilt around its staged inner tensors; the reader splits it for the skeleton beside them."""
     items: dict[str, Any] = dict(tensors)
     paths: dict[str, tuple] = {}
     names = tree.FqnNamer()
@@ -46,9 +46,11 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
         return any(has_tensor(v) for v in values)
 
     def visit(obj: Any, path: tuple) -> None:
-        if subclasses.is_wrapper(obj):  # its inner tensors are the items, as staging.split names them
-            for n in subclasses.inner_names(obj):
-                visit(getattr(obj, n), (*path, n))
+        if subclasses.is_wrapper(obj):  # one item, as stock's DCP save writes it, around the staged inner tensors
+            whole, inner = names(path), {n: names((*path, n)) for n in subclasses.inner_names(obj)}
+            if all(name in tensors for name in inner.values()):  # this rank's (tree.share keeps them together)
+                items[whole] = subclasses.rebuild(obj, {n: items.pop(name) for n, name in inner.items()})
+            paths[whole] = path
         elif isinstance(obj, torch.Tensor) and tree.stageable(obj):
             paths[names(path)] = path
         elif isinstance(obj, (dict, list, tuple)) and has_tensor(obj):

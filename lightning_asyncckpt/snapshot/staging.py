@@ -21,7 +21,16 @@ import torch
 
 from lightning_asyncckpt.snapshot import subclasses
 from lightning_asyncckpt.snapshot.buffer_pool import BufferPool, Lease
-from lightning_asyncckpt.snapshot.tree import SKELETON_KEY, FqnNamer, join, partition, share, split, walk
+from lightning_asyncckpt.snapshot.tree import (
+    SKELETON_KEY,
+    FqnNamer,
+    join,
+    partition,
+    share,
+    split,
+    walk,
+    wrapper_of,
+)
 
 __all__ = ["SKELETON_KEY", "Deferred", "Snapshot", "Stager", "dequantized", "is_quantized", "join", "partition", "split"]
 
@@ -171,7 +180,7 @@ class Stager:
         """Allocates (and faults in) the buffers that a snapshot of a checkpoint like this one needs, so
         that the first save costs what later ones do. Returns the bytes prepared."""
         _, tensors = split(checkpoint)
-        tensors = share(tensors, rank, world_size)
+        tensors = share(tensors, rank, world_size, wrapper_of(checkpoint) if world_size > 1 else None)
         bs = self._pool.acquire()
         nbytes = 0
         for name, t in tensors.items():
@@ -273,7 +282,7 @@ class Stager:
         time as private copies (no version to watch: they are ours).
         """
         skeleton, tensors = split(checkpoint, objects)
-        tensors = share(tensors, rank, world_size)
+        tensors = share(tensors, rank, world_size, wrapper_of(checkpoint, objects) if world_size > 1 else None)
         bs = self._pool.acquire(after=after if defer is not None else None)
         staged: dict[str, torch.Tensor] = {}
         deferred: list[Deferred] = []

@@ -111,23 +111,49 @@ def join(skeleton: Any, tensors: dict[str, torch.Tensor], objects: bool = False)
     return walk(skeleton, (), put, objects)
 
 
-def partition(tensors: dict[str, torch.Tensor], world_size: int) -> list[set[str]]:
-    """Assigns each tensor to one rank so that every rank writes about the same number of bytes.
+def wrapper_of(checkpoint: Any, objects: bool = False) -> dict[str, tuple]:
+    """The name (as :func:`split` gives it) of each inner tensor of a wrapper subclass, mapped to the path of
+    the outermost wrapper that holds it: the one item a DCP save writes for them all, as stock's does."""
+    out: dict[str, tuple] = {}
+    namer = FqnNamer()
+
+    def note(path: tuple, t: torch.Tensor) -> torch.Tensor:
+        name, node = namer(path), checkpoint
+        for i, key in enumerate(path[:-1]):
+            node = getattr(node, key) if isinstance(node, torch.Tensor) or not isinstance(node, (dict, list, tuple)) \
+                else node[key]
+            if subclasses.is_wrapper(node):
+                out[name] = path[:i + 1]
+                break
+        return t
+
+    walk(checkpoint, (), note, objects)
+    return out
+
+
+def partition(tensors: dict[str, torch.Tensor], world_size: int, groups: dict[str, tuple] | None = None) -> list[set[str]]:
+    """Assigns each tensor to one rank so that every rank writes about the same number of bytes; the tensors of
+    one group (``groups``: the inner tensors of one wrapper subclass, :func:`wrapper_of`) to the same rank.
 
     Deterministic: every rank computes the same assignment from the same (replicated) state.
     """
+    units: dict[Any, list[str]] = {}
+    for name in tensors:
+        units.setdefault(groups.get(name, name) if groups else name, []).append(name)
+    sizes = {unit: sum(tensors[n].numel() * tensors[n].element_size() for n in names) for unit, names in units.items()}
     loads = [0] * world_size
     parts: list[set[str]] = [set() for _ in range(world_size)]
-    for name, t in sorted(tensors.items(), key=lambda kv: (-kv[1].numel() * kv[1].element_size(), kv[0])):
+    for unit in sorted(units, key=lambda u: (-sizes[u], str(u))):
         r = min(range(world_size), key=lambda i: (loads[i], i))
-        parts[r].add(name)
-        loads[r] += t.numel() * t.element_size()
+        parts[r].update(units[unit])
+        loads[r] += sizes[unit]
     return parts
 
 
-def share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """This rank's share of replicated tensors (all of them on one rank)."""
+def share(tensors: dict[str, torch.Tensor], rank: int, world_size: int,
+          groups: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's share of replicated tensors (all of them on one rank); see :func:`partition`."""
     if world_size <= 1:
         return tensors
-    mine = partition(tensors, world_size)[rank]
+    mine = partition(tensors, world_size, groups)[rank]
     return {k: v for k, v in tensors.items() if k in mine}

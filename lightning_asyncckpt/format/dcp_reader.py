@@ -1,0 +1,180 @@
+"""Reading a DCP directory's items once, checking each as it is read: :class:`CheckedReader`, DCP's
+``FileSystemReader`` for every load of a DCP directory through this package (``format="dcp"`` checkpoints,
+sharded ones on every rank, Lightning's and Fabric's).
+
+Each rank reads the items its load plan names, and only those: through a memory map of their file (opened as a
+regular file inside the checkpoint, no link followed: :func:`~lightning_asyncckpt.format.integrity.shard_path`),
+it checks the item's zip records against their CRC32 in the mapped bytes, and then loads the tensor from those
+same bytes (``torch.load``'s own ``mmap`` path: the storages are views of the map, copied once into the state's
+tensors). No byte is read twice, and no rank reads another rank's items: a sharded load on W ranks reads the
+shared storage once, not W times. A bad item raises :class:`CorruptCheckpointError` naming the file and the item
+on the rank that read it; DCP's ``load`` gathers every rank's failure, so every rank raises (see :func:`failure`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import mmap
+import os
+import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from lightning_asyncckpt.format import integrity
+from lightning_asyncckpt.format.regular_files import CorruptCheckpointError, open_regular
+from lightning_asyncckpt.format.zip_records import MemoryFile, first_line
+
+
+class CheckedReader(FileSystemReader):
+    """DCP's reader for the checkpoint directory ``path``, given its ``metadata`` (read with the restricted
+    unpickler of :mod:`~lightning_asyncckpt.format.metadata`: DCP's own reader would unpickle ``.metadata``
+    without restriction), checking each item's CRC32 (``verify``) in the bytes it then loads."""
+
+    def __init__(self, path: Path, metadata: Metadata, verify: bool = True) -> None:
+        super().__init__(str(path))
+        self.root, self.verify = Path(path), verify
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if hasattr(self._metadata, "storage_meta") and hasattr(self, "load_id"):  # as FileSystemReader does
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if self._metadata.storage_meta is None:
+                self._metadata.storage_meta = StorageMeta()
+            self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """(each rank, inside DCP's ``load``) Reads, checks and loads the items of this rank's ``plan``, file by
+        file in the order of their offsets."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for rel, items in per_file.items():
+            self._read_file(rel, sorted(items, key=lambda i: self.storage_data[i.storage_index].offset), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, rel: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        shard = integrity.shard_path(self.root, rel)
+        checked: set[MetadataIndex] = set()  # an item that several requests narrow is checked once
+        with open_regular(shard, follow=False) as f, _mapped(f) as view:
+            size = os.fstat(f.fileno()).st_size
+            for item in items:
+                storage = self.storage_data[item.storage_index]
+                where = f"{shard}: item {item.storage_index.fqn!r}"
+                end = storage.offset + storage.length
+                if end > size:
+                    raise CorruptCheckpointError(f"{where}: truncated (needs bytes {storage.offset}..{end}, "
+                                                 f"the file has {size})")
+                raw = view[storage.offset:end] if view is not None else _pread(f, storage.offset, storage.length)
+                try:
+                    data = integrity.decode(self.root, storage, raw)
+                except Exception as e:  # noqa: BLE001 - any error of a damaged transform's input
+                    raise CorruptCheckpointError(f"{where}: cannot undo the storage transforms "
+                                                 f"{storage.transform_descriptors} ({first_line(e)})") from None
+                if self.verify and item.storage_index not in checked:
+                    problem, _ = integrity.payload_problem(data)
+                    if problem is not None:
+                        raise CorruptCheckpointError(f"{where}: {problem}")
+                    checked.add(item.storage_index)
+                try:
+                    self._load_item(item, data, planner)
+                except (CorruptCheckpointError, pickle.UnpicklingError):
+                    raise
+                except Exception as e:  # torch's errors do not say which file
+                    raise CorruptCheckpointError(f"{where}: cannot be read ({first_line(e)})") from e
+                del raw, data
+
+    @staticmethod
+    def _load_item(item: ReadItem, data: memoryview | bytes, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(bytes(data)))
+            return
+        tensor = _load_tensor(data)
+        keep = getattr(planner, "keep_whole", None)  # a wrapper subclass (torchao's states) kept as it was saved
+        if type(tensor) is not torch.Tensor and keep is not None and not any(item.storage_offsets) \
+                and list(item.lengths) == list(tensor.size()):
+            keep(item, torch.load(MemoryFile(memoryview(data)), map_location="cpu", weights_only=True))  # owned
+            return
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+        target.copy_(tensor)  # the loaded tensor, a view of the map, does not outlive this call
+        planner.commit_tensor(item, target)
+
+
+def failure(e: CheckpointException) -> BaseException:
+    """The first rank's error inside DCP's ``CheckpointException`` (which every rank raises when any rank's
+    read failed): a :class:`CorruptCheckpointError` naming the file and item, when that is what it was."""
+    failures = getattr(e, "failures", None) or {}
+    for rank in sorted(failures):
+        cause = failures[rank]
+        cause = cause[0] if isinstance(cause, tuple) and cause else cause
+        if isinstance(cause, BaseException):
+            return cause
+    return e
+
+
+# torch.load's path for mmap=True: the storages are slices of one storage over the bytes, not copies. Private
+# to torch, so used only where its signature is as expected (else torch.load copies the records).
+_load_zip = getattr(torch.serialization, "_load", None)
+_ZERO_COPY = _load_zip is not None and "overall_storage" in inspect.signature(_load_zip).parameters
+
+
+def _load_tensor(data: memoryview | bytes) -> torch.Tensor:
+    """``torch.load(weights_only=True)`` of one item's bytes (as DCP's reader loads it), its storages views of
+    ``data`` where torch allows it."""
+    from torch.utils.serialization import config
+
+    if not (_ZERO_COPY and isinstance(data, memoryview) and not data.readonly and len(data)
+            and not config.load.calculate_storage_offsets):  # storages where the zip directory says they are
+        return torch.load(MemoryFile(memoryview(data)), map_location="cpu", weights_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        overall = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    reader = torch._C.PyTorchFileReader(MemoryFile(data))
+    try:
+        return _load_zip(reader, "cpu", torch._weights_only_unpickler, overall_storage=overall)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(torch.serialization._get_wo_message(str(e))) from None
+
+
+@contextmanager
+def _mapped(f: Any) -> Iterator[memoryview | None]:
+    """The open file as a private, copy-on-write memory map (its pages in the page cache, no copy; a tensor
+    loaded on it that were written to would change only this process's copy), or None where it cannot be
+    mapped (an empty file, some network filesystems)."""
+    try:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        yield None
+        return
+    view = memoryview(mm)
+    try:
+        yield view
+    finally:
+        try:
+            view.release()
+            mm.close()
+        except BufferError:  # a loaded storage is still alive (in an exception's frame): unmapped with it
+            pass
+
+
+def _pread(f: Any, offset: int, length: int) -> memoryview:
+    f.seek(offset)
+    return memoryview(bytearray(f.read(length)))
