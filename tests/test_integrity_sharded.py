@@ -3,11 +3,14 @@ and a damaged item that one rank read is refused on every rank, naming the file 
 
 from __future__ import annotations
 
+import pytest
+
 from processes import job_script, run_ranks
 
 JOB = job_script("integrity_ranks_job.py")
 
 
+@pytest.mark.slow  # two spawned FSDP2 ranks: kept out of make test for its 15-minute budget (make test-all)
 def test_a_bit_flipped_in_one_ranks_shard_is_refused_on_every_rank_naming_file_and_item(tmp_path):
     r0, r1 = run_ranks(JOB, tmp_path, "sharded", "nvrx", "fork", timeout=120)
     for r in (r0, r1):
