@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from processes import job_script, run_ranks
+from processes import run_ranks
 
-JOB = job_script("integrity_ranks_job.py")
+JOB = "integrity_ranks_job"
 
 
 @pytest.mark.slow  # two spawned FSDP2 ranks: kept out of make test for its 15-minute budget (make test-all)
@@ -18,7 +18,7 @@ def test_a_bit_flipped_in_one_ranks_shard_is_refused_on_every_rank_naming_file_a
     item = r0["damaged_item"]
     for r in (r0, r1):
         raised = r["raised"]
-        assert raised is not None, f"rank {r['rank']} loaded a damaged checkpoint silently"
+        assert raised is not None, f"rank {r.rank} loaded a damaged checkpoint silently"
         assert raised["type"] == "CorruptCheckpointError", raised
         assert "__1_0.distcp" in raised["message"] and repr(item) in raised["message"], raised
         assert "CRC32" in raised["message"], raised
