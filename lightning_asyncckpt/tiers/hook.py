@@ -27,7 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from lightning_asyncckpt.snapshot.staging import Defer
+
 Checkpoint = dict[str, Any]
+LazyRule = Defer | None  # a lazy snapshot's rule (AsyncCheckpointIO.lazy_rule()); None: everything copied at once
+CopyHook = Callable[[], None] | None  # a lazy copy's thread calls it first (tests: testing.HoldCopy)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class LocalTierHook(Protocol):
         """(any rank, at load) The checkpoint :meth:`latest` fetched for ``key`` (once), or None."""
 
     def step_end(self, step: int, checkpoint: Callable[[], Checkpoint], like: Callable[[], Checkpoint],
-                 lazy: Any = None, hook: Any = None) -> StepEnd:
+                 lazy: LazyRule = None, hook: CopyHook = None) -> StepEnd:
         """(every rank, after every optimizer step) Agrees on the boundary; saves ``checkpoint()`` when a save
         is due or a preemption was requested; until the first save, makes its files sized for ``like()``."""
 

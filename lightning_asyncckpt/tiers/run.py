@@ -28,7 +28,7 @@ from typing import Any
 from lightning_asyncckpt.tiers import checks, run_identity
 from lightning_asyncckpt.tiers.boundary import Boundary, StepBoundary
 from lightning_asyncckpt.tiers.config import LocalTier
-from lightning_asyncckpt.tiers.hook import Checkpoint, StepEnd
+from lightning_asyncckpt.tiers.hook import Checkpoint, CopyHook, LazyRule, StepEnd
 from lightning_asyncckpt.tiers.job_lock import JobLock
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
 from lightning_asyncckpt.tiers.resuming import TierRestorer
@@ -110,7 +110,7 @@ class TierRun:
 
     # saving -------------------------------------------------------------------------------------------
     def step_end(self, step: int, checkpoint: Callable[[], Checkpoint], like: Callable[[], Checkpoint],
-                 lazy: Any = None, hook: Any = None) -> StepEnd:
+                 lazy: LazyRule = None, hook: CopyHook = None) -> StepEnd:
         """(every rank, after every optimizer step) Agrees on the step boundary (:meth:`boundary`); saves
         ``checkpoint()`` every ``every_n_train_steps`` and on a preemption request; before the first save,
         makes its files sized for ``like()`` (the states that make up nearly all of its bytes). On a
@@ -136,7 +136,7 @@ class TierRun:
             return StepEnd(saved, False, boundary.complete, replicated=self.factor > 1)
         return StepEnd(saved, True, self.finish(), boundary.handlers_everywhere, replicated=self.factor > 1)
 
-    def save(self, step: int, checkpoint: Checkpoint, lazy: Any = None, hook: Any = None) -> None:
+    def save(self, step: int, checkpoint: Checkpoint, lazy: LazyRule = None, hook: CopyHook = None) -> None:
         """(every rank, at the same step boundaries) Saves ``checkpoint`` as ``step``: :meth:`TierSaver.save
         <lightning_asyncckpt.tiers.saving.TierSaver.save>`, once the run has begun."""
         self.begin()
