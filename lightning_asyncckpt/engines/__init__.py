@@ -1,5 +1,12 @@
 """Engine selection: ``"nvrx"`` (default), ``"mcore"``, or ``"auto"``; :func:`create` returns the
-:class:`~.base.Engine` adapter, which implements :class:`~.protocol.EngineProtocol`."""
+:class:`~.base.Engine` adapter, which implements :class:`~.protocol.EngineProtocol`.
+
+- ``protocol``: :class:`EngineProtocol`, what the save session's run calls on an engine, with its
+  :class:`Ticket` and :class:`Status`.
+- ``base``: :class:`Engine`, the adapter over the nvrx and mcore queues; ``nvrx`` and ``mcore``: each engine's.
+- ``persistent``: the persistent worker (one spawned process fed through a queue, with liveness checks);
+  ``fork``: a writer forked per save; ``startup``: why a spawned worker died before it was ready.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``Save``: one save, one object, from the save call to its end, with an explicit state.
 
-Made by ``SavePipeline`` on the training thread of each saving rank when a save is asked for; filled in
+Made by :class:`~lightning_asyncckpt.pipeline.pipeline.SaveSession` (``submit``) on the training thread of each saving rank when a save is asked for; filled in
 as it goes (``scheduler`` snapshots and hands it over, ``poller`` sees its write end, ``committer`` makes
 it a checkpoint); every change of state is a named transition (:meth:`Save.to`), checked against
 :data:`TRANSITIONS`, so that a save can never, say, commit after it was abandoned.
@@ -95,7 +95,7 @@ class SaveRequest:
     step: int | None = None  # the checkpoint's global_step, for the record
     extra_files: list[ExtraFile] = field(default_factory=list)
     faults: SaveFaults = NO_FAULTS
-    call: int = 0  # this rank's save call it came from, counted from 1 (``SavePipeline.saves_scheduled``)
+    call: int = 0  # this rank's save call it came from, counted from 1 (``SaveSession.saves_scheduled``)
     write_hook: Callable[[list], None] | None = None  # picklable; the worker calls it with the buckets before writing
     copy_hook: Callable[[], None] | None = None  # a lazy snapshot's copy thread calls it before it copies (testing.HoldCopy)
 

@@ -48,7 +48,7 @@ class TierSaver:
         for the previous local save's thread first (at most ``timeout_s``). A file that cannot be reserved
         (a full directory) fails this save on every rank at the next boundary, as a failed write.
 
-        ``lazy`` (a lazy snapshot's rule, ``AsyncCheckpointIO.lazy_rule``): the tensors it watches (the
+        ``lazy`` (a lazy snapshot's rule, ``AsyncCheckpointIO.session.lazy_rule()``): the tensors it watches (the
         optimizers' parameters and state) are copied into the files by a background copy while the next
         step's forward and backward run; :meth:`wait_copy` waits for it before the optimizer step. One
         changed in place before its copy fails this save (nothing of it is committed), on every rank at the
