@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +23,9 @@ from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.store import LocalStore
 from lightning_asyncckpt.tiers.tier_groups import TierGroups
 from lightning_asyncckpt.tiers.writer import Copied, ShareWriter
+
+if TYPE_CHECKING:
+    from lightning_asyncckpt.snapshot.staging import Defer
 
 # each share's layout and its tensors, by the rank that owns the share
 Laid = dict[int, tuple[packing.Layout, dict[str, torch.Tensor]]]
@@ -41,7 +44,8 @@ class TierSaver:
         self._prepared = False
         self._copy: BackgroundCopy | None = None  # a lazy save's copy, until wait_copy
 
-    def save(self, step: int, checkpoint: dict[str, Any], lazy: Any = None, hook: Any = None) -> None:
+    def save(self, step: int, checkpoint: dict[str, object], lazy: Defer | None = None,
+             hook: Callable[[], None] | None = None) -> None:
         """(every rank, at the same step boundaries) Copies this rank's share of ``checkpoint`` (a DTensor
         state: its local shards; a replicated one: its part, and its clique peers' parts, which it holds
         too) into mapped files of its holder directory, then a thread checks the replicas and commits. Waits
@@ -91,7 +95,7 @@ class TierSaver:
         """True until the first local save or :meth:`prepare`: the first save's files are not made yet."""
         return self.saved_step < 0 and not self._prepared
 
-    def prepare(self, like: dict[str, Any]) -> None:
+    def prepare(self, like: dict[str, object]) -> None:
         """(every rank, at a step boundary before the first local save, once the optimizer has its state)
         Makes the first save's files in the background thread, sized for ``like`` (the checkpoint, or its
         model and optimizer states: a file a few bytes off is resized at the save, keeping its pages), so
@@ -103,7 +107,7 @@ class TierSaver:
         self.writer.make_ahead([lay.nbytes for lay, _ in laid.values()])
         self._prepared = True
 
-    def _layouts(self, checkpoint: dict[str, Any]) -> tuple[str, Laid]:
+    def _layouts(self, checkpoint: dict[str, object]) -> tuple[str, Laid]:
         """The mode, and each share's layout and tensors by owner: this rank's, and with a replicated
         state and replication its clique peers' too (it holds their replicas)."""
         g = self.groups
