@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from lightning_asyncckpt.format import commit, remote
 
 
-def local_path(path: Any) -> Path:
+def local_path(path: str | os.PathLike) -> Path:
     """A local or mounted path (``file://`` URLs included); a clear error for other URLs."""
     text = os.fspath(path)
     if isinstance(text, bytes):
@@ -26,7 +25,7 @@ def local_path(path: Any) -> Path:
     return Path(text)
 
 
-def checkpoint_path(path: Any) -> Path | str:
+def checkpoint_path(path: str | os.PathLike) -> Path | str:
     """A local path as a ``Path``, a remote URL as its ``str``: how saves, loads and removals name it."""
     try:
         text = os.fspath(path)
@@ -38,7 +37,7 @@ def checkpoint_path(path: Any) -> Path | str:
     return text if remote.is_remote(text) else local_path(text)
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -47,7 +46,7 @@ def parent(path: Path | str) -> Path | str:
     return remote.parent(path) if isinstance(path, str) else path.parent
 
 
-def check_save_path(path: Any, storage_options: Any, writes_file: bool) -> Path | str:
+def check_save_path(path: str | os.PathLike, storage_options: object, writes_file: bool) -> Path | str:
     """Bad input is an error in the trainer, at save time, never a background crash. ``writes_file``: the
     save is one ``torch.save`` file (which replaces a file, or a checkpoint directory of 0.1, at ``path``),
     else a DCP directory (which replaces a directory)."""

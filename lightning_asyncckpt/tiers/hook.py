@@ -25,7 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from lightning_asyncckpt.tiers.preemption import Handler
 
 from lightning_asyncckpt.snapshot.staging import Defer
 
@@ -53,10 +58,10 @@ class LocalTierHook(Protocol):
         """(every rank, together, once per run) Names the run: a new one, or where ``resuming`` the one whose
         local steps were saved for ``destination``."""
 
-    def latest(self, persistent: Any, weights_only: bool | None = None) -> Any:
+    def latest(self, persistent: str | Path | None, weights_only: bool | None = None) -> str | Path | None:
         """(every rank, together, before loading) The key of the local step to resume from, or ``persistent``."""
 
-    def take(self, key: Any) -> Checkpoint | None:
+    def take(self, key: object) -> Checkpoint | None:
         """(any rank, at load) The checkpoint :meth:`latest` fetched for ``key`` (once), or None."""
 
     def step_end(self, step: int, checkpoint: Callable[[], Checkpoint], like: Callable[[], Checkpoint],
@@ -75,10 +80,10 @@ class LocalTierHook(Protocol):
     def preemption_signal(self) -> str | None:
         """(any rank) The signal this rank received (``"SIGTERM"``), None for none."""
 
-    def replaced_handler(self) -> Any | None:
+    def replaced_handler(self) -> Handler | None:
         """(every rank, at the boundary that stops training) The collective handler to pass the signal on to."""
 
-    def replaced(self, name: str) -> Any:
+    def replaced(self, name: str) -> object:
         """(any rank) The handler that :meth:`arm` replaced for signal ``name`` (None: none)."""
 
     def finish(self) -> int:

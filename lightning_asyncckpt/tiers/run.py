@@ -23,7 +23,7 @@ Every method runs on every rank, in the same order, at step boundaries, unless i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.tiers import checks, run_identity
 from lightning_asyncckpt.tiers.boundary import Boundary, StepBoundary
@@ -36,6 +36,11 @@ from lightning_asyncckpt.tiers.saving import TierSaver
 from lightning_asyncckpt.tiers.store import LocalStore
 from lightning_asyncckpt.tiers.tier_groups import TierGroups
 from lightning_asyncckpt.tiers.writer import ShareWriter
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from lightning_asyncckpt.tiers.preemption import Handler
 
 __all__ = ["Boundary", "TierRun"]
 
@@ -91,7 +96,7 @@ class TierRun:
         """The signal this rank received (``"SIGTERM"``), None for none."""
         return self._flag.received
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: object) -> list[object]:
         """(all ranks) Every rank's ``obj`` over the tier's group."""
         return self.groups.gather(obj)
 
@@ -176,19 +181,19 @@ class TierRun:
         (not the main thread), with one warning."""
         return self._flag.arm(self.groups.rank, pass_on)
 
-    def replaced_handler(self) -> Any | None:
+    def replaced_handler(self) -> Handler | None:
         """(every rank, at the boundary that stops training) The handler this rank's received signal replaced,
         where that signal is to be passed on (:meth:`arm`); run it only where
         :attr:`Boundary.handlers_everywhere`: every rank then runs its own, so a collective in it is reached
         by all."""
         return self._flag.replaced_handler()
 
-    def replaced(self, name: str) -> Any:
+    def replaced(self, name: str) -> object:
         """(any rank) The handler that :meth:`arm` replaced for signal ``name`` (callable or not; None: none)."""
         return self._flag.replaced(name)
 
     # resuming -----------------------------------------------------------------------------------------
-    def latest(self, persistent: Any, weights_only: bool | None = None) -> Any:
+    def latest(self, persistent: str | Path | None, weights_only: bool | None = None) -> str | Path | None:
         """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take`, or
         ``persistent`` (:meth:`TierRestorer.latest <lightning_asyncckpt.tiers.resuming.TierRestorer.latest>`).
         A run that has not begun begins as a resume."""
@@ -196,7 +201,7 @@ class TierRun:
         assert self.run is not None
         return self._restorer.latest(self.run, persistent, weights_only)
 
-    def take(self, key: Any) -> Checkpoint | None:
+    def take(self, key: object) -> Checkpoint | None:
         """(any rank, at load) The checkpoint :meth:`latest` fetched for ``key`` (once), or None for any other path."""
         return self._restorer.take(key)
 

@@ -16,7 +16,7 @@ import io
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from lightning_asyncckpt.format import commit, integrity
 from lightning_asyncckpt.format.integrity import (
@@ -34,6 +34,10 @@ from lightning_asyncckpt.tools.items import (
     weights_only_reason,
 )
 from lightning_asyncckpt.units import human_bytes
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import STORAGE_TYPES, MetadataIndex
 
 __all__ = ["ArchiveError", "VerifyReport", "ZipCheck", "check_torch_zip", "scan_torch_zip", "verify_checkpoint",
            "verify_file"]
@@ -78,7 +82,7 @@ def check_torch_zip(data: bytes | BinaryIO) -> bool:
     return check.crc_checked > 0
 
 
-def _check_item(path: Path, index: Any, storage: Any, md: Any, raw: memoryview) -> str | None:
+def _check_item(path: Path, index: MetadataIndex, storage: _StorageInfo, md: STORAGE_TYPES, raw: memoryview) -> str | None:
     """Deserializes one item whose bytes passed :func:`integrity.check_items` and compares it with the
     metadata; returns what is wrong, or ``None``."""
     import torch

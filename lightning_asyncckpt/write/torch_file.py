@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -54,14 +53,14 @@ _tagger_lock = threading.Lock()
 _tagger_registered = False
 
 
-def _tag(storage: Any) -> str | None:
+def _tag(storage: torch.types.Storage) -> str | None:
     tags = getattr(_tags, "by_ptr", None)
     if not tags:
         return None
     return tags.get(storage.data_ptr())
 
 
-def _no_restore(storage: Any, location: str) -> None:
+def _no_restore(storage: torch.types.Storage, location: str) -> None:
     return None  # loading is left to torch's own deserializers
 
 
@@ -74,7 +73,7 @@ def _register_tagger() -> None:
 
 
 def write_file(
-    skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str | os.PathLike,
+    skeleton: object, tensors: dict[str, torch.Tensor], tmp_path: str | os.PathLike,
     aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
     same_object: set[str] | frozenset[str] = frozenset(), kinds: dict[str, str] | None = None,
 ) -> int:
@@ -124,7 +123,7 @@ def write_file_job(job: FileJob) -> None:
         nbytes = write_file(skeleton, job.tensors, job.tmp_path, job.aliases, job.locations, job.same_object, job.kinds)
         if hook is not None:
             after_write(hook, buckets)
-        outcome: dict[str, Any] = {"ok": True, "results": [], "nbytes": nbytes}
+        outcome: dict[str, object] = {"ok": True, "results": [], "nbytes": nbytes}
     except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
         outcome = {"ok": False, **worker.describe_failure(e, buckets)}
     worker.report(job.result_path, outcome, t0)
