@@ -1,7 +1,8 @@
 """The control plane on the training side: one run of saves from the save call to the commit.
 
 ``pipeline.SaveSession`` owns a run of saves and is its interface (submit, finalize, abort, close);
-``AsyncCheckpointIO`` holds one. ``scheduler`` takes a save in, ``poller`` watches the
+``AsyncCheckpointIO`` holds one; ``lifecycle.RunLifecycle`` is its current run and what ends it (the exit
+group, the drain), ``session_parts`` the values it is handed. ``scheduler`` takes a save in, ``poller`` watches the
 writes, ``finalizer`` agrees across the ranks, ``committer`` publishes and retains, ``drain`` lands
 what is in flight on the way out. Its collectives go through
 :mod:`lightning_asyncckpt.collectives` (``agreement``: the training group's). No Lightning imports.
