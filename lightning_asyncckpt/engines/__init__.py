@@ -90,10 +90,9 @@ def create(name: EngineName, worker: WorkerMode, rank: int, nice: int = 0, scrat
     if name is EngineName.NVRX:
         from lightning_asyncckpt.engines.nvrx import NvrxEngine
 
-        engine = NvrxEngine(worker.value, rank, nice)
+        engine = NvrxEngine(worker.value, rank, nice, scratch_dir)
     else:
         from lightning_asyncckpt.engines.mcore import McoreEngine
 
-        engine = McoreEngine(worker.value, rank, nice)
-    engine.scratch_dir = scratch_dir
+        engine = McoreEngine(worker.value, rank, nice, scratch_dir)
     return engine

@@ -28,6 +28,10 @@ class Ticket:
     process: Any = None  # fork-per-save: this job's own process
     detail: str = ""
 
+    def died(self, detail: str) -> None:
+        """Records why the job's worker died (the message a failed save reports)."""
+        self.detail = detail
+
 
 @runtime_checkable
 class EngineProtocol(Protocol):

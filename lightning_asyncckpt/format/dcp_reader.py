@@ -13,6 +13,7 @@ on the rank that read it; DCP's ``load`` gathers every rank's failure, so every 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import mmap
@@ -51,9 +52,9 @@ class CheckedReader(FileSystemReader):
         if hasattr(self._metadata, "storage_meta") and hasattr(self, "load_id"):  # as FileSystemReader does
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            if self._metadata.storage_meta is None:
-                self._metadata.storage_meta = StorageMeta()
-            self._metadata.storage_meta.load_id = self.load_id
+            # new values, not DCP's objects changed in place: the caller's metadata stays as it was read
+            storage_meta = dataclasses.replace(self._metadata.storage_meta or StorageMeta(), load_id=self.load_id)
+            self._metadata = dataclasses.replace(self._metadata, storage_meta=storage_meta)
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -112,6 +112,22 @@ class ItemsCheck:
     crc_checked: int = 0
     problems: list[str] = field(default_factory=list)
 
+    def add_file(self) -> None:
+        """One more shard file opened."""
+        self.files += 1
+
+    def add_item(self) -> None:
+        """One more item seen (its byte range may still be refused before it is read)."""
+        self.items += 1
+
+    def add_read(self, nbytes: int) -> None:
+        """``nbytes`` of an item's bytes read."""
+        self.bytes_read += nbytes
+
+    def add_crc(self, checked: bool) -> None:
+        """An item's bytes were checked against their CRC32s (``checked``), or carried none."""
+        self.crc_checked += checked
+
 
 def decode(path: Path, info: _StorageInfo, raw: bytes | memoryview) -> bytes | memoryview:
     """The item's bytes after DCP's storage transforms (none unless an extension wrote it)."""
@@ -133,7 +149,7 @@ def _item_problem(path: Path, storage: _StorageInfo, raw: memoryview, check: Ite
         return (f"holds {len(data)} bytes, fewer than its tensor chunk's {need} elements at one bit each: refused "
                 "before anything is allocated")
     problem, checked = payload_problem(data, crc)
-    check.crc_checked += checked
+    check.add_crc(checked)
     return problem
 
 
@@ -190,7 +206,7 @@ def _check_file_items(path: Path, rel: object, entries: list, check: ItemsCheck,
         reason = str(e) if isinstance(e, CorruptCheckpointError) else f"{path / str(rel)}: {e.strerror or e}"
         check.problems.append(f"{reason} (it holds the items {names})")
         return
-    check.files += 1
+    check.add_file()
     with f, mapped(f) as view:
         st = os.fstat(f.fileno())
         size, other = st.st_size, seen.setdefault((st.st_dev, st.st_ino), shard)
@@ -199,7 +215,7 @@ def _check_file_items(path: Path, rel: object, entries: list, check: ItemsCheck,
             return
         previous_end = 0
         for index, storage in entries:
-            check.items += 1
+            check.add_item()
             where = f"{shard}: item {index.fqn!r}"
             end = storage.offset + storage.length
             if end > size:
@@ -211,7 +227,7 @@ def _check_file_items(path: Path, rel: object, entries: list, check: ItemsCheck,
                 continue
             previous_end = end
             raw = view[storage.offset:end] if view is not None else memoryview(_pread(f, storage.offset, storage.length))
-            check.bytes_read += len(raw)
+            check.add_read(len(raw))
             try:
                 problem = _item_problem(path, storage, raw, check, crc, need.get(index, 0))
                 if problem is None and on_item is not None:

@@ -111,7 +111,7 @@ def step_end(trainer: Any, io: Any) -> bool:
                         lazy=io.session.lazy_rule(), hook=io.copy_hook)
     if not end.preempted:
         return False
-    trainer.should_stop = True
+    trainer.should_stop = True  # Lightning's own way to end fit after this batch (its public attribute)
     if tier.preemption_signal is not None:
         log.warning("lightning-asyncckpt: global rank %d received %s", trainer.global_rank, tier.preemption_signal)
     if trainer.is_global_zero:

@@ -5,7 +5,9 @@ No Lightning imports. Its collectives go through :mod:`lightning_asyncckpt.colle
 :class:`~lightning_asyncckpt.engines.protocol.EngineProtocol`.
 
 - ``pipeline``: :class:`SaveSession`, which ``AsyncCheckpointIO`` holds (``io.session``): a run of saves and its
-  verbs (submit, finalize, abort, close; the rest named by ``integration.contract.SessionInterface``).
+  verbs (submit, finalize, abort, close; the rest named by ``integration.contract.SessionInterface``);
+  ``lifecycle``: ``RunLifecycle``, its current run and what ends it (the exit group, the drain);
+  ``session_parts``: the values the session is handed.
 - ``settings``: :class:`Settings`, what ``AsyncCheckpointIO``'s arguments decide, validated once, frozen.
 - ``run``: :class:`Run`, one run's state, made of small parts that each own theirs and change it only
   through their methods: ``workers`` (the engine, the scratch directory), ``temp_names`` (the save order, the

@@ -48,13 +48,22 @@ _PICKLE_PROTOCOL = 2
 
 # Storage location tags for one write: the tagger below answers from this map (data_ptr -> location),
 # before torch's own taggers, while a write with ``locations`` runs in this thread.
-_tags = threading.local()
+class _Tags(threading.local):
+    """The current thread's map for the tagger (``None``: no write with ``locations`` in progress)."""
+
+    by_ptr: dict[int, str] | None = None
+
+    def set(self, by_ptr: dict[int, str] | None) -> None:
+        self.by_ptr = by_ptr
+
+
+_tags = _Tags()
 _tagger_lock = threading.Lock()
 _tagger_registered = False
 
 
 def _tag(storage: torch.types.Storage) -> str | None:
-    tags = getattr(_tags, "by_ptr", None)
+    tags = _tags.by_ptr
     if not tags:
         return None
     return tags.get(storage.data_ptr())
@@ -86,7 +95,7 @@ def write_file(
         _register_tagger()
         by_ptr = {used[n].untyped_storage().data_ptr(): loc for n, loc in locations.items()
                   if n in used and used[n].numel() > 0}
-    _tags.by_ptr = by_ptr
+    _tags.set(by_ptr)
     try:
         if remote.is_remote(tmp_path):
             return remote.write_object(str(tmp_path), lambda f: torch.serialization.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL))
@@ -94,7 +103,7 @@ def write_file(
         # fast by default: staged bytes straight to the disk, CRC32s by ISA-L (fast_file); the same bytes as plain
         return fast_file.save(checkpoint, str(tmp_path), used.values(), _PICKLE_PROTOCOL)
     finally:
-        _tags.by_ptr = None
+        _tags.set(None)
 
 
 def hook_buckets(tmp_path: str | os.PathLike) -> list:

@@ -16,6 +16,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.errors import RankFailure
@@ -161,11 +162,16 @@ def _start(loop_fn: Target, preload: tuple, nice: int, trainer_pid: int | None,
     # here, the startup heap is left out of every collection, which then scans only what the jobs made.
     gc.collect()
     gc.freeze()
-    # Megatron-Core's loop pins `rank % device_count()` first: a ZeroDivisionError without CUDA.
-    # This process only writes files, so it may pretend to have one device it never uses.
+    _one_unused_device(torch)
+    return loop_fn
+
+
+def _one_unused_device(torch: ModuleType) -> None:
+    """(the persistent writer process, at its start) Replaces two functions of this process's ``torch.cuda``:
+    Megatron-Core's loop pins ``rank % device_count()`` first, a ZeroDivisionError without CUDA. This process
+    only writes files (its GPUs are hidden), so it may pretend to have one device it never uses."""
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda *_a, **_k: None
-    return loop_fn
 
 
 def resolve(fn: Target) -> Callable[..., object]:
