@@ -1,6 +1,8 @@
 """What a checkpoint is on storage, and where it may go. Imported by the trainer and the writer alike; no
 Lightning imports.
 
+- ``destination``: :class:`Destination`, a local path or an fsspec URL (the one place that tells them apart):
+  temp paths, publish, discard, existence.
 - ``paths``: which checkpoint paths a save accepts; ``remote``: fsspec URLs (object stores), ``last_checkpoint``.
 - ``commit``: the atomic publish of a checkpoint directory, and the leftovers of interrupted saves.
 - ``layout``: :class:`Layout`, which ranks write a save.

@@ -54,7 +54,7 @@ METADATA = ".metadata"
 
 def is_remote(path: str | os.PathLike) -> bool:
     """A URL that is not a local file: ``s3://bucket/x.ckpt`` yes, ``file:///x`` and ``/x`` no."""
-    text = os.fspath(path) if not isinstance(path, str) else path
+    text = os.fspath(path)
     if isinstance(text, bytes):
         text = text.decode()
     return "://" in text and not text.startswith("file://")

@@ -25,7 +25,7 @@ from lightning_asyncckpt.tiers.setup import open_tier
 
 log = logging.getLogger(__name__)
 
-_BUILDING_LOCAL = contextvars.ContextVar("lightning_asyncckpt_building_local", default=False)
+_BUILDING_LOCAL = contextvars.ContextVar("building_local_checkpoint", default=False)
 
 
 def start(trainer: Any, io: Any) -> LocalTierHook | None:

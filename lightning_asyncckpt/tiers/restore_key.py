@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from lightning_asyncckpt.format import destination
+
 _NAME = re.compile(r"restore-step-(\d+)")
 
 
@@ -23,9 +25,9 @@ def key_for(root: Path, step: int) -> str:
 
 def step_of(path: object) -> int | None:
     """The step a resume name stands for, or None for any other path (one that exists is a real file)."""
-    if not isinstance(path, (str, Path)) or "://" in str(path):
+    p = destination.plain_path(path)
+    if p is None:
         return None
-    p = Path(path)
     match = _NAME.fullmatch(p.name)
     if match is None or p.parent.parent.name != "asyncckpt-local" or p.exists():
         return None

@@ -32,7 +32,6 @@ import io
 import os
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -138,15 +137,4 @@ def write_file_job(job: FileJob) -> None:
     worker.report(job.result_path, outcome, t0)
 
 
-def publish_file(tmp: Path, path: Path) -> None:
-    """(trainer) Makes the complete file ``tmp`` visible at ``path``: one ``os.replace`` (atomic on every
-    POSIX filesystem; an existing ``path``, e.g. ``last.ckpt``, is replaced in the same step), then an
-    fsync of the directory so that the rename itself is durable."""
-    tmp, path = Path(tmp), Path(path)
-    if not tmp.is_file():
-        raise FileNotFoundError(f"refusing to publish {tmp}: it is not a written checkpoint file")
-    if path.is_dir() and not path.is_symlink():
-        commit.replace_dir_with_file(tmp, path)  # a checkpoint directory of 0.1 (format="dcp") at that path
-        return
-    os.replace(tmp, path)
-    commit.fsync_dir(path.parent)
+publish_file = commit.publish_file  # (trainer) a file's commit, where tests and tools look for it
