@@ -319,3 +319,28 @@ def slurm_job(monkeypatch: Any, bin_dir: Any) -> None:
                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PATH", str(bin_dir))
+
+
+FRESH_VAR = "ASYNCCKPT_TEST_FRESH_PROCESS"
+
+
+def in_fresh_process(request: Any, timeout: float = 200) -> bool:
+    """For a test about what the whole process holds (a class-level wrapper exists only while a plugin is
+    alive): True in a fresh interpreter, where the test's body runs; in pytest's own process (an xdist worker
+    may still hold an earlier test's plugin), runs this one test in a fresh interpreter, fails with its output
+    if it failed there, and returns False.
+
+        def test_x(request):
+            if not in_fresh_process(request):
+                return
+            ...
+    """
+    if os.environ.get(FRESH_VAR) == request.node.nodeid:
+        return True
+    import sys
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", request.node.nodeid]
+    env = {**os.environ, FRESH_VAR: request.node.nodeid}
+    done = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"in a fresh process:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
+    return False

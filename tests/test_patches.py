@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_asyncckpt
-from helpers import TinyModel, loader, trainer
+from helpers import TinyModel, in_fresh_process, loader, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
 from lightning_asyncckpt.integration import lightning_api, patches
 
@@ -39,9 +39,11 @@ def test_instance_wrappers_are_made_once_and_given_back(tmp_path):
     assert "file_exists" not in vars(cb) and logger.after_save_checkpoint is own
 
 
-def test_the_class_wrapper_lives_while_a_plugin_does():
+def test_the_class_wrapper_lives_while_a_plugin_does(request):
     """``on_trainer_init`` is wrapped once, however many plugins are made, and given back when the last is
-    collected."""
+    collected (in a fresh process: no earlier test's plugin alive)."""
+    if not in_fresh_process(request):
+        return
     from lightning_asyncckpt.integration import autoattach
 
     connector = lightning_api.trainer_module("trainer.connectors.callback_connector")._CallbackConnector
@@ -132,10 +134,13 @@ def _assert_runs_lightnings_own_code(t) -> None:
         assert wrapped == [], f"{type(obj).__name__}: {wrapped}"
 
 
-def test_a_trainer_without_the_plugin_runs_lightnings_own_code(tmp_path):
+def test_a_trainer_without_the_plugin_runs_lightnings_own_code(tmp_path, request):
     """Installed and imported, the package adds nothing to a Trainer that does not use it: no callback (and no
     ``Adding 1 callbacks from entry point`` line), no wrapped method, and no frame of this package in the
-    traceback of an error raised in ``training_step`` or by Lightning's own resume."""
+    traceback of an error raised in ``training_step`` or by Lightning's own resume (in a fresh process, as a
+    user's script that never makes a plugin)."""
+    if not in_fresh_process(request):
+        return
     gc.collect()  # the plugins of earlier tests, and with them the wrapper of Trainer construction
     with _entry_point_log() as lines:
         t = trainer(tmp_path, [], [ModelCheckpoint(dirpath=tmp_path / "c")], max_steps=2)
@@ -160,9 +165,11 @@ def _fit_with_the_plugin(tmp_path) -> None:
     assert len(io.history) == 2
 
 
-def test_after_a_trainer_with_the_plugin_the_next_trainer_without_it_is_unwrapped(tmp_path):
+def test_after_a_trainer_with_the_plugin_the_next_trainer_without_it_is_unwrapped(tmp_path, request):
     """The wrappers of a trainer that used the plugin stay on that trainer: once it and its plugin are gone, a
-    Trainer made without the plugin in the same process runs Lightning's own code."""
+    Trainer made without the plugin in the same process runs Lightning's own code (in a fresh process)."""
+    if not in_fresh_process(request):
+        return
     _fit_with_the_plugin(tmp_path)  # in a frame of its own: save_hyperparameters keeps a copy of its locals
     gc.collect()  # trainers hold reference cycles
     plain = trainer(tmp_path, [], [ModelCheckpoint(dirpath=tmp_path / "d")], max_steps=2)
