@@ -9,7 +9,8 @@ Each rule counts what a reviewer would count by hand:
   class of this package (Lightning's ``CheckpointIO`` excluded).
 - ``mutable_attrs``: per class, the distinct ``self.x`` it assigns outside ``__init__``'s frozen fields, plus the
   fields of a non-frozen dataclass. Properties' setters count as the attribute they set.
-- ``dist_imports``: modules that import ``torch.distributed`` outside ``if TYPE_CHECKING:``.
+- ``dist_imports``: modules that import ``torch.distributed`` itself (its collectives) outside
+  ``if TYPE_CHECKING:``; DCP's, DTensor's and FSDP's APIs and types are not counted.
 - ``str_isinstance``: ``isinstance(x, str)`` calls, where the package decides remote against local by type.
 - ``foreign_setattr``: assignments to an attribute of an object other than ``self``/``cls``
   (``other.x = ...``, ``setattr(other, ...)``), except on an object the same function (or module body) has
@@ -98,6 +99,9 @@ def _type_checking_lines(mod: ast.Module) -> set[int]:
     return lines
 
 
+_NOT_COLLECTIVES = {"checkpoint", "tensor", "device_mesh", "fsdp", "_shard", "_tensor", "_composable"}
+
+
 def dist_imports(mods: list[tuple[str, ast.Module]]) -> list[str]:
     out = []
     for rel, mod in mods:
@@ -110,8 +114,11 @@ def dist_imports(mods: list[tuple[str, ast.Module]]) -> list[str]:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             if node.__dict__.get("lineno") in hidden:
                 continue
-            if any(n == "torch.distributed" or n.startswith("torch.distributed.") and
-                   not n.startswith("torch.distributed.checkpoint") or n == "torch.distributed" for n in names):
+            # the collectives' module itself (``torch.distributed``, ``import torch.distributed as dist``,
+            # ``from torch.distributed import all_reduce``); DCP's, DTensor's and FSDP's APIs and types are not
+            # collectives we run
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") and n.count(".") == 2
+                   and n.split(".")[2][:1].islower() and n.split(".")[2] not in _NOT_COLLECTIVES for n in names):
                 out.append(rel)
                 break
     return sorted(set(out))
