@@ -126,8 +126,10 @@ def test_a_persistent_fabric_checkpoint_newer_than_the_local_tier_wins(tmp_path,
     assert "its step 11 is newer than the local tier's 10" in caplog.text
 
 
-@pytest.mark.parametrize("distribution,snapshot,layout", [("pytorch_lightning", "eager", "fsdp2"),
-                                                           ("lightning", "lazy", "fsdp2"), ("lightning", "eager", "tp")])
+# the tensor-parallel case runs in `make test-all` (80 s at load; `make test` keeps its 15 minutes)
+@pytest.mark.parametrize("distribution,snapshot,layout", [
+    ("pytorch_lightning", "eager", "fsdp2"), ("lightning", "lazy", "fsdp2"),
+    pytest.param("lightning", "eager", "tp", marks=pytest.mark.slow)])
 def test_fabric_sharded_local_tier_resumes_each_ranks_shards(tmp_path, distribution, snapshot, layout):
     """``FabricTiers`` with ``AsyncFabricModelParallelStrategy`` over 2 CPU ranks (FSDP2, or 2-way tensor
     parallel) saves each rank's shards to the local tier (lazy: the optimizer's shards copied while the next

@@ -226,6 +226,7 @@ def test_fabric_tiers_resume_takes_keys_as_fabric_load_does(tmp_path, strategy):
         assert "names step 10 of the local tier" in r["again_error"]
 
 
+@pytest.mark.slow  # `make test-scale` and `make test-all` run it; out of `make test` for its 15 minutes
 def test_fsdp2_with_full_persistent_checkpoints_keeps_each_ranks_shards_locally(tmp_path):
     """``AsyncModelParallelStrategy(save_distributed_checkpoint=False)``: the persistent checkpoints are full
     states gathered on rank 0, but the local tier still keeps each rank's own shards (a gathered state exists
