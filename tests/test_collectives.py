@@ -16,8 +16,11 @@ ROOT = Path(lightning_asyncckpt.__file__).parent
 OWNER = ROOT / "collectives"
 # DCP's and DTensor's own APIs (which run their own collectives, as dcp.save does) and torch.distributed's
 # types may be named anywhere; anything else of torch.distributed only in the owner
-ALLOWED = ("torch.distributed.checkpoint", "torch.distributed.tensor")
+ALLOWED = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.device_mesh")
 TYPES = {"ProcessGroup", "Work"}
+# private names that run no collective: DCP's storage-info type, and the tensor slicing its reader uses
+NOT_COLLECTIVES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                   ("torch.distributed._shard._utils", "narrow_tensor_by_index")}
 
 
 def _uses(path: Path) -> list[str]:
@@ -28,7 +31,9 @@ def _uses(path: Path) -> list[str]:
                       if a.name.startswith("torch.distributed") and not a.name.startswith(ALLOWED)]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
             module = node.module or ""
-            names = {a.name for a in node.names}
+            names = {a.name for a in node.names if (module, a.name) not in NOT_COLLECTIVES}
+            if not names:
+                continue
             private = {n for n in names if n.startswith("_")}  # e.g. DCP's _DistWrapper: its collectives
             if private or not (module.startswith(ALLOWED) or (module == "torch.distributed" and names <= TYPES)):
                 found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: from {module} import {sorted(names)}")
