@@ -12,7 +12,10 @@ Each rule counts what a reviewer would count by hand:
 - ``dist_imports``: modules that import ``torch.distributed`` outside ``if TYPE_CHECKING:``.
 - ``str_isinstance``: ``isinstance(x, str)`` calls, where the package decides remote against local by type.
 - ``foreign_setattr``: assignments to an attribute of an object other than ``self``/``cls``
-  (``other.x = ...``, ``setattr(other, ...)``).
+  (``other.x = ...``, ``setattr(other, ...)``), except on an object the same function (or module body) has
+  just constructed itself: a local name whose every binding there is a call of a class (``X(...)``,
+  ``mod.X(...)``, ``cls(...)``, ``object.__new__(...)``), as in ``out = Report(); out.n += 1; return out``:
+  that is the owner's own construction, not a change to someone else's object.
 - ``private_flags``: reads of ``_asyncckpt_*`` names.
 - ``any``: annotations that mention ``Any`` (``dict[str, Any]`` included), and ``any_colon``: the ``: Any`` the
   issue counted (206 at the start of the redesign).
@@ -131,23 +134,65 @@ def str_isinstance(mods) -> list[str]:
     return _calls(mods, pred)
 
 
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def _scope_nodes(scope: ast.AST):
+    """The nodes of one scope (a module or function body), not those of the functions and classes inside it."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, _SCOPES):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _constructs(value: ast.expr) -> bool:
+    """``value`` makes a new object: a call of a class (by the naming convention), of ``cls``, or ``__new__``."""
+    if not isinstance(value, ast.Call):
+        return False
+    f = value.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    return name[:1].isupper() or name in ("cls", "__new__")
+
+
+def _constructed_here(scope: ast.AST) -> set[str]:
+    """The local names of ``scope`` whose every binding there is ``name = <construction>``."""
+    nodes = list(_scope_nodes(scope))
+    simple = {id(n.targets[0]): n for n in nodes
+              if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)}
+    made, other = set(), set()
+    for node in nodes:
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            assign = simple.get(id(node))  # else bound by a loop, a with, a tuple target, a walrus...
+            (made if assign is not None and _constructs(assign.value) else other).add(node.id)
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            other.update(node.names)
+        elif isinstance(node, ast.arg):  # a parameter: the caller's object
+            other.add(node.arg)
+    return made - other
+
+
 def foreign_setattr(mods) -> list[str]:
     out = []
     for rel, mod in mods:
-        for node in ast.walk(mod):
-            targets: list[ast.expr] = []
-            if isinstance(node, ast.Assign):
-                targets = list(node.targets)
-            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
-                targets = [node.target]
-            for t in targets:
-                for leaf in ast.walk(t):
-                    if (isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store)
-                            and not (isinstance(leaf.value, ast.Name) and leaf.value.id in ("self", "cls"))):
-                        out.append(f"{rel}:{node.lineno}")
-    out += _calls(mods, lambda n: getattr(n.func, "id", None) == "setattr"
-                  and not (n.args and getattr(n.args[0], "id", None) in ("self", "cls")))
-    return out
+        for scope in (mod, *(n for n in ast.walk(mod) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))):
+            own = {"self", "cls"} | _constructed_here(scope)
+            for node in _scope_nodes(scope):
+                targets: list[ast.expr] = []
+                if isinstance(node, ast.Assign):
+                    targets = list(node.targets)
+                elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                    targets = [node.target]
+                elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+                      and not (node.args and getattr(node.args[0], "id", None) in own)):
+                    out.append(f"{rel}:{node.lineno}")
+                for t in targets:
+                    for leaf in ast.walk(t):
+                        if (isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store)
+                                and not (isinstance(leaf.value, ast.Name) and leaf.value.id in own)):
+                            out.append(f"{rel}:{node.lineno}")
+    return sorted(out, key=lambda s: (s.split(":")[0], int(s.split(":")[1])))
 
 
 def private_flags(mods) -> list[str]:

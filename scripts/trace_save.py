@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-LAYERS = ["integration", "tools", "testing", "pipeline", "engines", "write", "tiers", "format", "snapshot"]
+# top to bottom, as tests/test_layout.py orders the folders
+LAYERS = ["testing", "tools", "integration", "tiers", "pipeline", "engines", "write", "format", "snapshot",
+          "collectives", "faults"]
 
 
 def _layer(module: str) -> int:

@@ -48,7 +48,7 @@ def test_bad_arguments_are_rejected(kwargs):
 
 def _start(engine, preload=None):
     if preload is not None:
-        engine._persistent_caller()._preload_modules = preload  # what the worker imports before it is ready
+        engine._persistent_caller().preload(preload)  # what the worker imports before it is ready
     engine.start(timeout_s=120, directories=False)
 
 
@@ -100,7 +100,7 @@ def test_a_save_whose_worker_could_not_start_fails_naming_why(monkeypatch, tmp_p
 
     def create(*args, **kwargs):
         engine = real(*args, **kwargs)
-        engine._persistent_caller()._preload_modules = ("gpu_extension",)
+        engine._persistent_caller().preload(("gpu_extension",))
         return engine
 
     monkeypatch.setattr(engines, "create", create)

@@ -14,7 +14,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from helpers import SnapshotRecorder, TinyModel, assert_tree_equal, clone_tree, dir_entries, loader, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, testing
 from lightning_asyncckpt.format import commit
-from lightning_asyncckpt.write import torch_file
 from processes import live_children
 
 
@@ -29,7 +28,7 @@ class _CommitLog:
 
     def __init__(self, monkeypatch):
         self.events = []
-        publish, publish_file, remove = commit.publish, torch_file.publish_file, commit.remove_path
+        publish, publish_file, remove = commit.publish, commit.publish_file, commit.remove_path
 
         def logged_publish(tmp, path):
             (publish_file if path.suffix and tmp.is_file() else publish)(tmp, path)
@@ -41,7 +40,7 @@ class _CommitLog:
             remove(path)
 
         monkeypatch.setattr(commit, "publish", logged_publish)
-        monkeypatch.setattr(torch_file, "publish_file", logged_publish)
+        monkeypatch.setattr(commit, "publish_file", logged_publish)
         monkeypatch.setattr(commit, "remove_path", logged_remove)
 
 

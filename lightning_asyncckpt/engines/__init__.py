@@ -1,5 +1,12 @@
 """Engine selection: ``"nvrx"`` (default), ``"mcore"``, or ``"auto"``; :func:`create` returns the
-:class:`~.base.Engine` adapter, which implements :class:`~.protocol.EngineProtocol`."""
+:class:`~.base.Engine` adapter, which implements :class:`~.protocol.EngineProtocol`.
+
+- ``protocol``: :class:`EngineProtocol`, what the save session's run calls on an engine, with its
+  :class:`Ticket` and :class:`Status`.
+- ``base``: :class:`Engine`, the adapter over the nvrx and mcore queues; ``nvrx`` and ``mcore``: each engine's.
+- ``persistent``: the persistent worker (one spawned process fed through a queue, with liveness checks);
+  ``fork``: a writer forked per save; ``startup``: why a spawned worker died before it was ready.
+"""
 
 from __future__ import annotations
 
@@ -83,10 +90,9 @@ def create(name: EngineName, worker: WorkerMode, rank: int, nice: int = 0, scrat
     if name is EngineName.NVRX:
         from lightning_asyncckpt.engines.nvrx import NvrxEngine
 
-        engine = NvrxEngine(worker.value, rank, nice)
+        engine = NvrxEngine(worker.value, rank, nice, scratch_dir)
     else:
         from lightning_asyncckpt.engines.mcore import McoreEngine
 
-        engine = McoreEngine(worker.value, rank, nice)
-    engine.scratch_dir = scratch_dir
+        engine = McoreEngine(worker.value, rank, nice, scratch_dir)
     return engine

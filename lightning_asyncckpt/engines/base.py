@@ -53,15 +53,17 @@ class Engine:
     pip_extra: str = ""
     version: str | None = None  # set by the subclass
 
-    def __init__(self, core: ModuleType, filesystem: ModuleType, worker: str, rank: int = 0, nice: int = 0):
+    def __init__(self, core: ModuleType, filesystem: ModuleType, worker: str, rank: int = 0, nice: int = 0,
+                 scratch_dir: str | None = None):
         self.core = core
         self.writer_cls = filesystem.FileSystemWriterAsync
         self.split_by_size = filesystem._split_by_size_and_type
         self.persistent = worker == "persistent"
         self.rank, self.nice = rank, nice  # nice: the writer processes' CPU priority
         # the run's scratch directory (results, gates): removed by a writer whose trainer is gone (parent_watch)
-        self.scratch_dir: str | None = None
+        self.scratch_dir = scratch_dir
         self._caller: PersistentMixin | TemporalMixin | None = None  # made at the first use (persistent: a start)
+        self._owns_tracker = False  # the caller's queues started multiprocessing's resource tracker
         self._next_idx = 0
 
     # -- the protocol ---------------------------------------------------------------------------
@@ -73,7 +75,7 @@ class Engine:
         if self.persistent:
             caller = self._persistent_caller()
             if caller.process is None and directories:
-                caller._preload_modules = self._dcp_modules()
+                caller.preload(self._dcp_modules())
             caller.start_worker(self.rank)
             caller.wait_ready(timeout_s)
 
@@ -91,15 +93,15 @@ class Engine:
         Returns:
             The ticket to :meth:`poll` (in the order scheduled)."""
         req = self.core.AsyncRequest(fn, tuple(args), [])
-        ticket = Ticket(call_idx=self._next_idx, scheduled_at=time.monotonic())
+        call_idx, scheduled_at = self._next_idx, time.monotonic()
         self._next_idx += 1
         if self.persistent:
             caller = self._persistent_caller()
             caller.start_worker(self.rank)
-            caller.schedule_async_call(req._replace(call_idx=ticket.call_idx))
-        else:
-            ticket.process = self._temporal_caller().schedule_fork(req, FORK_START_S, FORK_ATTEMPTS)
-        return ticket
+            caller.schedule_async_call(req._replace(call_idx=call_idx))
+            return Ticket(call_idx=call_idx, scheduled_at=scheduled_at)
+        process = self._temporal_caller().schedule_fork(req, FORK_START_S, FORK_ATTEMPTS)
+        return Ticket(call_idx=call_idx, scheduled_at=scheduled_at, process=process)
 
     def poll(self, ticket: Ticket) -> Status:
         """Local and non-blocking. Tickets must be polled in the order they were scheduled."""
@@ -110,7 +112,7 @@ class Engine:
                 unsent = caller.send_failure() if caller is not None else None
                 died = self._death_detail(getattr(caller, "process", None))
                 started = caller.start_failure() if caller is not None else None  # a first write started it
-                ticket.detail = unsent or (f"{died} while starting: {started}" if started else died)
+                ticket.died(unsent or (f"{died} while starting: {started}" if started else died))
             return status
         proc = ticket.process
         if proc.is_alive():
@@ -118,7 +120,7 @@ class Engine:
         proc.join()
         if proc.exitcode == 0:
             return Status.FINISHED
-        ticket.detail = self._death_detail(proc)
+        ticket.died(self._death_detail(proc))
         return Status.DEAD
 
     def worker_pids(self) -> list[int]:
@@ -131,7 +133,7 @@ class Engine:
         caller, self._caller = self._caller, None
         if caller is not None and self.persistent:
             caller.close(abort=abort)
-            started_tracker = getattr(caller, "_started_tracker", False) and caller._queues_closed
+            started_tracker = self._owns_tracker and caller.queues_closed()
             del caller
             if started_tracker:
                 stop_resource_tracker()
@@ -167,20 +169,18 @@ class Engine:
     def _persistent_caller(self) -> PersistentMixin:
         if self._caller is None:
             cls = type(f"{self.name.title()}PersistentCaller", (PersistentMixin, self.core.PersistentAsyncCaller), {})
-            started_tracker = not resource_tracker_running()
-            self._caller = cls()  # its spawn-context queues start the resource tracker
-            self._caller.queue = RequestQueue(ctx=mp.get_context("spawn"))
-            # a worker started by the first write imports what that write's job needs as it unpickles it
-            self._caller._preload_modules = ()
-            self._caller.rank, self._caller.nice, self._caller.scratch_dir = self.rank, self.nice, self.scratch_dir
-            self._caller._started_tracker = started_tracker
+            self._owns_tracker = not resource_tracker_running()
+            caller = cls()  # its spawn-context queues start the resource tracker
+            caller.configure(RequestQueue(ctx=mp.get_context("spawn")), self.rank, self.nice, self.scratch_dir)
+            self._caller = caller
         return self._caller
 
     def _temporal_caller(self) -> TemporalMixin:
         if self._caller is None:
             cls = type(f"{self.name.title()}TemporalCaller", (TemporalMixin, self.core.TemporalAsyncCaller), {})
-            self._caller = cls()
-            self._caller.nice, self._caller.scratch_dir = self.nice, self.scratch_dir
+            caller = cls()
+            caller.configure(self.nice, self.scratch_dir)
+            self._caller = caller
         return self._caller
 
 

@@ -40,6 +40,10 @@ class TemporalMixin:
     nice: int = 0  # the writer's CPU priority (``AsyncCheckpointIO(worker_nice=...)``)
     scratch_dir: str | None = None  # removed by the writer if it outlives the trainer
 
+    def configure(self, nice: int, scratch_dir: str | None) -> None:
+        """(trainer, once, right after construction) The writer's CPU priority and the run's scratch directory."""
+        self.nice, self.scratch_dir = nice, scratch_dir
+
     def schedule_fork(self, async_req: ForkRequest, start_s: float, attempts: int) -> BaseProcess:
         """Forks the writer and returns once it runs (inside the save, so the snapshot is still this step's).
 

@@ -9,8 +9,8 @@ class NvrxEngine(Engine):
     name = "nvrx"
     pip_extra = "nvidia-resiliency-ext"
 
-    def __init__(self, worker: str, rank: int = 0, nice: int = 0):
+    def __init__(self, worker: str, rank: int = 0, nice: int = 0, scratch_dir: str | None = None):
         from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
 
-        super().__init__(core, filesystem_async, worker, rank, nice)
+        super().__init__(core, filesystem_async, worker, rank, nice, scratch_dir)
         self.version = engine_version("nvidia-resiliency-ext")

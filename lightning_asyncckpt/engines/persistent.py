@@ -106,6 +106,24 @@ class PersistentMixin:
     process: BaseProcess | None
     nice: int = 0  # the worker's CPU priority (``AsyncCheckpointIO(worker_nice=...)``)
     scratch_dir: str | None = None  # removed by the worker if it outlives the trainer
+    # a worker started by the first write imports what that write's job needs as it unpickles it
+    _preload_modules: tuple[str, ...] = ()
+    _queues_closed = False
+
+    def configure(self, queue: RequestQueue, rank: int, nice: int, scratch_dir: str | None) -> None:
+        """(trainer, once, right after construction) Replaces the engine's request queue with ours, which
+        reports requests it could not send, and records the worker's settings."""
+        self.queue = queue
+        self.rank, self.nice, self.scratch_dir = rank, nice, scratch_dir
+
+    def preload(self, modules: tuple[str, ...]) -> None:
+        """(trainer, before ``start_worker``) The modules the worker imports before it reports ready."""
+        self._preload_modules = tuple(modules)
+
+    def queues_closed(self) -> bool:
+        """(trainer, after ``close``) Whether every queue's feeder thread ended, so that the resource tracker
+        their semaphores registered with may be stopped."""
+        return self._queues_closed
 
     def start_worker(self, rank: int) -> None:
         if self.process is not None:

@@ -1,5 +1,9 @@
-"""The interface ``io.py`` uses on an engine (:class:`EngineProtocol`), and the values it passes around:
-a :class:`Ticket` per scheduled write and the :class:`Status` a poll returns."""
+"""The interface the save session uses on an engine (:class:`EngineProtocol`), and the values it passes
+around: a :class:`Ticket` per scheduled write and the :class:`Status` a poll returns.
+
+``AsyncCheckpointIO`` does not call the engine: its :class:`~lightning_asyncckpt.pipeline.pipeline.SaveSession`
+does, through its run (``pipeline/workers.py`` makes the engine and stops it, ``SaveSession.warmup`` starts its
+worker, ``write_jobs`` schedules a write, ``poller`` and ``committer`` poll and reset)."""
 
 from __future__ import annotations
 
@@ -27,11 +31,16 @@ class Ticket:
     process: BaseProcess | None = None  # fork-per-save: this job's own process
     detail: str = ""
 
+    def died(self, detail: str) -> None:
+        """Records why the job's worker died (the message a failed save reports)."""
+        self.detail = detail
+
 
 @runtime_checkable
 class EngineProtocol(Protocol):
-    """What :class:`~lightning_asyncckpt.integration.io.AsyncCheckpointIO` calls on the engine that ``engines.create``
-    returns. Calls are local to this process: no collectives."""
+    """What the save session's run (:mod:`lightning_asyncckpt.pipeline.workers`, ``write_jobs``, ``poller``,
+    ``committer``) calls on the engine that ``engines.create`` returns. Calls are local to this process: no
+    collectives."""
 
     persistent: bool  # one long-lived worker process (else a process forked per save)
     writer_cls: type  # the engine's DCP ``FileSystemWriterAsync``, which plans and writes shard files

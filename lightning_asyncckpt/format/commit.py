@@ -217,6 +217,20 @@ def replace_dir_with_file(tmp: Path, path: Path) -> None:
     try_remove(aside, "the replaced checkpoint")
 
 
+def publish_file(tmp: Path, path: Path) -> None:
+    """(trainer) Makes the complete file ``tmp`` visible at ``path``: one ``os.replace`` (atomic on every
+    POSIX filesystem; an existing ``path``, e.g. ``last.ckpt``, is replaced in the same step), then an
+    fsync of the directory so that the rename itself is durable."""
+    tmp, path = Path(tmp), Path(path)
+    if not tmp.is_file():
+        raise FileNotFoundError(f"refusing to publish {tmp}: it is not a written checkpoint file")
+    if path.is_dir() and not path.is_symlink():
+        replace_dir_with_file(tmp, path)  # a checkpoint directory of 0.1 (format="dcp") at that path
+        return
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def _replaced_target(entry: Path) -> Path | None:
     """Where the aside ``entry`` belongs: the name its suffix spells in hex, in the same directory. None for
     a name that is no plain entry name (``..``, ``a/b``, a leftover's), which is never put back anywhere."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,6 +24,10 @@ from lightning_asyncckpt.format import commit, integrity
 from lightning_asyncckpt.format.dcp_reader import CheckedReader, failure
 from lightning_asyncckpt.format.metadata import read_metadata
 from lightning_asyncckpt.snapshot import staging, subclasses
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import ReadItem
+    from torch.serialization import MAP_LOCATION
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a sharded checkpoint
 SKELETON_FILE = commit.SKELETON_FILE
@@ -41,13 +45,13 @@ class _RawBytesLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         self.raw[read_item.dest_index.fqn] = value.read()
 
-    def keep_whole(self, read_item: Any, tensor: torch.Tensor) -> None:
+    def keep_whole(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """A tensor subclass item (torchao's optimizer states), kept as saved rather than copied into the plain
         placeholder (which would dequantize it)."""
         self.whole[read_item.dest_index.fqn] = tensor
 
 
-def load(path: Path, map_location: Any = None, weights_only: bool | None = None, verify: bool = True) -> dict[str, Any]:
+def load(path: Path, map_location: MAP_LOCATION = None, weights_only: bool | None = None, verify: bool = True) -> dict[str, Any]:
     """Reads a checkpoint directory back into the dict that was saved (local, no collectives).
 
     Unless ``weights_only`` is ``False``, ``.metadata`` may name only DCP's metadata types (else
@@ -63,7 +67,7 @@ def load(path: Path, map_location: Any = None, weights_only: bool | None = None,
     return _load(path, metadata, map_location, weights_only, verify)
 
 
-def _load(path: Path, metadata: Metadata, map_location: Any, weights_only: bool | None,
+def _load(path: Path, metadata: Metadata, map_location: MAP_LOCATION, weights_only: bool | None,
           verify: bool) -> dict[str, Any]:
     reader = CheckedReader(path, metadata, verify=verify)
     state: dict[str, Any] = {}
@@ -110,7 +114,7 @@ def _load(path: Path, metadata: Metadata, map_location: Any, weights_only: bool 
     return flat
 
 
-def _load_file(source: Any, weights_only: bool | None, what: str = "") -> Any:
+def _load_file(source: Path | io.BytesIO, weights_only: bool | None, what: str = "") -> object:
     """``torch.load`` of a file of the checkpoint; an object ``weights_only`` refuses is an ``UnpicklingError``
     naming the file."""
     try:

@@ -13,6 +13,7 @@ on the rank that read it; DCP's ``load`` gathers every rank's failure, so every 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import mmap
@@ -22,7 +23,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import BinaryIO
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -47,13 +48,13 @@ class CheckedReader(FileSystemReader):
         self.root, self.verify = Path(path), verify
         self._metadata = metadata
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         if hasattr(self._metadata, "storage_meta") and hasattr(self, "load_id"):  # as FileSystemReader does
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            if self._metadata.storage_meta is None:
-                self._metadata.storage_meta = StorageMeta()
-            self._metadata.storage_meta.load_id = self.load_id
+            # new values, not DCP's objects changed in place: the caller's metadata stays as it was read
+            storage_meta = dataclasses.replace(self._metadata.storage_meta or StorageMeta(), load_id=self.load_id)
+            self._metadata = dataclasses.replace(self._metadata, storage_meta=storage_meta)
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -155,7 +156,7 @@ def _load_tensor(data: memoryview | bytes) -> torch.Tensor:
 
 
 @contextmanager
-def _mapped(f: Any) -> Iterator[memoryview | None]:
+def _mapped(f: BinaryIO) -> Iterator[memoryview | None]:
     """The open file as a private, copy-on-write memory map (its pages in the page cache, no copy; a tensor
     loaded on it that were written to would change only this process's copy), or None where it cannot be
     mapped (an empty file, some network filesystems)."""
@@ -175,6 +176,6 @@ def _mapped(f: Any) -> Iterator[memoryview | None]:
             pass
 
 
-def _pread(f: Any, offset: int, length: int) -> memoryview:
+def _pread(f: BinaryIO, offset: int, length: int) -> memoryview:
     f.seek(offset)
     return memoryview(bytearray(f.read(length)))

@@ -14,10 +14,18 @@ allocates at most ``8 x element size`` times the bytes the checkpoint holds, how
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
 
 
-def _dims(value: Any) -> list[int] | None:
+def _dims(value: object) -> list[int] | None:
     """``value`` as a list of non-negative ints (a ``torch.Size``, tuple or list), or None."""
     if not isinstance(value, (tuple, list)):
         return None
@@ -32,7 +40,7 @@ def _numel(dims: list[int]) -> int:
     return n
 
 
-def _itemsize(md: Any) -> int | None:
+def _itemsize(md: TensorStorageMetadata) -> int | None:
     import torch
 
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
@@ -42,7 +50,7 @@ def _itemsize(md: Any) -> int | None:
 BITS_PER_BYTE = 8  # the densest a tensor's elements are stored without a storage transform: one bit each
 
 
-def chunk_elements(metadata: Any) -> dict[Any, int]:
+def chunk_elements(metadata: Metadata) -> dict[MetadataIndex, int]:
     """{storage index: elements of the tensor chunk it holds} for every chunk whose entry is well formed: the
     stored item must hold at least one bit for each."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -63,7 +71,7 @@ def _overlap(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]) -> 
     return all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1]))
 
 
-def _tiling_problem(md: Any) -> str | None:
+def _tiling_problem(md: TensorStorageMetadata) -> str | None:
     """Why the chunks of the tensor entry ``md`` do not lie within its size or do not tile it exactly, or None."""
     size = _dims(getattr(md, "size", None))
     if size is None:
@@ -96,16 +104,16 @@ def _tiling_problem(md: Any) -> str | None:
     return None
 
 
-def too_large(where: str, chunk: Any, elements: int, stored: int) -> str:
+def too_large(where: str, chunk: ChunkStorageMetadata, elements: int, stored: int) -> str:
     return (f"{where}: its chunk of size {list(chunk.sizes)} at {list(chunk.offsets)} declares {elements} elements, "
             f"more than the {stored} bytes stored for it hold at one bit each: refused before anything is allocated")
 
 
-def _name(path: Any) -> str:
+def _name(path: object) -> str:
     return str(path).rsplit("/", 1)[-1]
 
 
-def entry_problems(metadata_file: Any, metadata: Any) -> list[str]:
+def entry_problems(metadata_file: object, metadata: Metadata) -> list[str]:
     """(any rank, before a load allocates anything) What is wrong with the entries of ``metadata`` (read from
     ``metadata_file``, which each problem names with the item): tensors whose chunks do not tile their size,
     chunks or objects with no stored item, chunks larger than the bytes stored for them."""

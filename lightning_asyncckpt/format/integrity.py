@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.entries import BITS_PER_BYTE, chunk_elements, entry_problems
@@ -47,11 +47,17 @@ __all__ = ["ArchiveError", "CorruptCheckpointError", "ZipCheck", "check_director
 
 META_FILE = "meta.pt"
 ZIP_MAGIC = b"PK\x03\x04"
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    OnItem = Callable[[MetadataIndex, _StorageInfo, memoryview], str | None]
+
 _REPLICATED_LAYOUTS = ("single-writer", "distributed")  # layouts whose structure is the skeleton file
 T = TypeVar("T")
 
 
-def shard_path(root: Path, rel: Any) -> Path:
+def shard_path(root: Path, rel: object) -> Path:
     """The file ``rel`` (a ``relative_path`` of ``.metadata``) inside the checkpoint directory ``root``; raises
     :class:`CorruptCheckpointError` for an absolute path, ``..``, or a path that resolves outside ``root``."""
     where = f"{root / commit.METADATA_FILE}: the item path {rel!r}"
@@ -106,8 +112,24 @@ class ItemsCheck:
     crc_checked: int = 0
     problems: list[str] = field(default_factory=list)
 
+    def add_file(self) -> None:
+        """One more shard file opened."""
+        self.files += 1
 
-def decode(path: Path, info: Any, raw: bytes | memoryview) -> bytes | memoryview:
+    def add_item(self) -> None:
+        """One more item seen (its byte range may still be refused before it is read)."""
+        self.items += 1
+
+    def add_read(self, nbytes: int) -> None:
+        """``nbytes`` of an item's bytes read."""
+        self.bytes_read += nbytes
+
+    def add_crc(self, checked: bool) -> None:
+        """An item's bytes were checked against their CRC32s (``checked``), or carried none."""
+        self.crc_checked += checked
+
+
+def decode(path: Path, info: _StorageInfo, raw: bytes | memoryview) -> bytes | memoryview:
     """The item's bytes after DCP's storage transforms (none unless an extension wrote it)."""
     descriptors = getattr(info, "transform_descriptors", None)
     if not descriptors:
@@ -118,7 +140,7 @@ def decode(path: Path, info: Any, raw: bytes | memoryview) -> bytes | memoryview
     return FileSystemReader(str(path)).transforms.transform_load_stream(None, descriptors, stream).read()
 
 
-def _item_problem(path: Path, storage: Any, raw: memoryview, check: ItemsCheck, crc: bool, need: int) -> str | None:
+def _item_problem(path: Path, storage: _StorageInfo, raw: memoryview, check: ItemsCheck, crc: bool, need: int) -> str | None:
     try:
         data = decode(path, storage, raw)
     except Exception as e:  # noqa: BLE001
@@ -127,7 +149,7 @@ def _item_problem(path: Path, storage: Any, raw: memoryview, check: ItemsCheck, 
         return (f"holds {len(data)} bytes, fewer than its tensor chunk's {need} elements at one bit each: refused "
                 "before anything is allocated")
     problem, checked = payload_problem(data, crc)
-    check.crc_checked += checked
+    check.add_crc(checked)
     return problem
 
 
@@ -146,8 +168,8 @@ def payload_problem(data: bytes | memoryview, crc: bool = True) -> tuple[str | N
     return (f"corrupt: {scan.bad[0]}" if scan.bad else None), scan.crc_checked > 0
 
 
-def check_items(path: Path, metadata: Any, crc: bool = True,
-                on_item: Callable[[Any, Any, memoryview], str | None] | None = None) -> ItemsCheck:
+def check_items(path: Path, metadata: Metadata, crc: bool = True,
+                on_item: OnItem | None = None) -> ItemsCheck:
     """Every item of the DCP directory ``path``: its file is a regular file inside ``path`` (:func:`shard_path`),
     its byte range lies within the file, it is a ``torch.save`` archive and (``crc``) its records match their
     CRC32; then ``on_item(index, storage, bytes)`` (``verify``'s deserialization) may name another problem.
@@ -158,7 +180,7 @@ def check_items(path: Path, metadata: Any, crc: bool = True,
     if check.problems and not isinstance(getattr(metadata, "storage_data", None), dict):
         return check
     need, seen = chunk_elements(metadata), {}
-    by_file: dict[str, list[tuple[Any, Any]]] = {}
+    by_file: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = {}
     for index, storage in metadata.storage_data.items():
         if not isinstance(storage.offset, int) or not isinstance(storage.length, int) or storage.offset < 0 \
                 or storage.length < 0:
@@ -172,8 +194,8 @@ def check_items(path: Path, metadata: Any, crc: bool = True,
     return check
 
 
-def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, crc: bool, on_item: Any,
-                      need: dict[Any, int], seen: dict[tuple[int, int], Path]) -> None:
+def _check_file_items(path: Path, rel: object, entries: list, check: ItemsCheck, crc: bool, on_item: OnItem | None,
+                      need: dict[MetadataIndex, int], seen: dict[tuple[int, int], Path]) -> None:
     """The items of one file, in the order of their offsets. Their byte ranges must not overlap, and no file may
     be read under two names (a hard link): else one stored chunk could back any number of declared tensors."""
     try:
@@ -184,7 +206,7 @@ def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, cr
         reason = str(e) if isinstance(e, CorruptCheckpointError) else f"{path / str(rel)}: {e.strerror or e}"
         check.problems.append(f"{reason} (it holds the items {names})")
         return
-    check.files += 1
+    check.add_file()
     with f, mapped(f) as view:
         st = os.fstat(f.fileno())
         size, other = st.st_size, seen.setdefault((st.st_dev, st.st_ino), shard)
@@ -193,7 +215,7 @@ def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, cr
             return
         previous_end = 0
         for index, storage in entries:
-            check.items += 1
+            check.add_item()
             where = f"{shard}: item {index.fqn!r}"
             end = storage.offset + storage.length
             if end > size:
@@ -205,7 +227,7 @@ def _check_file_items(path: Path, rel: Any, entries: list, check: ItemsCheck, cr
                 continue
             previous_end = end
             raw = view[storage.offset:end] if view is not None else memoryview(_pread(f, storage.offset, storage.length))
-            check.bytes_read += len(raw)
+            check.add_read(len(raw))
             try:
                 problem = _item_problem(path, storage, raw, check, crc, need.get(index, 0))
                 if problem is None and on_item is not None:
@@ -258,7 +280,7 @@ def _layout(path: Path) -> str | None:
     return info.get("layout") if info is not None else None
 
 
-def check_directory(path: Path, metadata: Any, crc: bool = True, item_crc: bool | None = None) -> None:
+def check_directory(path: Path, metadata: Metadata, crc: bool = True, item_crc: bool | None = None) -> None:
     """(any rank, before a DCP directory is loaded) :func:`check_items` and :func:`side_file_problems`; raises
     :class:`CorruptCheckpointError` naming the file and the item (and how many more problems there are).
     ``item_crc`` (default: ``crc``) False leaves the items' CRC32 to the reader that loads them
@@ -286,7 +308,7 @@ def check_path(path: Path, crc: bool = True, allow_pickle: bool = False) -> None
         check_file(path, crc=crc)
 
 
-def while_loading(check: Callable[[], Any], load: Callable[[], T]) -> T:
+def while_loading(check: Callable[[], object], load: Callable[[], T]) -> T:
     """(any rank) ``load()``, with the CRC32 pass ``check()`` run beside it in a thread (ISA-L's CRC32 releases the
     GIL: on a machine with a core to spare the check costs no time), and its result returned only once ``check``
     passed: nothing loaded is used before it is verified. A problem ``check`` found is raised rather than the

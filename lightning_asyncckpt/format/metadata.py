@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_asyncckpt.format import commit
 
@@ -48,7 +51,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
     _MODULES = ("torch.distributed.checkpoint.metadata",)
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         import torch
 
         if (module, name) in self._GLOBALS:
@@ -62,7 +65,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"it references {module}.{name}, which is not a type of DCP metadata")
 
 
-def read_metadata(path: Path, allow_pickle: bool = False, hint: str = "") -> Any:
+def read_metadata(path: Path, allow_pickle: bool = False, hint: str = "") -> Metadata:
     """DCP's ``Metadata`` of the checkpoint directory ``path``, unpickled with the restricted unpickler unless
     ``allow_pickle`` (which runs any code the file names: only for checkpoints you trust).
 

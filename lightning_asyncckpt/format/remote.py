@@ -30,7 +30,12 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from datetime import datetime
+
+    from fsspec import AbstractFileSystem
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +52,9 @@ _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "
 METADATA = ".metadata"
 
 
-def is_remote(path: Any) -> bool:
+def is_remote(path: str | os.PathLike) -> bool:
     """A URL that is not a local file: ``s3://bucket/x.ckpt`` yes, ``file:///x`` and ``/x`` no."""
-    text = os.fspath(path) if not isinstance(path, str) else path
+    text = os.fspath(path)
     if isinstance(text, bytes):
         text = text.decode()
     return "://" in text and not text.startswith("file://")
@@ -63,7 +68,7 @@ def parent(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[0]
 
 
-def filesystem(url: str, writing: bool = True) -> tuple[Any, str]:
+def filesystem(url: str, writing: bool = True) -> tuple[AbstractFileSystem, str]:
     """(any process) The fsspec filesystem for ``url`` and the path within it; a clear error for an
     unknown scheme, a backend that is not installed, or (``writing``) one the worker cannot reach."""
     import fsspec
@@ -160,7 +165,7 @@ def last_checkpoint(dirpath: str) -> str | None:
     def complete(e: dict) -> bool:  # a file, or a DCP directory (a prefix) with its metadata
         return e.get("type") == "file" or fs.exists(f"{e['name']}/{METADATA}")
 
-    def modified(e: dict) -> Any:
+    def modified(e: dict) -> datetime:
         return fs.modified(e["name"] if e.get("type") == "file" else f"{e['name']}/{METADATA}")
 
     found = [e for e in fs.ls(path, detail=True)

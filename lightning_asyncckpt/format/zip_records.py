@@ -16,7 +16,10 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from torch._C import PyTorchFileReader
 
 _CHUNK = 16 << 20
 
@@ -72,7 +75,7 @@ class MemoryFile(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: bytearray | memoryview) -> int:
         n = max(0, min(len(buffer), len(self.view) - self.pos))
         buffer[:n] = self.view[self.pos:self.pos + n]
         self.pos += n
@@ -106,7 +109,7 @@ def scan_torch_zip(data: bytes | memoryview | BinaryIO) -> ZipCheck:
         return _scan(MemoryFile(view), view) if view is not None else _scan(data, None)
 
 
-def _scan(f: Any, view: memoryview | None) -> ZipCheck:
+def _scan(f: BinaryIO | MemoryFile, view: memoryview | None) -> ZipCheck:
     import torch
 
     try:
@@ -148,7 +151,7 @@ def _scan(f: Any, view: memoryview | None) -> ZipCheck:
     return check
 
 
-def _local_header_problem(reader: Any, f: Any, name: str, member: zipfile.ZipInfo) -> str | None:
+def _local_header_problem(reader: PyTorchFileReader, f: BinaryIO | MemoryFile, name: str, member: zipfile.ZipInfo) -> str | None:
     """What is wrong with the record's local header (its signature, its name, where its data begins by it and by
     torch's reader), or None."""
     f.seek(member.header_offset)
@@ -163,7 +166,7 @@ def _local_header_problem(reader: Any, f: Any, name: str, member: zipfile.ZipInf
     return None
 
 
-def _read_record(reader: Any, f: Any, view: memoryview | None, name: str, member: zipfile.ZipInfo) -> tuple[int, int]:
+def _read_record(reader: PyTorchFileReader, f: BinaryIO | MemoryFile, view: memoryview | None, name: str, member: zipfile.ZipInfo) -> tuple[int, int]:
     """(size, CRC32) of the record ``name`` as torch reads it: a stored record (as torch writes them) from the
     offset torch's reader gives (what ``torch.load(mmap=True)`` maps), else the whole record."""
     if member.compress_type != zipfile.ZIP_STORED or not hasattr(reader, "get_record_offset"):

@@ -319,8 +319,8 @@ def automatic_finalizer() -> AsyncFinalizerCallback:
 
 def external_callbacks() -> list[Callback]:
     """No callbacks: where an earlier install left the package's Lightning ``callbacks_factory`` entry point
-    (installing again removes it), this is what it gives every Trainer now. The finalizer goes only to Trainers made with
-    the plugin (:mod:`~lightning_asyncckpt.integration.autoattach`)."""
+    (installing again removes it), this is what it gives every Trainer now. The finalizer goes only to
+    Trainers made with the plugin (:mod:`~lightning_asyncckpt.integration.autoattach`)."""
     return []
 
 

@@ -7,7 +7,7 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_asyncckpt.format import commit, integrity, remote
+from lightning_asyncckpt.format import commit, destination, integrity
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.lightning_api import TorchCheckpointIO
@@ -24,27 +24,26 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
     fsspec); a clear error for a missing or incomplete one. A local one is checked first
     (:mod:`~lightning_asyncckpt.format.integrity`: a regular file, inside the checkpoint; with ``verify`` every
     record's CRC32): a damaged one raises ``CorruptCheckpointError`` naming the file and the record."""
-    if isinstance(path, str):
-        remote.forget(path)
-        fs, inner = remote.filesystem(path, writing=False)
-        if fs.isdir(inner):  # a DCP directory: read from a local copy
-            with remote.localize(path) as local:
-                return load(local, map_location=map_location, weights_only=weights_only, verify=verify)
-    if isinstance(path, str) or not path.is_dir() and path.exists():
+    where = destination.of(path)
+    far, path = where.is_remote, where.location
+    if far and where.is_directory():  # a remote DCP directory: read from a local copy
+        with where.localize() as local:
+            return load(local, map_location=map_location, weights_only=weights_only, verify=verify)
+    if far or not path.is_dir() and path.exists():
         # stock's file: read as stock reads it (onto the CPU unless told otherwise), once checked
         # Lightning's callable map_location as "cpu", so that tensor subclasses (torchao's) load too
         kwargs = {"map_location": map_location_for_file(map_location)}
-        if not isinstance(path, str):
+        if not far:
             integrity.check_file(path, crc=False)  # a regular file, before it is opened for the load
         try:
-            if isinstance(path, str) or not verify:
+            if far or not verify:
                 return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
             return integrity.while_loading(lambda: integrity.check_file(path),
                                            lambda: TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs))
         except pickle.UnpicklingError as e:  # torch's message does not say which file
             raise pickle.UnpicklingError(f"{path}: {e}") from None
         except Exception as e:
-            if isinstance(path, str) or integrity.is_torch_zip(path):
+            if far or integrity.is_torch_zip(path):
                 raise
             # a legacy (not zip) file, unchecked: random bytes fail in any way; say which file
             raise integrity.CorruptCheckpointError(f"{path}: not a checkpoint ({integrity.first_line(e)})") from e
@@ -57,9 +56,8 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
 
 def is_sharded(path: object) -> bool:
     """Whether ``path`` is a local, committed sharded checkpoint directory (Lightning's layout: ``meta.pt``)."""
-    if not isinstance(path, (str, Path)) or remote.is_remote(path):
-        return False
-    return Path(path).is_dir() and commit.is_committed(Path(path)) and (Path(path) / dcp_format.META_FILE).is_file()
+    local = destination.plain_path(path)
+    return local is not None and local.is_dir() and commit.is_committed(local) and (local / dcp_format.META_FILE).is_file()
 
 
 def load_sharded(path: Path, state: dict[str, object], strict: bool, weights_only: bool | None, verify: bool,

@@ -7,7 +7,7 @@ look for files that do not exist yet. The relay, set up by ``AsyncFinalizerCallb
 
 - replaces each of the trainer's loggers' ``after_save_checkpoint`` with a wrapper (an instance attribute,
   given back at ``detach``) that records the call with how many saves this rank had scheduled so far
-  (``AsyncCheckpointIO.saves_scheduled``);
+  (``SaveSession.saves_scheduled``);
 - after every finalize (``replay``), makes the recorded calls, in the order Lightning made them, whose
   saves have all committed; a call for which one of those saves did not commit (the failure is raised
   as ``CheckpointWriteError`` by the finalize) is dropped, never made.
@@ -18,7 +18,7 @@ at once, after the calls recorded before it.
 A deferred call sees what stock's call would have seen: the logger gets a copy of the checkpoint
 callback's state as it was when Lightning made the call (its ``best_k_models``, ``last_model_path``,
 scores), and the removals Lightning asked for meanwhile (top-k) wait until the deferred calls are made
-(``AsyncCheckpointIO.hold_removals``), so a checkpoint that fell out of the top k is still there for
+(``SaveSession.hold_removals``), so a checkpoint that fell out of the top k is still there for
 the call that announces it.
 """
 

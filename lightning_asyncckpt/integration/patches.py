@@ -51,6 +51,14 @@ def _missing(owner: object, name: str) -> None:
                     installed_version("lightning"), what)
 
 
+def _set(owner: object, name: str, value: object) -> None:
+    """``owner.name = value``: the one place the package sets an attribute of Lightning's objects and classes
+    (or marks a wrapper of its own). It must: wrapping a method of a class or object we do not own is what a
+    patch is. Every such change is made by :func:`_wrap` or :func:`hook_method` for a trainer that uses the
+    plugin, and undone by :func:`_give_back` or :class:`InstancePatches` after it."""
+    setattr(owner, name, value)
+
+
 def _wrap(owner: object, name: str, make: Callable[[F], F]) -> tuple[F, object] | None:
     """Sets ``owner.name`` to ``make(current)``, marked; returns ``(wrapper, owner's own attribute before)``,
     or None where ``owner`` has no such method or it is ours already."""
@@ -62,8 +70,8 @@ def _wrap(owner: object, name: str, make: Callable[[F], F]) -> tuple[F, object] 
         return None
     before = vars(owner).get(name) if hasattr(owner, "__dict__") else None
     wrapper = make(current)
-    setattr(wrapper, MARK, True)
-    setattr(owner, name, wrapper)
+    _set(wrapper, MARK, True)
+    _set(owner, name, wrapper)
     return wrapper, before
 
 
@@ -73,7 +81,7 @@ def _give_back(owner: object, name: str, wrapper: Callable[..., object], before:
         if before is None:
             delattr(owner, name)
         else:
-            setattr(owner, name, before)
+            _set(owner, name, before)
 
 
 class MethodHook:
@@ -101,8 +109,8 @@ def hook_method(obj: object, name: str, around: Callable[..., object]) -> bool:
     if name in vars(obj):
         return False
     hook = MethodHook(obj, name, around)
-    setattr(hook, MARK, True)
-    setattr(obj, name, hook)
+    _set(hook, MARK, True)
+    _set(obj, name, hook)
     return True
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import override
 
-from lightning_asyncckpt.format import commit, integrity, metadata, paths, remote
+from lightning_asyncckpt.format import commit, destination, integrity, metadata, paths
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.integration import autoattach, lightning_api, loading
 from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
@@ -222,11 +222,9 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         restored = io.session.take_restored(checkpoint_path)
         if restored is not None:  # the local tier's recovery fetched this rank's shards (tier_resume)
             return self._load_tier(restored)
-        path = paths.checkpoint_path(self.broadcast(checkpoint_path))
-        if isinstance(path, str):  # an object store: every rank reads from its own local copy
-            with remote.localize(path) as local:
-                return self._load_local(io, local, weights_only)
-        return self._load_local(io, path, weights_only)
+        where = destination.of(self.broadcast(checkpoint_path))
+        with where.localize() as local:  # an object store's: every rank reads from its own local copy
+            return self._load_local(io, local, weights_only)
 
     def _load_local(self, io: AsyncCheckpointIO, path: Path, weights_only: bool | None) -> dict[str, Any]:
         if path.is_dir() and commit.is_committed(path):

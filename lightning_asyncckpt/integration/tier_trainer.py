@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_BUILDING_LOCAL = contextvars.ContextVar("lightning_asyncckpt_building_local", default=False)
+_BUILDING_LOCAL = contextvars.ContextVar("building_local_checkpoint", default=False)
 
 
 def start(trainer: Trainer, io: AsyncCheckpointIO | None) -> LocalTierHook | None:
@@ -116,7 +116,7 @@ def step_end(trainer: Trainer, io: AsyncCheckpointIO) -> bool:
                         lazy=io.session.lazy_rule(), hook=io.copy_hook)
     if not end.preempted:
         return False
-    trainer.should_stop = True
+    trainer.should_stop = True  # Lightning's own way to end fit after this batch (its public attribute)
     if tier.preemption_signal is not None:
         log.warning("lightning-asyncckpt: global rank %d received %s", trainer.global_rank, tier.preemption_signal)
     if trainer.is_global_zero:

@@ -19,7 +19,6 @@ from lightning_asyncckpt.pipeline.failures import Failed
 from lightning_asyncckpt.pipeline.records import SaveRecord, written_bytes
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
-from lightning_asyncckpt.write import torch_file
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +45,11 @@ def commit_save(run: Run, save: Save, all_results: list, rank: int, coordinator:
             if not save.writes_file:  # a file is complete when written; a DCP directory once .metadata is
                 save.plan.writer.finish(save.plan.metadata, all_results)
             save.faults.check(save.faults.before_publish, save.path)
-            if isinstance(save.path, str):  # a remote file was visible once uploaded; a directory now
-                if not save.writes_file:
-                    run.remote.publish(save, all_results)
-                    save.to(SaveState.PUBLISHING)
-                    return None
-            else:
-                (torch_file.publish_file if save.writes_file else commit.publish)(save.tmp, save.path)
+            if save.remote and not save.writes_file:  # its .metadata is uploaded off the training thread
+                run.remote.publish(save, all_results)
+                save.to(SaveState.PUBLISHING)
+                return None
+            save.destination.publish(save.tmp, save.writes_file)  # a remote file was visible once uploaded
         except Exception as e:  # noqa: BLE001 - becomes a value, raised on every rank by finalize
             return RankFailure.from_exception(rank, e)
     record_commit(run, save, all_results, rank)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -131,7 +131,7 @@ def plan_save(
         nonlocal metadata
         all_plans, metadata = planner.create_global_plan(all_plans)
         if planner_data is not None:  # where each flat item sits in the nested dict (DCP's own unflattening)
-            metadata.planner_data = planner_data
+            metadata = replace(metadata, planner_data=planner_data)  # a new value, as DCP's planner makes
         return writer.prepare_global_plan(all_plans)
 
     if distributed and cache is not None:  # every rank plans locally; one all-reduce decides on reuse

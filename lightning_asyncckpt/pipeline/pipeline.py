@@ -2,8 +2,11 @@
 
 ``AsyncCheckpointIO`` (``integration/io.py``) is the face Lightning and Fabric call; it holds a session and
 hands it every save. The session owns what those saves share: its frozen :class:`Settings`, the committed
-``history``, the current :class:`~lightning_asyncckpt.pipeline.run.Run`, the cross-rank ``Agreement``, the exit
-group, the interpreter-exit hook, the tracked optimizers and the local tier's run, when attached.
+``history``, the cross-rank ``Agreement``, the tracked optimizers, the local tier's run, when attached, and the
+run's lifecycle (:class:`~lightning_asyncckpt.pipeline.lifecycle.RunLifecycle`: the current
+:class:`~lightning_asyncckpt.pipeline.run.Run`, the exit group, the interpreter-exit hook, the drain on the way
+out). The values it is handed or keeps (:class:`Instruments`, :class:`SaveCalls`, :class:`AttachedTier`) are
+in :mod:`~lightning_asyncckpt.pipeline.session_parts`.
 
 Its verbs: :meth:`~SaveSession.submit` a save, :meth:`~SaveSession.finalize` (commit what finished, raise
 failures on every rank), :meth:`~SaveSession.abort` (drain what is in flight, then stop) and
@@ -19,84 +22,29 @@ teardown, abort, and :meth:`~SaveSession.wait_for_snapshot` itself.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
-import sys
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
-from lightning_asyncckpt.faults.policy import FaultPolicy
 from lightning_asyncckpt.format import paths
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import committer, finalizer, poller, scheduler, settle_copy, write_jobs
 from lightning_asyncckpt.pipeline.agreement import Agreement
-from lightning_asyncckpt.pipeline.drain import AtExit, ExitGroup, drain
+from lightning_asyncckpt.pipeline.lifecycle import Phase, RunLifecycle
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.run import Run
 from lightning_asyncckpt.pipeline.save import Save
+from lightning_asyncckpt.pipeline.session_parts import AttachedTier, Instruments, SaveCalls
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.snapshot import staging
 from lightning_asyncckpt.snapshot.lazy import TrackedState
 
+__all__ = ["AttachedTier", "Instruments", "Phase", "SaveCalls", "SaveSession"]
+
 log = logging.getLogger(__name__)
-
-
-class Phase(enum.Enum):
-    """Who settles the saves of the current run."""
-
-    OPEN = "open"  # nobody said: a Trainer save outside any stage completes before it returns
-    BEGUN = "begun"  # a Trainer stage (the callback) or the user (warmup, ``with``) will finalize
-    CLOSED = "closed"  # torn down: nobody finalizes, so a save completes before it returns
-
-
-class AttachedTier(Protocol):
-    """What the session asks of the local tier's run (``tiers.run.TierRun``) that it holds."""
-
-    def wait_copy(self) -> None:
-        """(every rank, before the optimizer step) Waits for a lazy local save's copy."""
-
-    def take(self, key: Path | str) -> dict[str, object] | None:
-        """(every rank, at a load) The checkpoint the tier's recovery fetched for ``key``, once; else None."""
-
-
-@dataclass(frozen=True)
-class Instruments:
-    """What a test or a user's CI puts into a save (``AsyncCheckpointIO``'s ``faults``, ``write_hook`` and
-    ``copy_hook``, read at each save).
-
-    Attributes:
-        faults: where injected faults come from (:mod:`lightning_asyncckpt.testing`).
-        write_hook: picklable; the worker calls it with the buckets before writing.
-        copy_hook: a lazy snapshot's copy thread calls it before copying (``testing.HoldCopy``).
-    """
-
-    faults: FaultPolicy
-    write_hook: Callable[[list], None] | None = None
-    copy_hook: Callable[[], None] | None = None
-
-
-@dataclass
-class SaveCalls:
-    """This rank's save calls, counted from 1 as each begins (what injected faults target), and those of
-    them that committed (the run's committer adds to ``committed``)."""
-
-    scheduled: int = 0
-    committed: set[int] = field(default_factory=set)
-
-    def next(self) -> int:
-        self.scheduled += 1
-        return self.scheduled
-
-    def settled(self, mark: int, since: int, unsettled: list[int]) -> bool | None:
-        """``None`` while a call numbered ``since + 1`` to ``mark`` is in ``unsettled``; else whether each committed."""
-        if any(since < call <= mark for call in unsettled):
-            return None
-        return all(call in self.committed for call in range(since + 1, mark + 1))
 
 
 class SaveSession:
@@ -107,14 +55,10 @@ class SaveSession:
         self.settings = settings  # frozen: replaced whole (and validated again) by configure
         self.history: list[SaveRecord] = []  # every committed save, oldest first
         self._agreement = Agreement()
-        self._run: Run | None = None
-        self._phase = Phase.OPEN
+        self._life = RunLifecycle()  # the current run, who settles it, and what ends it
         # begin_run's ``collective``: every rank will write DCP directories (None: no begin_run, so unknown)
         self._collective_run: bool | None = None
         self._calls = SaveCalls()
-        self._handling_at_start: BaseException | None = None  # the exception being handled as the run began
-        self._exit_group = ExitGroup()
-        self._at_exit = AtExit()
         self._tracked = TrackedState()  # the optimizers given to track_optimizers (weakly), for every run
         self._tier: AttachedTier | None = None  # the local tier's run, attached at setup on every rank
 
@@ -123,8 +67,7 @@ class SaveSession:
         ``torch.save(trainer)`` works. The copy starts no worker until it saves; the saves in flight stay
         with the original."""
         state = dict(self.__dict__)
-        state.update(_run=None, _phase=Phase.OPEN, _exit_group=ExitGroup(), _at_exit=AtExit(), _handling_at_start=None,
-                     _tracked=TrackedState())
+        state.update(_life=RunLifecycle(), _tracked=TrackedState())
         return state
 
     # settings ---------------------------------------------------------------------------------------------
@@ -149,7 +92,7 @@ class SaveSession:
     @property
     def exit_group_ready(self) -> bool:
         """Whether the group for committing collective saves on the way out exists and is usable."""
-        return self._exit_group.usable()
+        return self._life.exit_group_ready()
 
     def worker_pids(self) -> list[int]:
         """PIDs of this rank's live background writers (the persistent worker, or forked ones)."""
@@ -222,7 +165,7 @@ class SaveSession:
 
         Args:
             collective: every rank will write DCP directories (sharded or ``AsyncDDPStrategy`` saves)."""
-        self._phase = Phase.BEGUN
+        self._life.begin()
         self._collective_run = collective
         self._ensure_run()
         if collective:
@@ -234,7 +177,7 @@ class SaveSession:
 
         Args:
             like: a checkpoint like the ones to come, or None."""
-        self._phase = Phase.BEGUN
+        self._life.begin()
         # a Trainer stage whose saves are single torch.save files (begin_run, not collective) never needs DCP's
         # writer in its worker; a user's warmup may come before any kind of save
         directories = self._collective_run is not False or self.settings.format == "dcp"
@@ -331,9 +274,9 @@ class SaveSession:
             faults=instruments.faults.for_save(rank, call, s.engine, s.worker), call=call,
             write_hook=instruments.write_hook, copy_hook=instruments.copy_hook,
         )
-        self._at_exit.arm(self, SaveSession.abort)
+        self._life.arm_exit(self, SaveSession.abort)
         scheduler.submit(run, self._agreement, s, save, storage_options, self._begin_collective_saves)
-        if self._phase is Phase.CLOSED or (trainer_save and self._phase is Phase.OPEN):
+        if self._life.completes_now(trainer_save):
             self._complete_now(collective)
 
     def wait_for_snapshot(self) -> None:
@@ -386,19 +329,8 @@ class SaveSession:
     def abort(self) -> None:
         """(the ranks that raised; never raises) Lets the saves in flight land (``drain_timeout_s``), then
         stops the workers and drops unfinished saves. What goes wrong on the way is logged."""
-        if self._run is not None and self._phase is not Phase.CLOSED:
-            drain_timeout_s = self.settings.drain_timeout_s
-            deadline = time.monotonic() + drain_timeout_s  # one bound for the lazy copy's wait and the drain
-            try:
-                if self._run.copying is not None:  # a clean lazy snapshot is handed over, to land like the others
-                    settle_copy.finish_copy(self._run, self._agreement, self.settings, within_s=drain_timeout_s)
-            except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
-                log.exception("lightning-asyncckpt: the lazy snapshot in flight failed")
-            try:
-                left = max(0.0, deadline - time.monotonic())
-                drain(self._run, self.settings, self._agreement.rank, self._exit_group, left)
-            except Exception:  # noqa: BLE001 - on the way out: report, never mask the original error
-                log.exception("lightning-asyncckpt: error while draining the saves in flight")
+        if not self._life.closed:
+            self._life.drain(self._agreement, self.settings)
         try:
             self._stop(abort=True)
         except Exception:  # noqa: BLE001
@@ -410,12 +342,11 @@ class SaveSession:
         it is :meth:`abort`, so as not to mask it; one the user was already handling when the run began (a
         retry loop's ``except`` block) does not count. A rank that never saved agrees too: Fabric's rank 0
         saves alone and every rank tears down."""
-        propagating = sys.exc_info()[1]
-        if propagating is not None and propagating is not self._handling_at_start:
+        if self._life.raised_during_run():
             self.abort()
             return
         try:
-            if self._phase is not Phase.CLOSED:
+            if not self._life.closed:
                 self.wait_for_snapshot()
                 finalizer.finalize(self._ensure_run(), self._agreement, self.settings, blocking=True, force=True)
         finally:
@@ -423,7 +354,7 @@ class SaveSession:
 
     # private ----------------------------------------------------------------------------------------------
     def _begin_collective_saves(self) -> None:
-        self._exit_group.make(self._agreement, self.settings.drain_timeout_s)  # (all ranks, together)
+        self._life.make_exit_group(self._agreement, self.settings.drain_timeout_s)  # (all ranks, together)
 
     def _complete_now(self, collective: bool) -> None:
         # no loop will finalize this save (torn down, e.g. `trainer.save_checkpoint` after `fit`; or a Trainer
@@ -435,17 +366,17 @@ class SaveSession:
         finally:
             self._stop(abort=False)
 
+    @property
+    def _run(self) -> Run | None:
+        return self._life.run
+
     def _ensure_run(self) -> Run:
-        if self._run is None:
-            s = self.settings
-            self._run = Run(s.engine_name, s.worker_mode, self.history, self._calls.committed,
-                            worker_nice=s.worker_nice, tracked=self._tracked)
-            self._handling_at_start = sys.exc_info()[1]
-        return self._run
+        return self._life.ensure(self._new_run)
+
+    def _new_run(self) -> Run:
+        s = self.settings
+        return Run(s.engine_name, s.worker_mode, self.history, self._calls.committed, worker_nice=s.worker_nice,
+                   tracked=self._tracked)
 
     def _stop(self, abort: bool) -> None:
-        self._phase = Phase.CLOSED
-        self._at_exit.disarm()
-        run, self._run = self._run, None
-        if run is not None:
-            run.close(self._agreement.rank, abort)
+        self._life.stop(self._agreement.rank, abort)

@@ -67,7 +67,7 @@ class SaveRecord:
 
 class Ledger:
     """What this rank's saves came to, kept by the plugin across its runs: the records of the committed
-    saves, oldest first, and the numbers of the save calls that committed (``SavePipeline.saves_settled``).
+    saves, oldest first, and the numbers of the save calls that committed (``SaveSession.saves_settled``).
     Both are the plugin's own containers, shared: a record outlives the run that made it."""
 
     def __init__(self, history: list[SaveRecord], committed_calls: set[int] | None = None) -> None:

@@ -14,7 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from lightning_asyncckpt.format import commit, remote
+from lightning_asyncckpt.format import destination, remote
 
 if TYPE_CHECKING:
     from lightning_asyncckpt.pipeline.save import Save
@@ -57,15 +57,16 @@ class RemoteOps:
     def remove(self, path: Path | str, what: str) -> None:
         """(this rank, retention) Removes a checkpoint: a local one now; a remote one in the background
         thread, so that object-store calls stay off the training thread."""
-        if isinstance(path, Path):
-            commit.try_remove(path, what)
+        where = destination.of(path)
+        if where.is_remote:
+            self.background(where.discard, what)
         else:
-            self.background(remote.remove, path, what)
+            where.discard(what)
 
     def publish(self, save: Save, results: list) -> None:
         """(the coordinator) Uploads ``save``'s ``.metadata`` in the background; :meth:`settled` says when
         it ended."""
-        upload = self.background(remote.publish_metadata, save.tmp, save.path)
+        upload = self.background(save.destination.publish, save.tmp, save.writes_file)
         self._publishing.append(Publish(save, upload, results, time.monotonic()))
 
     def saves(self) -> list[Save]:

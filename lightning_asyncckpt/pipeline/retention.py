@@ -87,7 +87,7 @@ class Retention:
 
     def _run(self) -> None:
         if self._held:
-            return  # the logger relay has calls to make first (``SavePipeline.hold_removals``)
+            return  # the logger relay has calls to make first (``SaveSession.hold_removals``)
         keep = []
         for removal in self._waiting:
             if removal.after <= self._newest_ok:

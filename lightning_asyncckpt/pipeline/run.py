@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from lightning_asyncckpt import engines
 from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format.destination import Destination
 from lightning_asyncckpt.pipeline.failures import FailureLog
 from lightning_asyncckpt.pipeline.pending import PendingQueue
 from lightning_asyncckpt.pipeline.plan_cache import PlanCache
@@ -133,7 +134,7 @@ class Run:
         return self._copying
 
     # -- the run's life --------------------------------------------------------------------------------
-    def start(self, rank: int, dirpath: Path | str | None) -> engines.Engine:
+    def start(self, rank: int, dirpath: Destination | None) -> engines.Engine:
         """(writing ranks, as a save starts) The engine (its worker starts at the first write or
         ``warmup``), the results directory, and ``dirpath`` swept of dead saves' leftovers
         (:meth:`TempNames.sweep`).

@@ -1,6 +1,6 @@
 """``Save``: one save, one object, from the save call to its end, with an explicit state.
 
-Made by ``SavePipeline`` on the training thread of each saving rank when a save is asked for; filled in
+Made by :class:`~lightning_asyncckpt.pipeline.pipeline.SaveSession` (``submit``) on the training thread of each saving rank when a save is asked for; filled in
 as it goes (``scheduler`` snapshots and hands it over, ``poller`` sees its write end, ``committer`` makes
 it a checkpoint); every change of state is a named transition (:meth:`Save.to`), checked against
 :data:`TRANSITIONS`, so that a save can never, say, commit after it was abandoned.
@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 from lightning_asyncckpt.engines import Ticket
 from lightning_asyncckpt.faults.policy import NO_FAULTS, SaveFaults
+from lightning_asyncckpt.format import destination
+from lightning_asyncckpt.format.destination import Destination
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan, WritePlan
 from lightning_asyncckpt.snapshot import lazy, staging
@@ -95,9 +97,10 @@ class SaveRequest:
     step: int | None = None  # the checkpoint's global_step, for the record
     extra_files: list[ExtraFile] = field(default_factory=list)
     faults: SaveFaults = NO_FAULTS
-    call: int = 0  # this rank's save call it came from, counted from 1 (``SavePipeline.saves_scheduled``)
+    call: int = 0  # this rank's save call it came from, counted from 1 (``SaveSession.saves_scheduled``)
     write_hook: Callable[[list], None] | None = None  # picklable; the worker calls it with the buckets before writing
     copy_hook: Callable[[], None] | None = None  # a lazy snapshot's copy thread calls it before it copies (testing.HoldCopy)
+    destination: Destination | None = None  # where ``path`` is, once validated
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,12 @@ class Save:
         return self.request.path
 
     @property
+    def destination(self) -> Destination:
+        """Where it goes: temp paths, publish, discard (the checked one, once validated)."""
+        checked = self.request.destination
+        return checked if checked is not None else destination.of(self.path)
+
+    @property
     def layout(self) -> Layout:
         return self.request.layout
 
@@ -202,9 +211,9 @@ class Save:
         return self.request.copy_hook
 
     # -- the steps, in the order a save takes them ----------------------------------------------------
-    def validated(self, path: Path | str) -> None:
-        """(scheduler) The checked destination replaces the one the caller gave."""
-        self.request = replace(self.request, path=path)
+    def validated(self, checked: Destination) -> None:
+        """(scheduler) The checked destination replaces the path the caller gave."""
+        self.request = replace(self.request, path=checked.location, destination=checked)
 
     def placed(self, order: int, tmp: Path | str, rank: int) -> None:
         """(scheduler) Its position in this rank's queue, the hidden path it is written to, and whose part it is."""
@@ -303,4 +312,4 @@ class Save:
     def remote(self) -> bool:
         """Written to an object store: nothing to publish or clean up locally (an unfinished upload is
         never visible; the worker discards a failed one)."""
-        return isinstance(self.path, str)
+        return self.destination.is_remote

@@ -58,12 +58,12 @@ def submit(
         snapshot, local_error = None, None
         try:
             save.validated(paths.check_save_path(save.path, storage_options, save.writes_file))
-            run.start(rank, paths.parent(save.path))
+            run.start(rank, save.destination.parent())
             poller.settle_local(run, settings, rank, blocking=False)
             if not agreement.active:
                 run.failures.raise_local()
             poller.wait_for_room(run, settings, rank)
-            if isinstance(save.path, str):
+            if save.remote:
                 poller.wait_for_path(run, settings, rank, save.path, run.workers.persistent)
             if collective:
                 snapshot = take_snapshot(run, agreement, save, _lazy_rule(run, settings))
@@ -212,7 +212,7 @@ def drop(run: Run, save: Save, snapshot: staging.Snapshot | None) -> None:
     directory (a single writer's, or a remote save's local spool), and the hold on the buffers of
     ``snapshot`` (pass None while a copy thread may still write into them). A remote file is never visible.
     The caller moves the save to its end state."""
-    if (not save.collective or isinstance(save.path, str)) and isinstance(save.tmp, Path):
+    if (not save.collective or save.remote) and isinstance(save.tmp, Path):
         commit.try_remove(save.tmp, "the unfinished save")
     run.stager.release(snapshot.buffer_set if snapshot is not None else None)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning_asyncckpt.format import commit, remote
+from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.format.destination import Destination
 from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.save import Save
 
@@ -31,22 +32,17 @@ class TempNames:
         """How many saves were scheduled on this rank: the order of the newest."""
         return self._order
 
-    def sweep(self, rank: int, dirpath: Path | str | None) -> None:
+    def sweep(self, rank: int, dirpath: Destination | None) -> None:
         """(writing ranks, as a save starts) Once per directory: for rank 0 the leftovers of dead saves in
         ``dirpath`` removed (the directory made if missing); a remote ``dirpath`` is checked instead (a
         missing bucket is an error here, at save time), and this node's spool swept of dead runs' parts."""
-        if isinstance(dirpath, str) and dirpath not in self._swept:
-            remote.check_directory(dirpath)
-            spool = remote.spool_root()
-            if spool not in self._swept:  # parts of dead runs' directory saves on this node
-                commit.cleanup_leftovers(spool, keep_prefix=commit.tmp_for(spool / "x", self._token).name)
-                self._swept.add(spool)
-            self._swept.add(dirpath)
-        elif dirpath is not None and dirpath not in self._swept:
-            dirpath.mkdir(parents=True, exist_ok=True)
-            if rank == 0:
-                commit.cleanup_leftovers(dirpath, keep_prefix=commit.tmp_for(dirpath, self._token).name)
-            self._swept.add(dirpath)
+        if dirpath is None or dirpath.location in self._swept:
+            return
+        spool = dirpath.open_directory(rank, self._token)
+        if spool is not None and spool not in self._swept:  # parts of dead runs' directory saves on this node
+            commit.cleanup_leftovers(spool, keep_prefix=commit.tmp_for(spool / "x", self._token).name)
+            self._swept.add(spool)
+        self._swept.add(dirpath.location)
 
     def next_save(self, agreement: Agreement, save: Save, on_first_collective: Callable[[], None]) -> tuple[int, Path | str]:
         """(the saving ranks; every rank, same order, for a collective save) Counts the save and names the
@@ -58,15 +54,12 @@ class TempNames:
             The save's order on this rank, and its hidden path.
         """
         self._order += 1
-        if isinstance(save.path, str) and save.writes_file:
-            return self._order, save.path
-        # a spool directory is per rank: the ranks of one node share the spool root
-        base, spool = (remote.spool_root() / "x", f"-r{agreement.rank}") if isinstance(save.path, str) else (save.path, "")
         if not save.collective:
-            return self._order, commit.tmp_for(base, f"{self._token}-{self._order}")
+            return self._order, save.destination.temp_path(f"{self._token}-{self._order}", save.writes_file)
         if not self._token_agreed:
             self._token = agreement.all_gather(self._token)[0]
             self._token_agreed = True
             on_first_collective()  # every rank is here (Fabric; the Trainer made its exit group at setup)
         self._collective_count += 1
-        return self._order, commit.tmp_for(base, f"{self._token}-c{self._collective_count}{spool}")
+        name = f"{self._token}-c{self._collective_count}"
+        return self._order, save.destination.temp_path(name, save.writes_file, rank=agreement.rank)

@@ -74,7 +74,7 @@ def dcp_job(run: Run, save: Save, planned: DcpPlan, result_path: Path, gate: tup
     plan = planned.plan
     job = DcpJob(run.engine.writer_cls, plan.transforms, plan.buckets, str(result_path),
                  with_hook(save.faults, save.write_hook), planned.extra,
-                 (str(tmp), save.path) if isinstance(save.path, str) else None, gate)
+                 save.destination.upload_from(tmp), gate)
     return run.engine.schedule(dcp_writer.write_job, (job,))
 
 

@@ -42,6 +42,13 @@ class Lease:
     ready: threading.Event = field(default_factory=threading.Event)
     released: bool = False
 
+    def release(self) -> bool:
+        """Marks the lease released; returns ``False`` if it already was (releasing twice is harmless)."""
+        if self.released:
+            return False
+        self.released = True
+        return True
+
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
         return self.buffer_set.buffers
@@ -72,9 +79,8 @@ class BufferPool:
     def release(self, lease: Lease | None) -> None:
         """The save holding ``lease`` no longer needs its buffers (its write ended, or it was dropped): the
         save following it may copy into them, or a later save reuse them."""
-        if lease is None or lease.released:
+        if lease is None or not lease.release():
             return
-        lease.released = True
         holders = lease.buffer_set.holders
         holders.remove(lease)
         if holders:

@@ -43,11 +43,17 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from lightning_asyncckpt.snapshot import subclasses
+
+if TYPE_CHECKING:
+    from lightning_asyncckpt.snapshot.staging import Deferred
+
+    class Gate(Protocol):  # lightning_asyncckpt.write.gate.Gate
+        def decide(self, go: bool) -> object: ...
 
 SNAPSHOT_MODES = ("eager", "lazy")
 
@@ -106,7 +112,7 @@ class TrackedState:
     def __init__(self) -> None:
         self._refs: list[weakref.ref] = []
 
-    def track(self, optimizers: Iterable[Any]) -> None:
+    def track(self, optimizers: Iterable[object]) -> None:
         # a LightningOptimizer wraps the torch optimizer, whose state is what the checkpoint holds
         self._refs = [weakref.ref(getattr(o, "_optimizer", o)) for o in optimizers]
 
@@ -151,8 +157,8 @@ class BackgroundCopy:
     thread as it ends: ``go`` once every tensor is copied and proven unchanged, ``skip`` on any problem.
     """
 
-    def __init__(self, items: list[Any], hook: Callable[[], None] | None = None, after: AfterWrite | None = None,
-                 gate: Any = None):
+    def __init__(self, items: list[Deferred], hook: Callable[[], None] | None = None, after: AfterWrite | None = None,
+                 gate: Gate | None = None):
         self.items = items
         # what is copied after the save call returned (items without a watch were copied privately at save time)
         self.nbytes = sum(d.source.numel() * d.source.element_size() for d in items if d.watch)

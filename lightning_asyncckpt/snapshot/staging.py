@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -31,6 +31,9 @@ from lightning_asyncckpt.snapshot.tree import (
     walk,
     wrapper_of,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["SKELETON_KEY", "Deferred", "Snapshot", "Stager", "dequantized", "is_quantized", "join", "partition", "split"]
 
@@ -95,7 +98,7 @@ def _is_whole_storage(t: torch.Tensor) -> bool:
     )
 
 
-def _rewrap(dt: Any, local: torch.Tensor) -> Any:
+def _rewrap(dt: DTensor, local: torch.Tensor) -> DTensor:
     """A ``DTensor`` like ``dt`` (mesh, placements, global shape and stride) whose local shard is the
     host copy ``local``. ``DTensor.from_local`` would move the copy back to the mesh's device (a CUDA
     mesh), so the DTensor is built from ``dt``'s spec, as torch's own CPU offload of state dicts does."""
@@ -125,7 +128,7 @@ class Deferred(NamedTuple):
 
 @dataclass
 class Snapshot:
-    skeleton: Any
+    skeleton: object
     tensors: dict[str, torch.Tensor]
     nbytes: int
     buffer_set: Lease | None  # this save's hold on its buffers, released when its write ends
@@ -147,7 +150,7 @@ class Stager:
         self.shared = shared
         self.copy_cpu = copy_cpu
         self._pool = BufferPool()
-        self._streams: dict[torch.device, Any] = {}  # one side stream per CUDA device, for the copies
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per CUDA device, for the copies
         self._in_flight: list[torch.Tensor] = []  # sources of copies still running on a side stream
         self._ordered: set[torch.device] = set()  # side streams already after the current stream's work
 
@@ -176,7 +179,7 @@ class Stager:
             bs.buffers[name] = buf
         return buf
 
-    def prepare(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1) -> int:
+    def prepare(self, checkpoint: dict[str, object], rank: int = 0, world_size: int = 1) -> int:
         """Allocates (and faults in) the buffers that a snapshot of a checkpoint like this one needs, so
         that the first save costs what later ones do. Returns the bytes prepared."""
         _, tensors = split(checkpoint)
@@ -227,7 +230,7 @@ class Stager:
             if name not in used:
                 del bs.buffers[name]
 
-    def snapshot_tree(self, state: dict[str, Any], defer: Defer | None = None, after: Lease | None = None) -> Snapshot:
+    def snapshot_tree(self, state: dict[str, object], defer: Defer | None = None, after: Lease | None = None) -> Snapshot:
         """Copies every tensor of ``state`` in place of the original, keeping the structure (for a save
         that DCP plans as is, e.g. a sharded model's state). A ``DTensor`` keeps its mesh, placements and
         global shape; only its local shard is copied. A wrapper subclass (torchao's optimizer states) is kept,
@@ -266,7 +269,7 @@ class Stager:
             self._abandon(bs, pending_cuda)
             raise
 
-    def snapshot(self, checkpoint: dict[str, Any], rank: int = 0, world_size: int = 1,
+    def snapshot(self, checkpoint: dict[str, object], rank: int = 0, world_size: int = 1,
                  defer: Defer | None = None, after: Lease | None = None, objects: bool = False) -> Snapshot:
         """Splits ``checkpoint`` (``objects``: see :func:`tree.walk`) and copies its tensors; returns once the
         copy is complete.
@@ -328,7 +331,7 @@ class Stager:
         self._in_flight.clear()
         self._ordered.clear()
 
-    def _finish(self, bs: Lease, skeleton: Any, staged: dict, nbytes: int, pending_cuda: bool,
+    def _finish(self, bs: Lease, skeleton: object, staged: dict, nbytes: int, pending_cuda: bool,
                 deferred: list[Deferred]) -> Snapshot:
         if pending_cuda:
             self._wait_copies()

@@ -23,7 +23,6 @@ Imports torch only.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
@@ -53,7 +52,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def is_wrapper(t: Any) -> bool:
+def is_wrapper(t: object) -> bool:
     """Whether ``t`` is a traceable wrapper subclass that is staged through its inner tensors (not a
     ``DTensor``, not TransformerEngine's)."""
     return (
@@ -78,7 +77,7 @@ def inner_names(t: torch.Tensor) -> list[str]:
     return list(names)
 
 
-def rebuild(t: torch.Tensor, inner: dict[str, Any]) -> Any:
+def rebuild(t: torch.Tensor, inner: dict[str, object]) -> torch.Tensor:
     """Wrapper ``t`` around ``inner`` (its inner tensors, replaced): ``t`` itself when none changed, or when
     a replacement is not a tensor (a caller's placeholder), so that the original is kept whole."""
     names, ctx = t.__tensor_flatten__()

@@ -19,13 +19,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 from lightning_asyncckpt.snapshot import subclasses
 
 SKELETON_KEY = "lightning_asyncckpt.skeleton"
+Leaf = TypeVar("Leaf")  # what walk replaces: a tensor, or a type a caller names (a tier's LocalShard)
 
 
 def stageable(t: torch.Tensor) -> bool:
@@ -35,7 +36,8 @@ def stageable(t: torch.Tensor) -> bool:
     return t.layout is torch.strided and not t.is_nested and not t.is_quantized and subclasses.is_plain(t)
 
 
-def walk(obj: Any, path: tuple, on_tensor: Callable[[tuple, Any], Any], objects: bool = False, leaf: type = torch.Tensor) -> Any:
+def walk(obj: object, path: tuple, on_tensor: Callable[[tuple, Leaf], object], objects: bool = False,
+         leaf: type[Leaf] = torch.Tensor) -> object:
     """Rebuilds ``obj`` with every stageable tensor leaf replaced by ``on_tensor(path, tensor)``; dicts,
     lists and tuples (namedtuples) are descended into, keeping their types, and with ``objects`` dataclass
     instances too (a ``torch.save`` file: its tensors are then staged like any other, and one that is also
@@ -83,7 +85,7 @@ class FqnNamer:
         return name
 
 
-def split(checkpoint: dict[str, Any], objects: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+def split(checkpoint: dict[str, object], objects: bool = False) -> tuple[object, dict[str, torch.Tensor]]:
     """Splits a checkpoint into its skeleton and its flat tensors (no copies made); ``objects``: see
     :func:`walk`."""
     namer = FqnNamer()
@@ -100,7 +102,7 @@ def split(checkpoint: dict[str, Any], objects: bool = False) -> tuple[Any, dict[
     return skeleton, tensors
 
 
-def join(skeleton: Any, tensors: dict[str, torch.Tensor], objects: bool = False) -> Any:
+def join(skeleton: object, tensors: dict[str, torch.Tensor], objects: bool = False) -> object:
     """Inverse of :func:`split`: puts loaded tensors back in place of the skeleton's placeholders."""
     namer = FqnNamer()
 
@@ -111,7 +113,7 @@ def join(skeleton: Any, tensors: dict[str, torch.Tensor], objects: bool = False)
     return walk(skeleton, (), put, objects)
 
 
-def wrapper_of(checkpoint: Any, objects: bool = False) -> dict[str, tuple]:
+def wrapper_of(checkpoint: object, objects: bool = False) -> dict[str, tuple]:
     """The name (as :func:`split` gives it) of each inner tensor of a wrapper subclass, mapped to the path of
     the outermost wrapper that holds it: the one item a DCP save writes for them all, as stock's does."""
     out: dict[str, tuple] = {}
@@ -137,7 +139,7 @@ def partition(tensors: dict[str, torch.Tensor], world_size: int, groups: dict[st
 
     Deterministic: every rank computes the same assignment from the same (replicated) state.
     """
-    units: dict[Any, list[str]] = {}
+    units: dict[str | tuple, list[str]] = {}
     for name in tensors:
         units.setdefault(groups.get(name, name) if groups else name, []).append(name)
     sizes = {unit: sum(tensors[n].numel() * tensors[n].element_size() for n in names) for unit, names in units.items()}

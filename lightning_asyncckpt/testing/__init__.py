@@ -45,7 +45,8 @@ on that rank, counting from 1; default every save), ``engine`` (``nvrx``/``mcore
 several faults separated by ``;``.
 
 The local tier's files (:class:`~lightning_asyncckpt.LocalTier`) between two runs of a job: a node lost, a share's
-copy corrupted or gone, in :mod:`lightning_asyncckpt.testing.local_tier`.
+copy corrupted or gone, in :mod:`lightning_asyncckpt.testing.local_tier`. The ``asyncckpt_faults`` fixture is
+:mod:`lightning_asyncckpt.testing.pytest_plugin`'s.
 """
 
 from __future__ import annotations

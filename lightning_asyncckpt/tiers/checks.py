@@ -12,7 +12,6 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from lightning_asyncckpt.tiers import trusted_dirs
 from lightning_asyncckpt.tiers.cliques import TierConfigError, same_node_peers
@@ -20,7 +19,7 @@ from lightning_asyncckpt.units import human_bytes
 
 log = logging.getLogger(__name__)
 
-Gather = Callable[[Any], list[Any]]  # (all ranks) every rank's value, in rank order
+Gather = Callable[[object], list[object]]  # (all ranks) every rank's value, in rank order
 
 
 def agree(problem: str | None, gather: Gather) -> None:

@@ -25,9 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from lightning_asyncckpt.tiers.preemption import Handler
+
+from lightning_asyncckpt.snapshot.staging import Defer
 
 Checkpoint = dict[str, Any]
+LazyRule = Defer | None  # a lazy snapshot's rule (AsyncCheckpointIO.lazy_rule()); None: everything copied at once
+CopyHook = Callable[[], None] | None  # a lazy copy's thread calls it first (tests: testing.HoldCopy)
 
 
 @dataclass(frozen=True)
@@ -49,14 +58,14 @@ class LocalTierHook(Protocol):
         """(every rank, together, once per run) Names the run: a new one, or where ``resuming`` the one whose
         local steps were saved for ``destination``."""
 
-    def latest(self, persistent: Any, weights_only: bool | None = None) -> Any:
+    def latest(self, persistent: str | Path | None, weights_only: bool | None = None) -> str | Path | None:
         """(every rank, together, before loading) The key of the local step to resume from, or ``persistent``."""
 
-    def take(self, key: Any) -> Checkpoint | None:
+    def take(self, key: object) -> Checkpoint | None:
         """(any rank, at load) The checkpoint :meth:`latest` fetched for ``key`` (once), or None."""
 
     def step_end(self, step: int, checkpoint: Callable[[], Checkpoint], like: Callable[[], Checkpoint],
-                 lazy: Any = None, hook: Any = None) -> StepEnd:
+                 lazy: LazyRule = None, hook: CopyHook = None) -> StepEnd:
         """(every rank, after every optimizer step) Agrees on the boundary; saves ``checkpoint()`` when a save
         is due or a preemption was requested; until the first save, makes its files sized for ``like()``."""
 
@@ -71,10 +80,10 @@ class LocalTierHook(Protocol):
     def preemption_signal(self) -> str | None:
         """(any rank) The signal this rank received (``"SIGTERM"``), None for none."""
 
-    def replaced_handler(self) -> Any | None:
+    def replaced_handler(self) -> Handler | None:
         """(every rank, at the boundary that stops training) The collective handler to pass the signal on to."""
 
-    def replaced(self, name: str) -> Any:
+    def replaced(self, name: str) -> object:
         """(any rank) The handler that :meth:`arm` replaced for signal ``name`` (None: none)."""
 
     def finish(self) -> int:

@@ -49,6 +49,23 @@ class MappedFile:
     tensor: torch.Tensor
     pinned: bool = False  # registered with CUDA (pinning.pin): unregistered before the mapping goes
 
+    def moved_to(self, path: Path) -> None:
+        """The file was renamed to ``path`` (its mapping stays)."""
+        self.path = Path(path)
+
+    def pin(self, device: torch.device) -> bool:
+        """Registers the mapping with CUDA for ``device`` (once); returns whether it is registered: ``False``
+        where CUDA refused (:func:`pinning.pin` said why)."""
+        if not self.pinned:
+            self.pinned = pinning.pin(self.tensor, device)
+        return self.pinned
+
+    def release(self) -> None:
+        """The pool lets go of this file: unregistered from CUDA first, if it was registered."""
+        if self.pinned:
+            pinning.unpin(self.tensor)
+            self.pinned = False
+
 
 class FilePool:
     """(one rank, any thread) The mapped files of one holder directory, and its spare ones.
@@ -87,9 +104,9 @@ class FilePool:
                 if spare.nbytes == nbytes:
                     mapped = spare
                 else:
-                    _release(spare)
+                    spare.release()
                     mapped = _create(path, nbytes, keep=True)
-                mapped.path = path
+                mapped.moved_to(path)
         if mapped is None:
             mapped = _create(path, nbytes)
         with self._lock:
@@ -102,7 +119,7 @@ class FilePool:
         with self._lock:
             mapped = self._mapped.pop(Path(old), None)
             if mapped is not None:
-                mapped.path = Path(new)
+                mapped.moved_to(Path(new))
                 self._mapped[Path(new)] = mapped
 
     def give_back(self, path: Path) -> None:
@@ -116,14 +133,14 @@ class FilePool:
                 spare = self.dir / f"{FREE_PREFIX}{os.getpid()}-{next(self._names)}"
         if not keep:
             if mapped is not None:
-                _release(mapped)
+                mapped.release()
             path.unlink(missing_ok=True)
             return
         try:
             os.replace(path, spare)
         except FileNotFoundError:
             return
-        mapped.path = spare
+        mapped.moved_to(spare)
         with self._lock:
             self._free.append(mapped)
 
@@ -133,7 +150,7 @@ class FilePool:
         with self._lock:
             mapped = self._mapped.pop(Path(path), None)
         if mapped is not None:
-            _release(mapped)
+            mapped.release()
 
     def pin_for(self, device: torch.device) -> None:
         """(the training thread, at a save or its prepare) The state is on ``device`` (CUDA): from the next
@@ -144,8 +161,7 @@ class FilePool:
     def _pin(self, mapped: MappedFile) -> None:
         device = self.pin_device
         if device is not None and not mapped.pinned and mapped.path is not None:
-            mapped.pinned = pinning.pin(mapped.tensor, device)
-            if not mapped.pinned:  # refused (pinning.pin said why, once): the files stay pageable
+            if not mapped.pin(device):  # refused (pinning.pin said why, once): the files stay pageable
                 self.pin_device, self._pin_refused = None, True
 
     def prepare(self, sizes: list[int], uses: int = 2) -> int:
@@ -184,16 +200,9 @@ class FilePool:
             used = list(self._mapped.values())
             self._mapped.clear()
         for f in (*free, *used):
-            _release(f)
+            f.release()
         for f in free:
             f.path.unlink(missing_ok=True)
-
-
-def _release(mapped: MappedFile) -> None:
-    """The pool lets go of ``mapped``: unregistered from CUDA first, if it was registered."""
-    if mapped.pinned:
-        pinning.unpin(mapped.tensor)
-        mapped.pinned = False
 
 
 def _create(path: Path, nbytes: int, keep: bool = False, prefault: bool = False) -> MappedFile:

@@ -19,7 +19,6 @@ import pickle
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -38,7 +37,7 @@ class UnsafeShareError(pickle.UnpicklingError):
     """A share's header holds what ``torch.load(weights_only=True)`` refuses (stock raises the same type)."""
 
     @classmethod
-    def of_step(cls, problems: list[str], root: Any, dir: Any) -> UnsafeShareError:
+    def of_step(cls, problems: list[str], root: object, dir: object) -> UnsafeShareError:
         """(every rank, alike) A restore of the tier at ``root`` (under ``LocalTier.dir``) refused for ``problems``
         (each naming a header file), with how to opt out, as ``torch.load`` and Lightning put it."""
         return cls(f"lightning-asyncckpt: the local tier's step in {root} was not loaded: its header(s) hold more"
@@ -70,7 +69,7 @@ class Layout:
     nbytes, parameter: ``requires_grad`` of an ``nn.Parameter``, else None), ``nbytes`` in all; ``skeleton``
     is the share with placeholders for its tensors."""
 
-    skeleton: Any
+    skeleton: object
     entries: list[tuple[str, torch.dtype, tuple, int, int, bool | None]]
     nbytes: int
     mode: str
@@ -81,7 +80,7 @@ class Layout:
         return MAGIC + buf.getvalue()
 
 
-def layout(share: dict[str, Any]) -> tuple[Layout, dict[str, torch.Tensor]]:
+def layout(share: dict[str, object]) -> tuple[Layout, dict[str, torch.Tensor]]:
     """(the training thread) The share's layout, and its tensors by name (the live ones: not copied)."""
     skeleton, tensors = tree.split(share, objects=True)
     parameters = _parameters(share)
@@ -93,7 +92,7 @@ def layout(share: dict[str, Any]) -> tuple[Layout, dict[str, torch.Tensor]]:
     return Layout(skeleton, entries, offset, share["mode"]), tensors
 
 
-def _parameters(share: dict[str, Any]) -> dict[str, bool]:
+def _parameters(share: dict[str, object]) -> dict[str, bool]:
     """``requires_grad`` of each ``nn.Parameter`` of the share, by the name :func:`tree.split` gives it (which
     hands out detached tensors): unpacked as a ``Parameter`` again, as ``torch.load`` gives one back."""
     namer, found = tree.FqnNamer(), {}
@@ -141,7 +140,7 @@ def _reason(e: BaseException) -> str:
     return cause.removeprefix("WeightsUnpickler error: ").splitlines()[0].rstrip(".") if cause else type(e).__name__
 
 
-def unpack(head: bytes, flat: torch.Tensor, weights_only: bool = True) -> Any:
+def unpack(head: bytes, flat: torch.Tensor, weights_only: bool = True) -> object:
     """The share from its header and flat buffer (a ``uint8`` tensor, which its tensors then view). The header
     is read with ``torch.load(weights_only=...)``: raises :class:`UnsafeShareError` where it holds more than
     ``weights_only=True`` allows (a pickle that would run code is never run)."""

@@ -16,14 +16,17 @@ import logging
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 log = logging.getLogger(__name__)
 
 _BLOCK = 1 << 20  # an object store's reads: the archive's directory at its end, data.pkl at its start
 
 
-def global_step(path: Any) -> int | None:
+def global_step(path: str | Path | None) -> int | None:
     """``global_step`` of the checkpoint at ``path`` (this package's directory or file, a stock DCP
     directory, a ``torch.save`` file; local, or a URL fsspec opens, such as ``s3://``), or None where it
     cannot be read. A checkpoint without ``global_step`` (a Fabric loop's state) gives its ``step``, as this
@@ -42,7 +45,7 @@ def global_step(path: Any) -> int | None:
     return None
 
 
-def _step_in(fs: Any, p: str) -> int | None:
+def _step_in(fs: AbstractFileSystem | None, p: str) -> int | None:
     """The step of the directory or file ``p`` on ``fs`` (None: the local file system)."""
     isdir = fs.isdir(p) if fs is not None else Path(p).is_dir()
     if isdir:
@@ -58,7 +61,7 @@ def _step_in(fs: Any, p: str) -> int | None:
         return _step(skeleton(f))
 
 
-def skeleton(f: Any) -> Any:
+def skeleton(f: IO[bytes]) -> object:
     """The object a ``torch.save`` archive (a seekable binary file) holds, without its tensors: tensors are
     None and every other class an inert placeholder; dicts, lists and plain values are themselves."""
     with zipfile.ZipFile(f) as archive:
@@ -71,26 +74,26 @@ def skeleton(f: Any) -> Any:
 class _Opaque:
     """Whatever a checkpoint's pickle builds from a class: accepts any arguments and state, holds none."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         pass
 
-    def __setitem__(self, key: Any, value: Any) -> None:
+    def __setitem__(self, key: object, value: object) -> None:
         pass
 
-    def append(self, value: Any) -> None:
+    def append(self, value: object) -> None:
         pass
 
-    def extend(self, values: Any) -> None:
+    def extend(self, values: object) -> None:
         pass
 
 
 class _Dict(dict):
     """An ``OrderedDict`` of the checkpoint's (a module's state dict carries ``_metadata`` as its state)."""
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         pass
 
 
@@ -98,22 +101,22 @@ _PLAIN = {("collections", "OrderedDict"): _Dict, ("builtins", "set"): set, ("bui
 
 
 class _Skeleton(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> type:
         return _PLAIN.get((module, name), _Opaque)
 
-    def persistent_load(self, pid: Any) -> None:  # a tensor's storage: not read
+    def persistent_load(self, pid: object) -> None:  # a tensor's storage: not read
         return None
 
 
-def _exists(fs: Any, p: str) -> bool:
+def _exists(fs: AbstractFileSystem | None, p: str) -> bool:
     return fs.exists(p) if fs is not None else Path(p).is_file()
 
 
-def _read(fs: Any, p: str) -> bytes:
+def _read(fs: AbstractFileSystem | None, p: str) -> bytes:
     return fs.cat_file(p) if fs is not None else Path(p).read_bytes()
 
 
-def _step(state: Any) -> int:
+def _step(state: object) -> int:
     if not isinstance(state, dict):
         raise TypeError(f"the checkpoint holds a {type(state).__name__}, not a dict")
     return int(state["global_step"] if "global_step" in state else state["step"])

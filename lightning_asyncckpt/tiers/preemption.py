@@ -15,7 +15,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType
+
+    Handler = Callable[[int, FrameType | None], object]  # a Python signal handler
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +32,7 @@ class PreemptionFlag:
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
         self.received: str | None = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, object] = {}
         self._pass_on: tuple[str, ...] = ()
 
     def install(self, pass_on: tuple[str, ...] = ()) -> bool:
@@ -53,7 +59,7 @@ class PreemptionFlag:
                         " thread, or emergency_signals=() to say that this is meant.", self.names, rank)
         return armed
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(signum).name
 
     @property
@@ -61,11 +67,11 @@ class PreemptionFlag:
         """The received signal's number, 0 for none: what the ranks compare at a step boundary."""
         return int(getattr(signal, self.received)) if self.received else 0
 
-    def replaced(self, name: str) -> Any:
+    def replaced(self, name: str) -> object:
         """The handler that :meth:`install` replaced for signal ``name`` (callable or not), None if none."""
         return self._previous.get(getattr(signal, name))
 
-    def replaced_handler(self) -> Any | None:
+    def replaced_handler(self) -> Handler | None:
         """The Python handler that :meth:`install` replaced for the received signal, where that signal is one
         passed on collectively (``pass_on``); else None. The caller runs it outside any signal handler, at a
         step boundary."""

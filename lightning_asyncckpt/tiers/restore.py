@@ -38,7 +38,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -61,7 +60,7 @@ class Ranks:
     cliques: list[list[int]]
     factor: int
     topology: tuple
-    gather: Callable[[Any], list[Any]]
+    gather: Callable[[object], list[object]]
     weights_only: bool = True  # how the shares' headers are read (packing.unpack)
 
 
@@ -69,7 +68,7 @@ class Ranks:
 class Restored:
     """The checkpoint (None where a check failed, then ``problems`` says why) and what moved."""
 
-    checkpoint: Any | None
+    checkpoint: object | None
     problems: list[str]
     sent: int  # shares sent between ranks
     read: int  # shares read from a holder directory on the reader's node
@@ -104,7 +103,7 @@ class Findings:
             self.corrupt.append((holder, m.owner, problem))
         return problem is None
 
-    def agree(self, gather: Callable[[Any], list[Any]]) -> tuple[list[str], frozenset[tuple[int, int]]]:
+    def agree(self, gather: Callable[[object], list[object]]) -> tuple[list[str], frozenset[tuple[int, int]]]:
         """(every rank, together) Every rank's problems, and the corrupt copies where they are the only ones."""
         rows = gather((self.problems, self.corrupt, self.unsafe))
         problems = sorted({p for ps, _, _ in rows for p in ps})
@@ -243,7 +242,7 @@ def restore(plan: recovery.Plan, holdings: list[list[Held]], ranks: Ranks) -> Re
     return Restored(owned(shares.assemble(own, every)), [], sent, read)
 
 
-def owned(checkpoint: Any) -> Any:
+def owned(checkpoint: object) -> object:
     """``checkpoint`` with each tensor copied into a storage of its own, as ``torch.load`` gives them: one
     copy, at memory speed (the CRC32 checks have faulted the pages in). A view of the share's flat buffer
     would keep the whole buffer alive, and its mapping (a second copy of the state, on ``/dev/shm`` in RAM)
@@ -265,7 +264,7 @@ def owned(checkpoint: Any) -> Any:
 
 
 def _unpack(got: dict[int, tuple[bytes, torch.Tensor]], owners: list[int], origin: dict[int, str], ranks: Ranks,
-            bad: Findings) -> dict[int, Any]:
+            bad: Findings) -> dict[int, object]:
     """Each of ``owners``' shares unpacked (``packing.unpack``, as the caller asked: ``ranks.weights_only``);
     a header that ``weights_only`` refuses is added to ``bad``, naming its file."""
     out = {}

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+
+from lightning_asyncckpt.format import destination
 
 _NAME = re.compile(r"restore-step-(\d+)")
 
@@ -22,18 +23,18 @@ def key_for(root: Path, step: int) -> str:
     return str(Path(root) / f"restore-step-{step}")
 
 
-def step_of(path: Any) -> int | None:
+def step_of(path: object) -> int | None:
     """The step a resume name stands for, or None for any other path (one that exists is a real file)."""
-    if not isinstance(path, (str, Path)) or "://" in str(path):
+    p = destination.plain_path(path)
+    if p is None:
         return None
-    p = Path(path)
     match = _NAME.fullmatch(p.name)
     if match is None or p.parent.parent.name != "asyncckpt-local" or p.exists():
         return None
     return int(match.group(1))
 
 
-def not_held(path: Any, step: int) -> FileNotFoundError:
+def not_held(path: object, step: int) -> FileNotFoundError:
     """(any rank) The error for loading a resume name the local tier no longer holds."""
     return FileNotFoundError(
         f"{path} names step {step} of the local tier, which fit resumed from (it was trainer.ckpt_path): it is"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.tiers import deferred_refill, packing, recovery, restore, restore_key
 from lightning_asyncckpt.tiers.config import LocalTier
@@ -21,6 +21,9 @@ from lightning_asyncckpt.tiers.persistent import global_step
 from lightning_asyncckpt.tiers.store import Held, LocalStore
 from lightning_asyncckpt.tiers.tier_groups import TierGroups
 from lightning_asyncckpt.tiers.writer import ShareWriter
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,10 @@ class TierRestorer:
                  restored: Callable[[int], None]) -> None:
         self.config, self.groups, self.store, self.writer = config, groups, store, writer
         self._on_restored = restored  # the step boundary's: the restored step is complete everywhere
-        self._fetched: dict[str, Any] = {}  # the checkpoint each key names, until take()
+        self._fetched: dict[str, dict[str, object]] = {}  # the checkpoint each key names, until take()
         self._refill: Callable[[], None] | None = None  # the replicas a restore left for later (start_refill)
 
-    def latest(self, run: str, persistent: Any, weights_only: bool | None = None) -> Any:
+    def latest(self, run: str, persistent: str | Path | None, weights_only: bool | None = None) -> str | Path | None:
         """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take` (the
         local tier's newest complete step of ``run``, :func:`~lightning_asyncckpt.tiers.restore.restore`),
         else ``persistent`` (also when it is newer, or when a share fails its CRC check), with one log line why.
@@ -121,14 +124,14 @@ class TierRestorer:
             return Choice(None, holdings, pstep, f"its step {pstep} is newer than the local tier's {plan.step}")
         return Choice(plan, holdings, pstep)
 
-    def _persistent(self, persistent: Any, pstep: int | None, why: str) -> Any:
+    def _persistent(self, persistent: str | Path | None, pstep: int | None, why: str) -> str | Path | None:
         if self.groups.rank == 0:
             target = ("nothing (no persistent checkpoint)" if persistent is None
                       else f"{persistent} (step {pstep})" if pstep is not None else str(persistent))
             log.warning("lightning-asyncckpt: resuming from the persistent tier, %s: local tier: %s", target, why)
         return persistent
 
-    def take(self, key: Any) -> dict[str, Any] | None:
+    def take(self, key: object) -> dict[str, object] | None:
         """The checkpoint :meth:`latest` fetched for ``key`` (once), or None for any other path."""
         return self._fetched.pop(str(key), None)
 

@@ -23,12 +23,12 @@ Every method runs on every rank, in the same order, at step boundaries, unless i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.tiers import checks, run_identity
 from lightning_asyncckpt.tiers.boundary import Boundary, StepBoundary
 from lightning_asyncckpt.tiers.config import LocalTier
-from lightning_asyncckpt.tiers.hook import Checkpoint, StepEnd
+from lightning_asyncckpt.tiers.hook import Checkpoint, CopyHook, LazyRule, StepEnd
 from lightning_asyncckpt.tiers.job_lock import JobLock
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
 from lightning_asyncckpt.tiers.resuming import TierRestorer
@@ -36,6 +36,11 @@ from lightning_asyncckpt.tiers.saving import TierSaver
 from lightning_asyncckpt.tiers.store import LocalStore
 from lightning_asyncckpt.tiers.tier_groups import TierGroups
 from lightning_asyncckpt.tiers.writer import ShareWriter
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from lightning_asyncckpt.tiers.preemption import Handler
 
 __all__ = ["Boundary", "TierRun"]
 
@@ -91,7 +96,7 @@ class TierRun:
         """The signal this rank received (``"SIGTERM"``), None for none."""
         return self._flag.received
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: object) -> list[object]:
         """(all ranks) Every rank's ``obj`` over the tier's group."""
         return self.groups.gather(obj)
 
@@ -110,7 +115,7 @@ class TierRun:
 
     # saving -------------------------------------------------------------------------------------------
     def step_end(self, step: int, checkpoint: Callable[[], Checkpoint], like: Callable[[], Checkpoint],
-                 lazy: Any = None, hook: Any = None) -> StepEnd:
+                 lazy: LazyRule = None, hook: CopyHook = None) -> StepEnd:
         """(every rank, after every optimizer step) Agrees on the step boundary (:meth:`boundary`); saves
         ``checkpoint()`` every ``every_n_train_steps`` and on a preemption request; before the first save,
         makes its files sized for ``like()`` (the states that make up nearly all of its bytes). On a
@@ -136,7 +141,7 @@ class TierRun:
             return StepEnd(saved, False, boundary.complete, replicated=self.factor > 1)
         return StepEnd(saved, True, self.finish(), boundary.handlers_everywhere, replicated=self.factor > 1)
 
-    def save(self, step: int, checkpoint: Checkpoint, lazy: Any = None, hook: Any = None) -> None:
+    def save(self, step: int, checkpoint: Checkpoint, lazy: LazyRule = None, hook: CopyHook = None) -> None:
         """(every rank, at the same step boundaries) Saves ``checkpoint`` as ``step``: :meth:`TierSaver.save
         <lightning_asyncckpt.tiers.saving.TierSaver.save>`, once the run has begun."""
         self.begin()
@@ -176,19 +181,19 @@ class TierRun:
         (not the main thread), with one warning."""
         return self._flag.arm(self.groups.rank, pass_on)
 
-    def replaced_handler(self) -> Any | None:
+    def replaced_handler(self) -> Handler | None:
         """(every rank, at the boundary that stops training) The handler this rank's received signal replaced,
         where that signal is to be passed on (:meth:`arm`); run it only where
         :attr:`Boundary.handlers_everywhere`: every rank then runs its own, so a collective in it is reached
         by all."""
         return self._flag.replaced_handler()
 
-    def replaced(self, name: str) -> Any:
+    def replaced(self, name: str) -> object:
         """(any rank) The handler that :meth:`arm` replaced for signal ``name`` (callable or not; None: none)."""
         return self._flag.replaced(name)
 
     # resuming -----------------------------------------------------------------------------------------
-    def latest(self, persistent: Any, weights_only: bool | None = None) -> Any:
+    def latest(self, persistent: str | Path | None, weights_only: bool | None = None) -> str | Path | None:
         """(every rank, together, before loading) The checkpoint to resume from: a key for :meth:`take`, or
         ``persistent`` (:meth:`TierRestorer.latest <lightning_asyncckpt.tiers.resuming.TierRestorer.latest>`).
         A run that has not begun begins as a resume."""
@@ -196,7 +201,7 @@ class TierRun:
         assert self.run is not None
         return self._restorer.latest(self.run, persistent, weights_only)
 
-    def take(self, key: Any) -> Checkpoint | None:
+    def take(self, key: object) -> Checkpoint | None:
         """(any rank, at load) The checkpoint :meth:`latest` fetched for ``key`` (once), or None for any other path."""
         return self._restorer.take(key)
 

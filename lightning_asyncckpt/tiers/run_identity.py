@@ -34,10 +34,9 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from lightning_asyncckpt.tiers import store, trusted_dirs
 
@@ -64,7 +63,7 @@ class Decision:
     replaced: RunRecord | None  # the newest record of another run (its steps are not restored), if any
 
 
-def destination_of(paths: Any) -> str:
+def destination_of(paths: str | os.PathLike | Iterable[str | os.PathLike | None] | None) -> str:
     """A persistent destination as recorded: each local path made absolute (URLs as given), sorted, one a line."""
     if paths is None:
         return ""
@@ -127,7 +126,7 @@ def sweep(holder: Path, run: str) -> int:
     return removed
 
 
-def begin(holder: Path, rank: int, gather: Callable[[Any], list[Any]], destination: str,
+def begin(holder: Path, rank: int, gather: Callable[[object], list[object]], destination: str,
           resuming: bool) -> tuple[RunRecord, str | None]:
     """(every rank, together, once per run before its first local save or restore) Agrees on this run's
     record (module docstring), writes it to this rank's holder directory and removes other runs' shares

@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from lightning_asyncckpt.snapshot.lazy import BackgroundCopy
 from lightning_asyncckpt.tiers import checks, packing, pinning, shares
 from lightning_asyncckpt.tiers.config import LocalTier
+from lightning_asyncckpt.tiers.hook import Checkpoint, CopyHook, LazyRule
 from lightning_asyncckpt.tiers.mapped import MappedFile
 from lightning_asyncckpt.tiers.store import LocalStore
 from lightning_asyncckpt.tiers.tier_groups import TierGroups
@@ -41,14 +41,14 @@ class TierSaver:
         self._prepared = False
         self._copy: BackgroundCopy | None = None  # a lazy save's copy, until wait_copy
 
-    def save(self, step: int, checkpoint: dict[str, Any], lazy: Any = None, hook: Any = None) -> None:
+    def save(self, step: int, checkpoint: Checkpoint, lazy: LazyRule = None, hook: CopyHook = None) -> None:
         """(every rank, at the same step boundaries) Copies this rank's share of ``checkpoint`` (a DTensor
         state: its local shards; a replicated one: its part, and its clique peers' parts, which it holds
         too) into mapped files of its holder directory, then a thread checks the replicas and commits. Waits
         for the previous local save's thread first (at most ``timeout_s``). A file that cannot be reserved
         (a full directory) fails this save on every rank at the next boundary, as a failed write.
 
-        ``lazy`` (a lazy snapshot's rule, ``AsyncCheckpointIO.lazy_rule``): the tensors it watches (the
+        ``lazy`` (a lazy snapshot's rule, ``AsyncCheckpointIO.session.lazy_rule()``): the tensors it watches (the
         optimizers' parameters and state) are copied into the files by a background copy while the next
         step's forward and backward run; :meth:`wait_copy` waits for it before the optimizer step. One
         changed in place before its copy fails this save (nothing of it is committed), on every rank at the
@@ -91,7 +91,7 @@ class TierSaver:
         """True until the first local save or :meth:`prepare`: the first save's files are not made yet."""
         return self.saved_step < 0 and not self._prepared
 
-    def prepare(self, like: dict[str, Any]) -> None:
+    def prepare(self, like: Checkpoint) -> None:
         """(every rank, at a step boundary before the first local save, once the optimizer has its state)
         Makes the first save's files in the background thread, sized for ``like`` (the checkpoint, or its
         model and optimizer states: a file a few bytes off is resized at the save, keeping its pages), so
@@ -103,7 +103,7 @@ class TierSaver:
         self.writer.make_ahead([lay.nbytes for lay, _ in laid.values()])
         self._prepared = True
 
-    def _layouts(self, checkpoint: dict[str, Any]) -> tuple[str, Laid]:
+    def _layouts(self, checkpoint: Checkpoint) -> tuple[str, Laid]:
         """The mode, and each share's layout and tensors by owner: this rank's, and with a replicated
         state and replication its clique peers' too (it holds their replicas)."""
         g = self.groups

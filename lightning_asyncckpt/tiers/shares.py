@@ -13,11 +13,14 @@ into its flat buffer before the training loop changes them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_asyncckpt.snapshot import tree
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 REPLICATED, SHARDED = "replicated", "sharded"
 
@@ -34,7 +37,7 @@ class LocalShard:
     stride: tuple
 
 
-def has_dtensors(checkpoint: Any) -> bool:
+def has_dtensors(checkpoint: object) -> bool:
     from torch.distributed.tensor import DTensor
 
     found = []
@@ -42,12 +45,12 @@ def has_dtensors(checkpoint: Any) -> bool:
     return any(found)
 
 
-def make(checkpoint: dict[str, Any], rank: int, world_size: int, mode: str) -> dict[str, Any]:
+def make(checkpoint: dict[str, object], rank: int, world_size: int, mode: str) -> dict[str, object]:
     """(every rank, at a local save, on the training thread) This rank's share (its live tensors)."""
     return make_many(checkpoint, [rank], world_size, mode)[rank]
 
 
-def make_many(checkpoint: dict[str, Any], ranks: list[int], world_size: int, mode: str) -> dict[int, dict[str, Any]]:
+def make_many(checkpoint: dict[str, object], ranks: list[int], world_size: int, mode: str) -> dict[int, dict[str, object]]:
     """(every rank, at a local save, on the training thread) The shares of ``ranks`` (a replicated state:
     this rank holds its clique peers' parts too), the checkpoint split and partitioned once for all."""
     if mode == SHARDED:
@@ -58,7 +61,7 @@ def make_many(checkpoint: dict[str, Any], ranks: list[int], world_size: int, mod
                 "tensors": {name: t for name, t in tensors.items() if owners[name] == r}} for r in ranks}
 
 
-def _local(t: torch.Tensor) -> Any:
+def _local(t: torch.Tensor) -> torch.Tensor | LocalShard:
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
@@ -68,7 +71,7 @@ def _local(t: torch.Tensor) -> Any:
                       tuple(mesh.mesh.flatten().tolist()), tuple(t.shape), tuple(t.stride()))
 
 
-def assemble(own: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, Any]:
+def assemble(own: dict[str, object], every: list[dict[str, object]]) -> dict[str, object]:
     """The full replicated checkpoint from every owner's share: this rank's own skeleton (its non-tensor
     state) with every owner's tensors in place."""
     tensors: dict[str, torch.Tensor] = {}
@@ -80,7 +83,7 @@ def assemble(own: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, Any]
     return tree.join(own["skeleton"], tensors)
 
 
-def _placeholder_names(skeleton: Any) -> dict[str, torch.Tensor]:
+def _placeholder_names(skeleton: object) -> dict[str, torch.Tensor]:
     """Every placeholder of the skeleton by the name :func:`tree.split` gave its tensor."""
     namer, found = tree.FqnNamer(), {}
 
@@ -92,7 +95,7 @@ def _placeholder_names(skeleton: Any) -> dict[str, torch.Tensor]:
     return found
 
 
-def meshes_of(module: torch.nn.Module) -> dict[tuple, Any]:
+def meshes_of(module: torch.nn.Module) -> dict[tuple, DeviceMesh]:
     """The device meshes of ``module``'s ``DTensor`` parameters, by dimension names and ranks: what
     :func:`rebuild` puts each saved shard back on."""
     from torch.distributed.tensor import DTensor
@@ -101,12 +104,12 @@ def meshes_of(module: torch.nn.Module) -> dict[tuple, Any]:
             for p in module.parameters() if isinstance(p, DTensor)}
 
 
-def rebuild(state: Any, meshes: dict[tuple, Any], device: torch.device) -> Any:
+def rebuild(state: object, meshes: dict[tuple, DeviceMesh], device: torch.device) -> object:
     """A sharded share's state with each :class:`LocalShard` made a ``DTensor`` again, on the mesh of the
     same dimension names and ranks in ``meshes`` (the model's own), its local shard on ``device``."""
     from torch.distributed.tensor import DTensor
 
-    def put(path: tuple, shard: LocalShard) -> Any:
+    def put(path: tuple, shard: LocalShard) -> torch.Tensor:
         mesh = meshes.get((shard.mesh_dims, shard.mesh_ranks))
         if mesh is None:
             raise RuntimeError(

@@ -8,7 +8,7 @@ boundary, the restore) reads the same one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt import collectives
 from lightning_asyncckpt.tiers import cliques
@@ -42,12 +42,12 @@ class TierGroups:
     def nodes(self) -> int:
         return len(set(self.node_of))
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: object) -> list[object]:
         """(all ranks) Every rank's ``obj`` over the tier's group."""
         return _gather(obj, self.group, self.distributed, self.world)
 
 
-def _gather(obj: Any, group: ProcessGroup | None, distributed: bool, world: int) -> list[Any]:
+def _gather(obj: object, group: ProcessGroup | None, distributed: bool, world: int) -> list[object]:
     if not distributed or world == 1:
         return [obj]
     return collectives.gather_objects(obj, group)

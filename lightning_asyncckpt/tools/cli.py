@@ -31,7 +31,6 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.metadata import MetadataError, read_metadata
@@ -186,7 +185,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_dir(path: Path, allow_pickle: bool) -> dict[str, Any]:
+def _load_dir(path: Path, allow_pickle: bool) -> dict[str, object]:
     from lightning_asyncckpt.format import dcp as dcp_format
 
     with _reading():  # the message and hint of this command, rather than dcp_format.load's
@@ -202,7 +201,7 @@ def _load_dir(path: Path, allow_pickle: bool) -> dict[str, Any]:
         raise CliError(f"cannot read {path} ({first_line(e)}); run `{PROG} verify {path}`") from None
 
 
-def _save_file(checkpoint: dict[str, Any], out: Path) -> None:
+def _save_file(checkpoint: dict[str, object], out: Path) -> None:
     """``torch.save`` into a temporary sibling, then one rename: ``out`` is never half-written."""
     import torch
 
@@ -219,7 +218,7 @@ def _save_file(checkpoint: dict[str, Any], out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _save_dir(checkpoint: dict[str, Any], out: Path) -> None:
+def _save_dir(checkpoint: dict[str, object], out: Path) -> None:
     """Saves with ``AsyncCheckpointIO`` into a private staging directory, then commits it at ``out``.
 
     A save removes the leftovers of interrupted saves in its target's directory, which, in a directory

@@ -141,7 +141,7 @@ def describe(path: Path, allow_pickle: bool = False, hint: str = PICKLE_HINT) ->
     return info
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> int | float | str | bool | None:
     if hasattr(value, "item") and callable(value.item):  # a 0-d tensor or numpy scalar
         value = value.item()
     return value if value is None or isinstance(value, (int, float, str, bool)) else str(value)
@@ -199,13 +199,13 @@ def incomplete_reason_file(path: Path) -> str | None:
     return None
 
 
-def _is_tensor(value: Any) -> bool:
+def _is_tensor(value: object) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
 
 
-def _tensors(obj: Any, prefix: str) -> list[tuple[int, str, list[int], str]]:
+def _tensors(obj: object, prefix: str) -> list[tuple[int, str, list[int], str]]:
     """(bytes, dotted name, shape, dtype) of every tensor in the nested dicts, lists and tuples ``obj``."""
     if _is_tensor(obj):
         return [(obj.numel() * obj.element_size(), prefix, list(obj.shape), dtype_name(obj.dtype))]
@@ -225,7 +225,7 @@ def format_description(info: dict[str, Any]) -> list[str]:
     """The lines ``inspect`` prints for ``info`` (:func:`describe` or :func:`describe_file`)."""
     lines = []
 
-    def line(label: str, value: Any) -> None:
+    def line(label: str, value: object) -> None:
         lines.append(f"{label + ':':<18}{value}")
 
     is_file = info.get("format") == FILE_FORMAT

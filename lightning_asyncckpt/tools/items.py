@@ -11,10 +11,13 @@ import io
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.integrity import decode as decode
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 META_FILE = "meta.pt"  # dcp_format.META_FILE, without importing torch for it
 PICKLE_HINT = "pass allow_pickle=True if you trust this checkpoint"
@@ -32,7 +35,7 @@ def read_range(path: Path, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
-def torch_load(data: bytes | Path, allow_pickle: bool, what: str, hint: str = PICKLE_HINT) -> Any:
+def torch_load(data: bytes | Path, allow_pickle: bool, what: str, hint: str = PICKLE_HINT) -> object:
     """``torch.load`` (``weights_only`` unless ``allow_pickle``) on CPU; raises :class:`ItemError` naming ``what``."""
     import torch
 
@@ -55,7 +58,7 @@ def is_zip_file(path: Path) -> bool:
         return f.read(4) == ZIP_MAGIC
 
 
-def load_file(path: Path, allow_pickle: bool, what: str, hint: str = PICKLE_HINT) -> Any:
+def load_file(path: Path, allow_pickle: bool, what: str, hint: str = PICKLE_HINT) -> object:
     """:func:`torch_load` of the ``torch.save`` file ``path``, memory-mapped (``mmap=True``: tensor data is
     not read until used) where torch can, else read whole (a legacy, non-zip file; a filesystem without mmap)."""
     import torch
@@ -68,7 +71,7 @@ def load_file(path: Path, allow_pickle: bool, what: str, hint: str = PICKLE_HINT
         return torch_load(path, allow_pickle, what, hint)
 
 
-def read_object(path: Path, metadata: Any, fqn: str, allow_pickle: bool, hint: str = PICKLE_HINT) -> Any:
+def read_object(path: Path, metadata: Metadata, fqn: str, allow_pickle: bool, hint: str = PICKLE_HINT) -> object:
     """Unpickles the bytes item ``fqn`` (an object that DCP's planner stored with ``torch.save``)."""
     for index, storage in metadata.storage_data.items():
         if index.fqn == fqn:
@@ -92,5 +95,5 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")

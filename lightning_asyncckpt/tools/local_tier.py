@@ -46,6 +46,17 @@ class Share:
     nbytes: int  # its three files
     problem: str | None = None  # set by verify()
 
+    def verify(self, session_path: Path) -> bool:
+        """Reads this share's files under ``session_path`` and checks them against its manifest's CRC32s;
+        sets :attr:`problem`. Returns whether the share is sound."""
+        directory = store.holder_dir(session_path, self.holder)
+        try:
+            head, flat = store.map_share(directory, self.manifest)
+            self.problem = store.crc_mismatch(self.manifest, head, flat, directory.name)
+        except OSError as e:
+            self.problem = f"rank {self.manifest.owner}'s share in {directory.name} could not be read: {e}"
+        return self.problem is None
+
 
 @dataclass
 class Session:
@@ -135,14 +146,7 @@ def describe(root: Path) -> Session:
 def verify(session: Session) -> int:
     """Reads every share of ``session`` and checks its bytes against the CRC32s of its manifest; sets each
     :attr:`Share.problem`. Returns how many failed."""
-    for share in session.shares:
-        directory = store.holder_dir(session.path, share.holder)
-        try:
-            head, flat = store.map_share(directory, share.manifest)
-            share.problem = store.crc_mismatch(share.manifest, head, flat, directory.name)
-        except OSError as e:
-            share.problem = f"rank {share.manifest.owner}'s share in {directory.name} could not be read: {e}"
-    return sum(s.problem is not None for s in session.shares)
+    return sum(not share.verify(session.path) for share in session.shares)
 
 
 def users(path: Path) -> list[str]:
@@ -201,6 +205,11 @@ class Removal:
     nbytes: int = 0
     kept: list[tuple[Path, str]] = field(default_factory=list)  # (path, why)
 
+    def add_removed(self, nbytes: int) -> None:
+        """One file (or link) removed, of ``nbytes`` (0 for a link)."""
+        self.files += 1
+        self.nbytes += nbytes
+
 
 def remove(session: Session) -> Removal:
     """Removes the session's files: in ``holder-<N>`` directories, the names the tier makes
@@ -232,9 +241,8 @@ def remove(session: Session) -> Removal:
 def _open_dir(name: str, dir_fd: int, path: Path) -> int:
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        e.filename = str(path)  # ELOOP: a link where the tier's directory was
-        raise
+    except OSError as e:  # ELOOP: a link where the tier's directory was; named by its path, not its entry name
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def _remove_entry(dir_fd: int, name: str, path: Path, patterns: tuple, out: Removal, holder: bool = False) -> None:
@@ -257,8 +265,7 @@ def _remove_entry(dir_fd: int, name: str, path: Path, patterns: tuple, out: Remo
         out.kept.append((path, "a directory where the local tier makes a file"))
     else:  # a file, or a link (removed as a link)
         os.unlink(name, dir_fd=dir_fd)
-        out.files += 1
-        out.nbytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        out.add_removed(st.st_size if stat.S_ISREG(st.st_mode) else 0)
 
 
 def _rmdir_if_empty(dir_fd: int, name: str, path: Path, out: Removal) -> None:

@@ -16,7 +16,7 @@ import io
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from lightning_asyncckpt.format import commit, integrity
 from lightning_asyncckpt.format.integrity import (
@@ -35,6 +35,10 @@ from lightning_asyncckpt.tools.items import (
 )
 from lightning_asyncckpt.units import human_bytes
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import STORAGE_TYPES, MetadataIndex
+
 __all__ = ["ArchiveError", "VerifyReport", "ZipCheck", "check_torch_zip", "scan_torch_zip", "verify_checkpoint",
            "verify_file"]
 
@@ -49,6 +53,13 @@ class VerifyReport:
     crc_checked: int = 0  # items (records of a file) that carry CRC32 and were checked against it
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # not problems: what the check could not cover
+
+    def add_counts(self, items: int = 0, files: int = 0, bytes_read: int = 0, crc_checked: int = 0) -> None:
+        """Adds what one check read to the summary's counters."""
+        self.items += items
+        self.files += files
+        self.bytes_read += bytes_read
+        self.crc_checked += crc_checked
 
     def summary(self, single_file: bool) -> str:
         """What was checked, in one line (after ``OK <path>: ``) for a sound checkpoint."""
@@ -78,7 +89,7 @@ def check_torch_zip(data: bytes | BinaryIO) -> bool:
     return check.crc_checked > 0
 
 
-def _check_item(path: Path, index: Any, storage: Any, md: Any, raw: memoryview) -> str | None:
+def _check_item(path: Path, index: MetadataIndex, storage: _StorageInfo, md: STORAGE_TYPES, raw: memoryview) -> str | None:
     """Deserializes one item whose bytes passed :func:`integrity.check_items` and compares it with the
     metadata; returns what is wrong, or ``None``."""
     import torch
@@ -130,8 +141,7 @@ def verify_checkpoint(path: Path, hint: str = "") -> VerifyReport:
     except Exception as e:  # noqa: BLE001 - metadata of the right type whose fields are not
         report.problems.append(f"{path / commit.METADATA_FILE}: inconsistent ({type(e).__name__}: {e})")
         return report
-    report.items, report.files, report.bytes_read = check.items, check.files, check.bytes_read
-    report.crc_checked = check.crc_checked
+    report.add_counts(check.items, check.files, check.bytes_read, check.crc_checked)
     report.problems.extend(check.problems)
     side = integrity.side_file_problems(path)
     report.problems.extend(side)
@@ -159,7 +169,7 @@ def verify_file(path: Path) -> VerifyReport:
             report.problems.append(f"{path}: empty (0 bytes): truncated, or never written")
             return report
         _load_check(path, report, ItemError)
-        report.bytes_read = path.stat().st_size
+        report.add_counts(bytes_read=path.stat().st_size)
         report.notes.append("a legacy torch.save file (not a zip archive): it loads, but it records no CRC32")
         return report
     with open(path, "rb") as f:
@@ -169,7 +179,7 @@ def verify_file(path: Path) -> VerifyReport:
             size = path.stat().st_size
             report.problems.append(f"{path}: corrupt: {e}; the file ({size} bytes) is truncated or damaged")
             return report
-    report.items, report.crc_checked, report.bytes_read = check.records, check.crc_checked, check.bytes_read
+    report.add_counts(items=check.records, bytes_read=check.bytes_read, crc_checked=check.crc_checked)
     report.problems.extend(f"{path}: corrupt: {bad}" for bad in check.bad)
     _load_check(path, report, None)
     return report

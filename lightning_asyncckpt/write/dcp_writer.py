@@ -12,8 +12,8 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.faults.policy import after_write
 from lightning_asyncckpt.format import remote
@@ -22,9 +22,12 @@ from lightning_asyncckpt.write import gate as _gate
 from lightning_asyncckpt.write.jobs import DcpJob
 from lightning_asyncckpt.write.worker import describe_failure, keep_mapped, report
 
+if TYPE_CHECKING:
+    import inspect
 
-def write_call_kwargs(params: Any, transforms: list, idx: int, bucket: Any, outcomes: Any, count: Any,
-                      open_file: Any = open) -> dict:
+
+def write_call_kwargs(params: Mapping[str, inspect.Parameter], transforms: list, idx: int, bucket: tuple,
+                      outcomes: queue.Queue, count: queue.Queue, open_file: Callable[..., object] = open) -> dict:
     """Keyword arguments for the engine's ``write_preloaded_data``, whose signature differs by version:
 
     - nvrx 0.4.1, Megatron-Core: ``(transform_list, local_proc_idx, write_bucket, results_queue,
@@ -57,7 +60,7 @@ def write_call_kwargs(params: Any, transforms: list, idx: int, bucket: Any, outc
 
 
 @contextlib.contextmanager
-def _engine_open(writer_cls: type, params: Any, opener: Any) -> Iterator[None]:
+def _engine_open(writer_cls: type, params: Mapping[str, inspect.Parameter], opener: Callable[..., object]) -> Iterator[None]:
     """Engines whose ``write_preloaded_data`` takes no ``open_file`` (nvrx 0.4.1, Megatron-Core) open the
     shard with their module's ``open``: it is ``opener`` for the duration of the write (this process runs
     one write at a time). ``opener`` opens any file it does not know with the builtin ``open``."""
@@ -82,12 +85,12 @@ def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
     and results are its own; only the file object is ours."""
     import inspect
 
-    outcomes: queue.Queue[tuple[int, Any]] = queue.Queue()
+    outcomes: queue.Queue[tuple[int, object]] = queue.Queue()
     params = inspect.signature(writer_cls.write_preloaded_data).parameters
     # a bucket is (file, storage key, (bytes_data, tensor_data)); its tensors are the staged copies
     opener = fast_file.shard_opener(buckets)
 
-    def run(i: int, bucket: Any) -> None:
+    def run(i: int, bucket: tuple) -> None:
         count: queue.Queue = queue.Queue()
         count.put(i)
         try:  # fast: torch.save's CRC32 off (a per-thread setting), each archive gets its CRC32 from the shard file
@@ -135,7 +138,7 @@ def write_job(job: DcpJob) -> None:
             t0 = time.monotonic()  # the write's own time counts from the moment its bytes may be read
         if hook is not None:
             hook(buckets)
-        outcome: dict[str, Any] = {"ok": True, "results": _write_all(job.writer_cls, job.transforms, buckets)}
+        outcome: dict[str, object] = {"ok": True, "results": _write_all(job.writer_cls, job.transforms, buckets)}
         for path, data in job.extra_files:
             _write_file(path, data)
         if job.upload is not None:

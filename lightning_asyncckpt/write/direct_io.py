@@ -42,6 +42,12 @@ class Recorded:
     parts: list = field(default_factory=list)
     size: int = 0
 
+    def append(self, part: bytes | tuple[int, int], nbytes: int) -> None:
+        """The next ``nbytes`` of the file: ``part`` copied, or ``(address, nbytes)`` of memory kept alive."""
+        self.starts.append(self.size)
+        self.parts.append(part)
+        self.size += nbytes
+
     def spans(self, start: int, end: int):
         """``(address, nbytes)`` pieces of memory holding bytes ``[start, end)`` of the file, in order."""
         i = bisect.bisect_right(self.starts, start) - 1
@@ -90,11 +96,8 @@ class Recorder:
         n = view.nbytes
         if n == 0:
             return 0
-        out = self.recorded
         ref = self._reference(view) if n >= _REF_MIN else None
-        out.starts.append(out.size)
-        out.parts.append(ref if ref is not None else bytes(view))
-        out.size += n
+        self.recorded.append(ref if ref is not None else bytes(view), n)
         return n
 
     def _reference(self, view: memoryview) -> tuple[int, int] | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 
@@ -33,7 +32,7 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip() not in ("0", "false", "False", "no")
 
 
-def save(obj: Any, path: str, tensors: Iterable[torch.Tensor], pickle_protocol: int) -> int:
+def save(obj: object, path: str, tensors: Iterable[torch.Tensor], pickle_protocol: int) -> int:
     """(writer) ``torch.save(obj)`` into the local file ``path``, complete and fsync'd when it returns;
     ``tensors``: the staged tensors ``obj`` holds (their memory is written from directly). Returns the
     file's size."""
@@ -50,7 +49,7 @@ def save(obj: Any, path: str, tensors: Iterable[torch.Tensor], pickle_protocol: 
     return f.tell()
 
 
-def shard_opener(buckets: list) -> Callable[..., Any]:
+def shard_opener(buckets: list) -> Callable[..., object]:
     """(writer) The ``open`` an engine's ``write_preloaded_data`` writes a DCP part's shards with: each
     shard of ``buckets`` (``(path, name, (bytes items, tensor items))``) as a :class:`shard_file.ShardFile`
     over its staged tensors, anything else the builtin ``open``; plain: the builtin ``open``."""

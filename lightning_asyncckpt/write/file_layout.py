@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -75,7 +74,7 @@ def _owns_storage(t: torch.Tensor) -> bool:
     return t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-def prepare(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], FileLayout]:
+def prepare(checkpoint: dict[str, object]) -> tuple[dict[str, object], FileLayout]:
     """(trainer, at save time, before the snapshot) The dict to stage for a ``torch.save`` file, and its
     :class:`FileLayout`. Reads metadata only: no tensor data is touched or copied."""
     by_storage: dict[tuple, list[torch.Tensor]] = {}
@@ -108,7 +107,7 @@ def prepare(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], FileLayout]:
     names: dict[tuple, str] = {}
     views: dict[int, StorageView] = {}  # one placeholder per tensor object: pickle keeps it one object
 
-    def swap(path: tuple, t: torch.Tensor) -> Any:
+    def swap(path: tuple, t: torch.Tensor) -> torch.Tensor | StorageView:
         key = (t.device, t.untyped_storage().data_ptr())
         if key not in whole or type(t) not in (torch.Tensor, torch.nn.Parameter):
             return t
@@ -125,7 +124,7 @@ def prepare(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], FileLayout]:
     return staged, layout(staged)
 
 
-def layout(checkpoint: dict[str, Any]) -> FileLayout:
+def layout(checkpoint: dict[str, object]) -> FileLayout:
     """(trainer) The aliases, kinds and devices of ``checkpoint``'s tensors, named as ``staging.split``
     names them for a file (``objects=True``). Reads metadata only."""
     out = FileLayout()
@@ -179,9 +178,9 @@ def _as_kind(t: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def rebuild(
-    skeleton: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None,
+    skeleton: object, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None,
     same_object: set[str] | frozenset[str] = frozenset(), kinds: dict[str, str] | None = None,
-) -> tuple[Any, dict[str, torch.Tensor]]:
+) -> tuple[object, dict[str, torch.Tensor]]:
     """(writer) The checkpoint dict to save: the skeleton with the staged tensors put back (each on an exact
     storage, aliases on their target's storage, views on their staged storage, kinds given back). Also
     returns the tensors used, by fqn."""

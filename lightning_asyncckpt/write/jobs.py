@@ -8,7 +8,14 @@ Made on the training thread (``pipeline.write_jobs``); run in the writer process
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    WriteHook = Callable[[list], object]  # called with the job's buckets before and after the write
 
 Gate = tuple[str, float]  # (gate file, timeout_s): a lazy snapshot still being copied (``gate.py``)
 
@@ -28,11 +35,11 @@ class FileJob:
         gate: waited at before the buffers are read, or None.
     """
 
-    skeleton: Any
-    tensors: dict[str, Any]
+    skeleton: object
+    tensors: dict[str, torch.Tensor]
     tmp_path: str
     result_path: str
-    hook: Any = None
+    hook: WriteHook | None = None
     aliases: dict[str, str] = field(default_factory=dict)
     locations: dict[str, str] = field(default_factory=dict)
     same_object: frozenset[str] = frozenset()
@@ -59,7 +66,7 @@ class DcpJob:
     transforms: list
     buckets: list
     result_path: str
-    hook: Any = None
+    hook: WriteHook | None = None
     extra_files: tuple[tuple[str, bytes], ...] | list = ()
     upload: tuple[str, str] | None = None
     gate: Gate | None = None

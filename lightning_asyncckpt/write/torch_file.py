@@ -32,8 +32,6 @@ import io
 import os
 import threading
 import time
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -49,19 +47,28 @@ _PICKLE_PROTOCOL = 2
 
 # Storage location tags for one write: the tagger below answers from this map (data_ptr -> location),
 # before torch's own taggers, while a write with ``locations`` runs in this thread.
-_tags = threading.local()
+class _Tags(threading.local):
+    """The current thread's map for the tagger (``None``: no write with ``locations`` in progress)."""
+
+    by_ptr: dict[int, str] | None = None
+
+    def set(self, by_ptr: dict[int, str] | None) -> None:
+        self.by_ptr = by_ptr
+
+
+_tags = _Tags()
 _tagger_lock = threading.Lock()
 _tagger_registered = False
 
 
-def _tag(storage: Any) -> str | None:
-    tags = getattr(_tags, "by_ptr", None)
+def _tag(storage: torch.types.Storage) -> str | None:
+    tags = _tags.by_ptr
     if not tags:
         return None
     return tags.get(storage.data_ptr())
 
 
-def _no_restore(storage: Any, location: str) -> None:
+def _no_restore(storage: torch.types.Storage, location: str) -> None:
     return None  # loading is left to torch's own deserializers
 
 
@@ -74,7 +81,7 @@ def _register_tagger() -> None:
 
 
 def write_file(
-    skeleton: Any, tensors: dict[str, torch.Tensor], tmp_path: str | os.PathLike,
+    skeleton: object, tensors: dict[str, torch.Tensor], tmp_path: str | os.PathLike,
     aliases: dict[str, str] | None = None, locations: dict[str, str] | None = None,
     same_object: set[str] | frozenset[str] = frozenset(), kinds: dict[str, str] | None = None,
 ) -> int:
@@ -87,7 +94,7 @@ def write_file(
         _register_tagger()
         by_ptr = {used[n].untyped_storage().data_ptr(): loc for n, loc in locations.items()
                   if n in used and used[n].numel() > 0}
-    _tags.by_ptr = by_ptr
+    _tags.set(by_ptr)
     try:
         if remote.is_remote(tmp_path):
             return remote.write_object(str(tmp_path), lambda f: torch.serialization.save(checkpoint, f, pickle_protocol=_PICKLE_PROTOCOL))
@@ -95,7 +102,7 @@ def write_file(
         # fast by default: staged bytes straight to the disk, CRC32s by ISA-L (fast_file); the same bytes as plain
         return fast_file.save(checkpoint, str(tmp_path), used.values(), _PICKLE_PROTOCOL)
     finally:
-        _tags.by_ptr = None
+        _tags.set(None)
 
 
 def hook_buckets(tmp_path: str | os.PathLike) -> list:
@@ -124,21 +131,10 @@ def write_file_job(job: FileJob) -> None:
         nbytes = write_file(skeleton, job.tensors, job.tmp_path, job.aliases, job.locations, job.same_object, job.kinds)
         if hook is not None:
             after_write(hook, buckets)
-        outcome: dict[str, Any] = {"ok": True, "results": [], "nbytes": nbytes}
+        outcome: dict[str, object] = {"ok": True, "results": [], "nbytes": nbytes}
     except BaseException as e:  # noqa: BLE001 - reported as a value, raised by the trainer
         outcome = {"ok": False, **worker.describe_failure(e, buckets)}
     worker.report(job.result_path, outcome, t0)
 
 
-def publish_file(tmp: Path, path: Path) -> None:
-    """(trainer) Makes the complete file ``tmp`` visible at ``path``: one ``os.replace`` (atomic on every
-    POSIX filesystem; an existing ``path``, e.g. ``last.ckpt``, is replaced in the same step), then an
-    fsync of the directory so that the rename itself is durable."""
-    tmp, path = Path(tmp), Path(path)
-    if not tmp.is_file():
-        raise FileNotFoundError(f"refusing to publish {tmp}: it is not a written checkpoint file")
-    if path.is_dir() and not path.is_symlink():
-        commit.replace_dir_with_file(tmp, path)  # a checkpoint directory of 0.1 (format="dcp") at that path
-        return
-    os.replace(tmp, path)
-    commit.fsync_dir(path.parent)
+publish_file = commit.publish_file  # (trainer) a file's commit, where tests and tools look for it

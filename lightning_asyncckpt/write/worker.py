@@ -15,14 +15,23 @@ import gc
 import os
 import pickle
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.errors import RankFailure
 from lightning_asyncckpt.write import parent_watch
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.synchronize import Event
 
-def describe_failure(exc: BaseException, buckets: list) -> dict[str, Any]:
+    import torch
+
+    Target = Callable[..., object] | tuple[str, str]  # a function, or its (module, qualified name)
+
+
+def describe_failure(exc: BaseException, buckets: list) -> dict[str, object]:
     """(writer) A failed write as a report: the error's type, message and errno; where the error dropped
     its OS cause, the cause the target directory shows (a disk full, the directory gone)."""
     failure = RankFailure.from_exception(0, exc)
@@ -32,7 +41,7 @@ def describe_failure(exc: BaseException, buckets: list) -> dict[str, Any]:
     return out
 
 
-def _diagnose_os_cause(buckets: list, message: str) -> dict[str, Any]:
+def _diagnose_os_cause(buckets: list, message: str) -> dict[str, object]:
     """torch.save's stream writer reports a failed write as ``RuntimeError: unexpected pos ...`` and
     drops the OS error. Look at the target directory to name the real cause."""
     if not buckets:
@@ -62,12 +71,12 @@ def _diagnose_os_cause(buckets: list, message: str) -> dict[str, Any]:
 _MAPPED: collections.deque = collections.deque(maxlen=2)
 
 
-def keep_mapped(tensors: Iterable[Any]) -> None:
+def keep_mapped(tensors: Iterable[torch.Tensor]) -> None:
     """(writer, at the start of each job) Keeps the job's staged storages mapped for the jobs after it."""
     _MAPPED.append([t.untyped_storage() for t in tensors])
 
 
-def report(result_path: str, outcome: dict[str, Any], t0: float) -> None:
+def report(result_path: str, outcome: dict[str, object], t0: float) -> None:
     """Tells the trainer how a write went: ``outcome`` with the write's time and this process's pid,
     written whole (temp file, then rename), so that the trainer never reads half a report."""
     outcome["write_s"] = time.monotonic() - t0
@@ -78,7 +87,7 @@ def report(result_path: str, outcome: dict[str, Any], t0: float) -> None:
     os.replace(tmp, result_path)
 
 
-def run_forked(started_fd: int, fn: Any, args: tuple, kwargs: dict, nice: int = 0, trainer_pid: int | None = None,
+def run_forked(started_fd: int, fn: Target, args: tuple, kwargs: dict, nice: int = 0, trainer_pid: int | None = None,
                scratch_dir: str | None = None) -> None:
     """Entry point of a fork-per-save writer: first tells the trainer it runs (it got past ``fork``),
     then runs ``fn`` at CPU priority ``nice`` (:func:`lower_priority`), ending early if the trainer
@@ -107,8 +116,8 @@ def before_start() -> None:
     """(forked writer) Nothing; a test makes it hang, as a fork of a multi-threaded process can."""
 
 
-def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, trainer_pid: int | None = None,
-                scratch_dir: str | None = None, failed: Any = None, **kwargs: Any) -> None:
+def engine_loop(loop_fn: Target, preload: tuple, ready: Event, nice: int = 0, trainer_pid: int | None = None,
+                scratch_dir: str | None = None, failed: Connection | None = None, **kwargs: object) -> None:
     """Entry point of the persistent worker: the engine's own loop, made to run without CUDA, at CPU
     priority ``nice`` (:func:`lower_priority`), until the trainer asks it to stop or the trainer
     ``trainer_pid`` is gone (:func:`parent_watch.exit_with`: then ``scratch_dir`` is removed too).
@@ -132,7 +141,8 @@ def engine_loop(loop_fn: Any, preload: tuple, ready: Any, nice: int = 0, trainer
     loop_fn(**kwargs)
 
 
-def _start(loop_fn: Any, preload: tuple, nice: int, trainer_pid: int | None, scratch_dir: str | None) -> Any:
+def _start(loop_fn: Target, preload: tuple, nice: int, trainer_pid: int | None,
+           scratch_dir: str | None) -> Callable[..., object]:
     import importlib
 
     if trainer_pid is not None:
@@ -152,21 +162,26 @@ def _start(loop_fn: Any, preload: tuple, nice: int, trainer_pid: int | None, scr
     # here, the startup heap is left out of every collection, which then scans only what the jobs made.
     gc.collect()
     gc.freeze()
-    # Megatron-Core's loop pins `rank % device_count()` first: a ZeroDivisionError without CUDA.
-    # This process only writes files, so it may pretend to have one device it never uses.
-    torch.cuda.device_count = lambda: 1
-    torch.cuda.set_device = lambda *_a, **_k: None
+    _one_unused_device(torch)
     return loop_fn
 
 
-def resolve(fn: Any) -> Any:
+def _one_unused_device(torch: ModuleType) -> None:
+    """(the persistent writer process, at its start) Replaces two functions of this process's ``torch.cuda``:
+    Megatron-Core's loop pins ``rank % device_count()`` first, a ZeroDivisionError without CUDA. This process
+    only writes files (its GPUs are hidden), so it may pretend to have one device it never uses."""
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *_a, **_k: None
+
+
+def resolve(fn: Target) -> Callable[..., object]:
     """A function given as ``(module, qualified name)``, imported; anything else as it is."""
     if not isinstance(fn, tuple):
         return fn
     import importlib
 
     module, qualname = fn
-    found: Any = importlib.import_module(module)
+    found: object = importlib.import_module(module)
     for part in qualname.split("."):
         found = getattr(found, part)
     return found

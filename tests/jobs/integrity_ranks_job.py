@@ -7,19 +7,16 @@ back the saved state, and what the damaged load raised.
 from __future__ import annotations
 
 import os
-import sys
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-
-from lightning_asyncckpt.format.metadata import read_metadata  # noqa: E402
-from lightning_asyncckpt.integration import loading  # noqa: E402
-from processes import run_job  # noqa: E402
+from lightning_asyncckpt.format.metadata import read_metadata
+from lightning_asyncckpt.integration import loading
+from processes import run_job
 
 WORLD = 2
 

@@ -251,7 +251,7 @@ def main():
     def body(report):
         globals()[f"case_{args.case}"](args, report)
         rank = torch.distributed.get_rank()
-        assert rank == report["rank"], (rank, report["rank"])
+        assert rank == report.rank, (rank, report.rank)
 
     run_and_report(args.out, args.devices, body)
 
