@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from lightning_asyncckpt.collectives import groups, objects
 from lightning_asyncckpt.collectives.groups import ProcessGroup
+
+T = TypeVar("T")  # a picklable value each rank contributes
 
 AllMax = Callable[[list[int]], list[int]]
 """An element-wise maximum over ranks of a small integer vector (:meth:`Agreement.all_max`)."""
@@ -107,8 +109,14 @@ class Agreement:
         ranks = None if self.group is None else groups.group_ranks(self.group)
         return Agreement(groups.bounded_group(timeout_s, ranks))
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        """(all ranks of the group, same order) Every rank's ``obj``, in rank order."""
+    def all_gather(self, obj: T) -> list[T]:
+        """(all ranks of the group, same order) Every rank's ``obj``, in rank order.
+
+        Args:
+            obj: this rank's value (picklable).
+
+        Returns:
+            One value per rank of the group, in rank order (``[obj]`` without a group)."""
         if not self.active:
             return [obj]
         return objects.all_gather_object(obj, self.group)

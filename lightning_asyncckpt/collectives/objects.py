@@ -17,12 +17,14 @@ Each wait is bounded by the group's timeout (the tier's gloo groups: ``LocalTier
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from lightning_asyncckpt.collectives.groups import ProcessGroup
+
+T = TypeVar("T")  # a picklable value each rank contributes
 
 SLOT = 4096  # bytes per rank in the first collective: 8 for the size, the rest for a small object
 _SIZE = 8
@@ -36,7 +38,7 @@ def slot_for(world: int) -> int:
     return min(SLOT, max(512, _FIRST_MAX // world))
 
 
-def gather_objects(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+def gather_objects(obj: T, group: ProcessGroup | None = None) -> list[T]:
     """(all ranks of ``group``, same order) Every rank's ``obj``, in group-rank order. Each rank decides
     whether a second collective is needed from the sizes every rank gathered in the first, so all ranks
     run the same collectives whatever their objects' sizes."""
@@ -61,10 +63,10 @@ def gather_objects(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     return [pickle.loads(w.numpy().tobytes()[:n]) for w, n in zip(whole, sizes)]
 
 
-def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+def all_gather_object(obj: T, group: ProcessGroup | None = None) -> list[T]:
     """(all ranks of ``group``, same order) Every rank's ``obj``, in group-rank order, as
     ``torch.distributed.all_gather_object`` gathers it (two collectives, on the device of ``group``'s
     backend)."""
-    out: list[Any] = [None] * dist.get_world_size(group)
+    out: list[T] = [None] * dist.get_world_size(group)  # type: ignore[list-item]  # filled in by the gather
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -7,9 +7,12 @@ Kept apart from the package's other modules, which do not import ``torch.distrib
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from torch.distributed.checkpoint.utils import _DistWrapper
+
+T = TypeVar("T")  # one rank's local plan
+R = TypeVar("R")  # one rank's part of the global plan
 
 
 class PlanRound:
@@ -31,7 +34,7 @@ class PlanRound:
     def is_coordinator(self) -> bool:
         return self._wrapper.is_coordinator
 
-    def reduce_scatter(self, local_step: Callable[[], Any], global_step: Callable[[list[Any]], list[Any]]) -> Any:
+    def reduce_scatter(self, local_step: Callable[[], T], global_step: Callable[[list[T]], list[R]]) -> R:
         """(all ranks of the default group, same order, when distributed) Every rank's ``local_step()`` gathered
         to the coordinator, its ``global_step(plans)`` scattered back: this rank's part. An exception in either
         step on any rank is raised on every rank (DCP's ``CheckpointException``), so none is left waiting."""

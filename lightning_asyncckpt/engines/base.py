@@ -15,8 +15,9 @@ What we replace, because it hangs or assumes CUDA (see ENGINES.md):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import multiprocessing as mp
 
@@ -28,6 +29,9 @@ from lightning_asyncckpt.engines.persistent import (
     stop_resource_tracker,
 )
 from lightning_asyncckpt.engines.protocol import Status, Ticket
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
 
 __all__ = ["FORK_ATTEMPTS", "FORK_START_S", "Engine", "Status", "Ticket", "engine_version"]
 
@@ -58,7 +62,7 @@ class Engine:
         self.rank, self.nice = rank, nice  # nice: the writer processes' CPU priority
         # the run's scratch directory (results, gates): removed by a writer whose trainer is gone (parent_watch)
         self.scratch_dir = scratch_dir
-        self._caller: Any = None
+        self._caller: PersistentMixin | TemporalMixin | None = None  # made at the first use (persistent: a start)
         self._owns_tracker = False  # the caller's queues started multiprocessing's resource tracker
         self._next_idx = 0
 
@@ -79,8 +83,15 @@ class Engine:
         return ("torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.planner",
                 self.writer_cls.__module__)
 
-    def schedule(self, fn: Any, args: tuple) -> Ticket:
-        """Hands ``fn(*args)`` to the background worker; returns at once."""
+    def schedule(self, fn: Callable[..., object], args: tuple) -> Ticket:
+        """Hands ``fn(*args)`` to the background worker; returns at once.
+
+        Args:
+            fn: a module-level function (picklable), run by the worker.
+            args: its arguments (picklable; host tensors travel through shared memory).
+
+        Returns:
+            The ticket to :meth:`poll` (in the order scheduled)."""
         req = self.core.AsyncRequest(fn, tuple(args), [])
         call_idx, scheduled_at = self._next_idx, time.monotonic()
         self._next_idx += 1
@@ -141,7 +152,7 @@ class Engine:
 
     # -- helpers --------------------------------------------------------------------------------
     @staticmethod
-    def _death_detail(proc: Any) -> str:
+    def _death_detail(proc: BaseProcess | None) -> str:
         code = getattr(proc, "exitcode", None)
         if code is None:
             return "the checkpoint worker process is gone"
@@ -155,7 +166,7 @@ class Engine:
             return f"the checkpoint worker process (pid {proc.pid}) was killed by {sig}"
         return f"the checkpoint worker process (pid {proc.pid}) exited with code {code}"
 
-    def _persistent_caller(self) -> Any:
+    def _persistent_caller(self) -> PersistentMixin:
         if self._caller is None:
             cls = type(f"{self.name.title()}PersistentCaller", (PersistentMixin, self.core.PersistentAsyncCaller), {})
             self._owns_tracker = not resource_tracker_running()
@@ -164,7 +175,7 @@ class Engine:
             self._caller = caller
         return self._caller
 
-    def _temporal_caller(self) -> Any:
+    def _temporal_caller(self) -> TemporalMixin:
         if self._caller is None:
             cls = type(f"{self.name.title()}TemporalCaller", (TemporalMixin, self.core.TemporalAsyncCaller), {})
             caller = cls()

@@ -8,13 +8,30 @@ import gc
 import logging
 import os
 import select
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from torch import multiprocessing as mp
 
 from lightning_asyncckpt.write import worker
 
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
 log = logging.getLogger(__name__)
+
+
+class ForkRequest(Protocol):
+    """The engine's ``AsyncRequest``, as the fork reads it."""
+
+    @property
+    def async_fn(self) -> Callable[..., object]: ...
+
+    @property
+    def async_fn_args(self) -> tuple: ...
+
+    @property
+    def async_fn_kwargs(self) -> dict[str, object] | None: ...
 
 
 class TemporalMixin:
@@ -27,7 +44,7 @@ class TemporalMixin:
         """(trainer, once, right after construction) The writer's CPU priority and the run's scratch directory."""
         self.nice, self.scratch_dir = nice, scratch_dir
 
-    def schedule_fork(self, async_req: Any, start_s: float, attempts: int) -> Any:
+    def schedule_fork(self, async_req: ForkRequest, start_s: float, attempts: int) -> BaseProcess:
         """Forks the writer and returns once it runs (inside the save, so the snapshot is still this step's).
 
         A child forked from a process with other threads (gloo's, torch's) can hang inside ``fork``

@@ -12,15 +12,19 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing import queues as mp_queues
 from queue import Empty
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import multiprocessing as mp
 
 from lightning_asyncckpt.engines import startup
 from lightning_asyncckpt.engines.protocol import Status
 from lightning_asyncckpt.write import worker
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +65,12 @@ def _no_main_reimport():
             main.__dict__.update(saved)
 
 
-def _by_name(fn: Any) -> Any:
+def _by_name(fn: Callable[..., object]) -> Callable[..., object] | tuple[str, str]:
     """``fn`` as ``(module, qualified name)`` where that names it, for the worker to import inside its own
     startup (where an import error is reported, :func:`write.worker.resolve`), else ``fn`` itself."""
     ref = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", ""))
     try:
-        found: Any = sys.modules[ref[0]]
+        found: object = sys.modules[ref[0]]
         for part in ref[1].split("."):
             found = getattr(found, part)
     except (KeyError, AttributeError, TypeError):
@@ -86,7 +90,7 @@ class RequestQueue(mp_queues.JoinableQueue):
 
     send_error: BaseException | None = None  # set in the trainer process only (the feeder thread)
 
-    def _on_queue_feeder_error(self, e: Exception, obj: Any) -> None:
+    def _on_queue_feeder_error(self, e: Exception, obj: object) -> None:
         if self.send_error is None:
             self.send_error = e
         if not isinstance(e, (BrokenPipeError, OSError)):
@@ -96,10 +100,10 @@ class RequestQueue(mp_queues.JoinableQueue):
 class PersistentMixin:
     """Persistent worker: the engine's ``async_loop`` in a spawned process, with liveness checks."""
 
-    queue: Any
-    preload_q: Any
-    comp_q: Any
-    process: Any
+    queue: RequestQueue
+    preload_q: mp_queues.JoinableQueue
+    comp_q: mp_queues.Queue
+    process: BaseProcess | None
     nice: int = 0  # the worker's CPU priority (``AsyncCheckpointIO(worker_nice=...)``)
     scratch_dir: str | None = None  # removed by the worker if it outlives the trainer
     # a worker started by the first write imports what that write's job needs as it unpickles it
@@ -187,7 +191,7 @@ class PersistentMixin:
                 self._start_cause = startup.diagnose()
         return self._start_cause
 
-    def schedule_async_call(self, async_req: Any) -> None:
+    def schedule_async_call(self, async_req: object) -> None:
         self.queue.put(async_req)
 
     def poll_done(self) -> Status:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
 
 
 class Status(enum.Enum):
@@ -25,7 +28,7 @@ class Ticket:
 
     call_idx: int
     scheduled_at: float
-    process: Any = None  # fork-per-save: this job's own process
+    process: BaseProcess | None = None  # fork-per-save: this job's own process
     detail: str = ""
 
     def died(self, detail: str) -> None:
@@ -48,7 +51,7 @@ class EngineProtocol(Protocol):
         """Starts the persistent worker and waits until it is ready (having imported DCP's writer too where
         ``directories``: DCP directory saves are expected); no-op for fork-per-save."""
 
-    def schedule(self, fn: Any, args: tuple) -> Ticket:
+    def schedule(self, fn: Callable[..., object], args: tuple) -> Ticket:
         """Hands ``fn(*args)`` to the background worker; returns at once."""
 
     def poll(self, ticket: Ticket) -> Status:

@@ -16,9 +16,16 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
-from lightning_asyncckpt.faults.policy import ENV_VAR, NO_FAULTS, ChainedHooks, SaveFaults
+from lightning_asyncckpt.faults.policy import (
+    ENV_VAR,
+    NO_FAULTS,
+    ChainedHooks,
+    FaultPoint,
+    SaveFaults,
+    WriterHook,
+)
 
 WORKER_KINDS = ("enospc", "eio", "permission", "slow", "crash")
 COORDINATOR_KINDS = ("metadata", "commit")
@@ -74,7 +81,7 @@ class FailAt:
     what: str
     code: int = _errno.EIO
 
-    def __call__(self, path: Any) -> None:
+    def __call__(self, path: Path | str) -> None:
         if self.code == 0:
             raise MemoryError(f"cannot allocate the staging buffers while {self.what} of {path} (injected by lightning_asyncckpt.testing)")
         raise OSError(self.code, f"{os.strerror(self.code)} while {self.what} of {path} (injected by lightning_asyncckpt.testing)")
@@ -112,7 +119,7 @@ class Fault:
             and (self.worker is None or self.worker == worker)
         )
 
-    def hook(self) -> Any:
+    def hook(self) -> WriterHook:
         """The picklable hook that makes the worker fail this way."""
         if self.kind == "slow":
             return DelayWrite(self.delay)
@@ -137,7 +144,7 @@ class Fault:
     @classmethod
     def parse(cls, spec: str) -> Fault:
         kind, _, rest = spec.strip().partition(":")
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, tuple[int, ...] | str | float] = {}
         for item in filter(None, (p.strip() for p in rest.split(","))):
             key, sep, value = item.partition("=")
             if not sep:
@@ -185,7 +192,7 @@ def faults_for(rank: int, save: int, engine: str, worker: str, faults: Sequence[
     """(trainer) The faults of one save (``faults``, else the active ones), as the pipeline's
     :class:`~lightning_asyncckpt.faults.policy.SaveFaults`."""
     hooks: list = []
-    points: dict[str, Any] = {}
+    points: dict[str, FaultPoint] = {}
     for fault in active_faults() if faults is None else faults:
         if not fault.matches(rank, save, engine, worker):
             continue

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Protocol
 
 ENV_VAR = "LIGHTNING_ASYNCCKPT_FAULTS"
+
+WriterHook = Callable[[list], None]  # picklable; the writer calls it with the save's buckets (``written`` optional)
+FaultPoint = Callable[[Path | str], None]  # a check the trainer runs at a named point of a save, with its path
 
 
 @dataclass(frozen=True)
@@ -29,13 +33,19 @@ class SaveFaults:
         before_publish: called by the coordinator before the rename that publishes the checkpoint.
     """
 
-    worker_hook: Any = None
-    at_snapshot: Callable[[Any], None] | None = None
-    at_handover: Callable[[Any], None] | None = None
-    before_metadata: Callable[[Any], None] | None = None
-    before_publish: Callable[[Any], None] | None = None
+    worker_hook: WriterHook | None = None
+    at_snapshot: FaultPoint | None = None
+    at_handover: FaultPoint | None = None
+    before_metadata: FaultPoint | None = None
+    before_publish: FaultPoint | None = None
 
-    def check(self, point: Callable[[Any], None] | None, path: Any) -> None:
+    def check(self, point: FaultPoint | None, path: Path | str) -> None:
+        """(trainer) Runs ``point`` (one of this object's fields) with the save's ``path``, where it is set.
+
+        Args:
+            point: ``at_snapshot``, ``at_handover``, ``before_metadata`` or ``before_publish`` (or None).
+            path: the checkpoint being saved.
+        """
         if point is not None:
             point(path)
 
@@ -48,7 +58,7 @@ class FaultPolicy(Protocol):
         """The faults of this rank's ``save``-th save (counting from 1) on that engine and worker."""
 
 
-def check_policy(policy: Any, where: str) -> None:
+def check_policy(policy: object, where: str) -> None:
     """Refuses, where it is given (``where``: the argument, e.g. ``AsyncCheckpointIO(faults=...)``), what is no
     fault policy, instead of failing at the first save."""
     if policy is None or callable(getattr(policy, "for_save", None)):
@@ -62,7 +72,7 @@ def check_policy(policy: Any, where: str) -> None:
     )
 
 
-def with_hook(faults: SaveFaults, hook: Any) -> Any:
+def with_hook(faults: SaveFaults, hook: WriterHook | None) -> WriterHook | None:
     """The writer's hook for a save: the user's ``write_hook`` (may be None) then the injected one."""
     hooks = tuple(h for h in (hook, faults.worker_hook) if h is not None)
     if len(hooks) <= 1:
@@ -70,7 +80,7 @@ def with_hook(faults: SaveFaults, hook: Any) -> Any:
     return ChainedHooks(hooks)
 
 
-def after_write(hook: Any, buckets: list) -> None:
+def after_write(hook: WriterHook, buckets: list) -> None:
     """(writer) Runs a writer hook's second point, ``hook.written(buckets)``, if it has one: every byte of the
     save is written and its files are closed, but the trainer has not been told yet."""
     written = getattr(hook, "written", None)
@@ -82,7 +92,7 @@ def after_write(hook: Any, buckets: list) -> None:
 class ChainedHooks:
     """Several picklable writer hooks, run in order (at both points, :func:`after_write`)."""
 
-    hooks: tuple
+    hooks: tuple[WriterHook, ...]
 
     def __call__(self, buckets: list) -> None:
         for hook in self.hooks:

@@ -20,9 +20,13 @@ from __future__ import annotations
 import importlib
 import sys
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.integration import lightning_api, patches
+
+if TYPE_CHECKING:
+    from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
 
 # what a Trainer made with the plugin is given: loaded when the first such Trainer is made
 ATTACH = "lightning_asyncckpt.integration.callback"
@@ -63,8 +67,8 @@ def _callback_connectors() -> list[type]:
     return found
 
 
-def _wrapper(original: Any) -> Any:
-    def on_trainer_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _wrapper(original: Callable[..., None]) -> Callable[..., None]:
+    def on_trainer_init(self: _CallbackConnector, *args: object, **kwargs: object) -> None:
         out = original(self, *args, **kwargs)
         attach(self)
         return out
@@ -72,7 +76,7 @@ def _wrapper(original: Any) -> Any:
     return on_trainer_init
 
 
-def _uses_an_owner(strategy: Any) -> bool:
+def _uses_an_owner(strategy: object) -> bool:
     """Whether ``strategy`` is one of the package's strategies, or its checkpoint IO (unwrapped as
     ``find_async_io`` does) an ``AsyncCheckpointIO``: each is an owner. Asks no property, so that a strategy
     without the plugin makes no default checkpoint IO here."""
@@ -85,7 +89,7 @@ def _uses_an_owner(strategy: Any) -> bool:
     return False
 
 
-def attach(connector: Any) -> None:
+def attach(connector: _CallbackConnector) -> None:
     """(every rank, at the end of ``_CallbackConnector.on_trainer_init``) For a Trainer whose strategy saves
     through ``AsyncCheckpointIO``: the finalizer where it has none, and its connector's resume wrappers.
 

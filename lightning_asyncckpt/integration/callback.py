@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from typing_extensions import override
 
@@ -15,6 +17,9 @@ from lightning_asyncckpt.integration.lightning_api import Callback, LightningMod
 from lightning_asyncckpt.integration.logger_relay import LoggerRelay
 from lightning_asyncckpt.integration.patches import InstancePatches
 from lightning_asyncckpt.integration.tier_step_end import TierStepEnd
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ class AsyncFinalizerCallback(Callback):
         self._auto = False
         self._prepare_pending = False
         self._capabilities = contract.StrategyCapabilities()  # the trainer's strategy's
-        self._counted: Any = None  # the checkpoint dict that on_save_checkpoint counted last
+        self._counted: dict[str, object] | None = None  # the checkpoint dict that on_save_checkpoint counted last
         self._patches = InstancePatches()  # the strategy's save_checkpoint, the checkpoint callbacks' file_exists
         self._relay = LoggerRelay()  # the loggers' after_save_checkpoint, deferred until the save commits
         self._tier_step_end = TierStepEnd(self._local_step_end)  # the local tier's, after every other callback
@@ -84,7 +89,12 @@ class AsyncFinalizerCallback(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """(all ranks, at the start of fit/validate/test/predict) Finds the trainer's ``AsyncCheckpointIO``;
-        for fit, starts the worker on every writing rank (outside any training step)."""
+        for fit, starts the worker on every writing rank (outside any training step).
+
+        Args:
+            trainer: the Trainer running the stage.
+            pl_module: its LightningModule (unused).
+            stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``; only fit starts workers."""
         self._io = None
         self._prepare_pending = False
         io = find_async_io(trainer.strategy)
@@ -113,8 +123,13 @@ class AsyncFinalizerCallback(Callback):
             self._prepare_pending = not caps.own_state_layout
 
     @override
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank."""
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, object]) -> None:
+        """(all ranks, as Lightning builds a checkpoint) Counts the save on every rank.
+
+        Args:
+            trainer: the Trainer running the stage.
+            pl_module: its LightningModule (unused).
+            checkpoint: the checkpoint being built (remembered, so that its save is not counted twice)."""
         if self._io is not None and not tier_trainer.building_local_checkpoint():
             self._io.session.announce()
             self._io.session.track_optimizers(trainer.optimizers)  # the ones this save holds (configure may replace them)
@@ -122,25 +137,36 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """(all ranks) Tracks the optimizers, for weights-only saves too (they run no ``on_save_checkpoint``)."""
+        """(all ranks) Tracks the optimizers, for weights-only saves too (they run no ``on_save_checkpoint``).
+
+        Args:
+            trainer: the Trainer running the stage.
+            pl_module: its LightningModule (unused)."""
         if self._io is not None:
             self._io.session.track_optimizers(trainer.optimizers)
             tier_trainer.arm(trainer, self._io)
 
     @override
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
         """(all ranks, right before the optimizer changes the state) Waits for a lazy snapshot's copy, the
-        persistent save's and the local tier's."""
+        persistent save's and the local tier's.
+
+        Args:
+            trainer: the Trainer running the stage.
+            pl_module: its LightningModule (unused).
+            optimizer: the optimizer about to step (unused: every lazy copy is waited for)."""
         if self._io is not None:
             self._io.session.wait_for_snapshot()
 
-    def _watch_saves(self, strategy: Any) -> None:
+    def _watch_saves(self, strategy: object) -> None:
         """Every rank calls ``strategy.save_checkpoint`` for every save, weights-only ones included (for
         which Lightning runs no callback hook). There: count the saves ``on_save_checkpoint`` did not, so
         that an error of a weights-only save reaches every rank within a step or two as well; and finish
         the write of a SLURM requeue save before it returns."""
-        def make(original: Any) -> Any:
-            def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        def make(original: Callable[..., None]) -> Callable[..., None]:
+            def save_checkpoint(checkpoint: dict[str, object], filepath: Path | str,
+                                storage_options: object | None = None) -> None:
                 if self._io is not None and checkpoint is not self._counted:
                     self._io.session.announce()
                 self._counted = None
@@ -159,8 +185,8 @@ class AsyncFinalizerCallback(Callback):
         checkpoint callbacks also counts pending saves as existing (decided on global rank 0, as stock)."""
         session = self._io.session if self._io is not None else None
 
-        def make(original: Any) -> Any:
-            def file_exists(filepath: Any, trainer: Trainer) -> bool:
+        def make(original: Callable[[Path | str, Trainer], bool]) -> Callable[[Path | str, Trainer], bool]:
+            def file_exists(filepath: Path | str, trainer: Trainer) -> bool:
                 if original(filepath, trainer):
                     return True
                 pending = bool(trainer.is_global_zero and session is not None and session.is_pending(filepath))
@@ -174,15 +200,28 @@ class AsyncFinalizerCallback(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """(all ranks) Gives the strategy its own ``save_checkpoint`` back, and the checkpoint callbacks their
-        own ``file_exists``, and the loggers their own ``after_save_checkpoint``."""
+        own ``file_exists``, and the loggers their own ``after_save_checkpoint``.
+
+        Args:
+            trainer: the Trainer running the stage.
+            pl_module: its LightningModule (unused).
+            stage: the stage that ends."""
         self._relay.detach()
         self._patches.undo()
         self._tier_step_end.detach(trainer)
         self._counted = None
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """(all ranks, after every training batch) Non-blocking finalize; raises a failed write here."""
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: object, batch: object,
+                           batch_idx: int) -> None:
+        """(all ranks, after every training batch) Non-blocking finalize; raises a failed write here.
+
+        Args:
+            trainer: the Trainer running the stage.
+            pl_module: its LightningModule (its ``state_dict`` sizes the staging buffers after the first step).
+            outputs: the batch's outputs (unused).
+            batch: the batch (unused).
+            batch_idx: its index (unused)."""
         if self._io is None:
             return
         if self._prepare_pending:
@@ -209,7 +248,11 @@ class AsyncFinalizerCallback(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """(all ranks, once at the end of fit) Blocking finalize: every save is committed or raised."""
+        """(all ranks, once at the end of fit) Blocking finalize: every save is committed or raised.
+
+        Args:
+            trainer: the Trainer running the stage.
+            pl_module: its LightningModule (unused)."""
         if self._io is not None:
             self._finalize(blocking=True)
             self._log_committed(trainer)
@@ -242,7 +285,12 @@ class AsyncFinalizerCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """(the ranks that raised) Stops the workers without collectives, leaving ``exception`` to propagate;
         then tells the loggers of the saves that committed on the way out, and gives them their own
-        ``after_save_checkpoint`` back (Lightning runs no ``teardown`` hook after an exception)."""
+        ``after_save_checkpoint`` back (Lightning runs no ``teardown`` hook after an exception).
+
+        Args:
+            trainer: the Trainer running the stage.
+            pl_module: its LightningModule (unused).
+            exception: the exception raised (left to propagate)."""
         if self._io is not None:
             self._io.abort()
             tier_trainer.stop(self._io, wait=False)

@@ -10,13 +10,19 @@ attributes. What a strategy can do is declared by the strategy, as a :class:`Str
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from lightning_asyncckpt.pipeline.pipeline import AttachedTier
 from lightning_asyncckpt.pipeline.records import SaveRecord
 from lightning_asyncckpt.pipeline.settings import Settings
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_asyncckpt.snapshot.staging import Defer
 
 
 @dataclass(frozen=True)
@@ -47,13 +53,13 @@ class AsyncSaveStrategy(Protocol):
         ...
 
 
-def capabilities_of(strategy: Any) -> StrategyCapabilities:
+def capabilities_of(strategy: object) -> StrategyCapabilities:
     """The capabilities ``strategy`` declares; a stock strategy's are the defaults."""
     return strategy.save_capabilities if isinstance(strategy, AsyncSaveStrategy) else StrategyCapabilities()
 
 
 @contextlib.contextmanager
-def local_tier_state(strategy: Any) -> Iterator[None]:
+def local_tier_state(strategy: object) -> Iterator[None]:
     """(all ranks) While a local-tier checkpoint is built: each rank's own shards where the strategy can give
     them (``AsyncModelParallelStrategy``, even where its persistent saves gather a full state); else nothing."""
     if isinstance(strategy, AsyncSaveStrategy):
@@ -87,7 +93,7 @@ class SessionInterface(Protocol):
         """(all ranks, together, the callback's ``setup``) Saves are finalized from now on."""
         ...
 
-    def warmup(self, like: dict[str, Any] | None = None) -> None:
+    def warmup(self, like: dict[str, object] | None = None) -> None:
         """(writing ranks, the callback's ``setup`` for fit) Starts the worker."""
         ...
 
@@ -95,15 +101,15 @@ class SessionInterface(Protocol):
         """(all ranks, as Lightning builds a checkpoint) Counts a save some rank will make."""
         ...
 
-    def prepare(self, like: dict[str, Any], distributed: bool) -> None:
+    def prepare(self, like: dict[str, object], distributed: bool) -> None:
         """(writing ranks, after the first optimizer step) Allocates staging buffers like ``like``."""
         ...
 
-    def track_optimizers(self, optimizers: Any) -> None:
+    def track_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """(all ranks, train start and each save) The optimizers a lazy snapshot copies behind."""
         ...
 
-    def lazy_rule(self) -> Any:
+    def lazy_rule(self) -> Defer | None:
         """(the training thread, a local-tier save) Which tensors a lazy local save may copy later."""
         ...
 
@@ -115,7 +121,7 @@ class SessionInterface(Protocol):
         """(this rank, no collectives; before a SLURM requeue) Waits for this rank's writes."""
         ...
 
-    def is_pending(self, path: Any) -> bool:
+    def is_pending(self, path: Path | str) -> bool:
         """(global rank 0, as ModelCheckpoint picks a name) Whether a save to ``path`` is in flight."""
         ...
 
@@ -140,6 +146,6 @@ class SessionInterface(Protocol):
         """(every rank, as the local tier closes) Detaches it and returns it."""
         ...
 
-    def take_restored(self, key: Any) -> dict[str, Any] | None:
+    def take_restored(self, key: Path | str) -> dict[str, object] | None:
         """(every rank, at a load) The local tier's fetched checkpoint for ``key``, once."""
         ...

@@ -44,7 +44,7 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
     ``save_distributed_checkpoint=False`` saves are the stock, synchronous full-state files.
     """
 
-    def __init__(self, *args: Any, checkpoint_io: AsyncCheckpointIO | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: object, checkpoint_io: AsyncCheckpointIO | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self._checkpoint_io = checkpoint_io
 
@@ -60,15 +60,23 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
     @checkpoint_io.setter
     @override
     def checkpoint_io(self, io: CheckpointIO) -> None:
+        """Sets the plugin; anything other than an ``AsyncCheckpointIO`` raises ``TypeError``."""
         if not isinstance(io, AsyncCheckpointIO):
             raise TypeError(f"`{type(self).__name__}` writes through `AsyncCheckpointIO`; got {type(io).__name__}.")
         self._checkpoint_io = io
 
     @override
     def save_checkpoint(
-        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: dict | None = None
+        self, path: Path | str, state: dict[str, object], storage_options: object | None = None,
+        filter: dict | None = None,
     ) -> None:
-        """(all ranks) Snapshots this rank's shards and schedules their write; returns before it is done."""
+        """(all ranks) Snapshots this rank's shards and schedules their write; returns before it is done.
+
+        Args:
+            path: the checkpoint directory (global rank 0's is used on every rank), local or an fsspec URL.
+            state: Fabric's state: the model, its optimizers and other values.
+            storage_options: refused unless None (``TypeError``).
+            filter: with ``save_distributed_checkpoint=False`` only, as Fabric's; else refused."""
         if not self._save_distributed_checkpoint:
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             return
@@ -84,11 +92,21 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(
-        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+        self, path: Path | str, state: Module | Optimizer | dict[str, object] | None = None, strict: bool = True,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """(all ranks) Commits or fails every pending save first, then loads as Fabric does; the key that
         ``FabricTiers.resume`` got for a local-tier step loads this rank's shards of it
-        (:mod:`~lightning_asyncckpt.integration.tier_fabric_load`)."""
+        (:mod:`~lightning_asyncckpt.integration.tier_fabric_load`).
+
+        Args:
+            path: the checkpoint (global rank 0's is used on every rank), or a key ``FabricTiers.resume`` gave.
+            state: what to load into, in place (as Fabric's ``load``).
+            strict: every key of ``state`` must be in the checkpoint.
+            weights_only: as ``torch.load``'s (None: torch's default).
+
+        Returns:
+            The values of the checkpoint not loaded into ``state``, as Fabric's."""
         io = self.checkpoint_io
         io.session.finalize(blocking=True)  # every pending save committed or raised first
         restored = io.session.take_restored(path)
@@ -105,7 +123,7 @@ class AsyncFabricModelParallelStrategy(ModelParallelStrategy):
         return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 
-def sharded_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def sharded_state(state: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
     """Splits a Fabric state into the sharded state dicts of its model and optimizers (the ``DTensor``
     local shards, not gathered, left on their device for the stager) and the other values, as Fabric's
     ``ModelParallelStrategy`` does."""
@@ -124,8 +142,8 @@ def sharded_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
             f" found {len(modules)}."
         )
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
-    converted: dict[str, Any] = {}
-    meta: dict[str, Any] = {}
+    converted: dict[str, object] = {}
+    meta: dict[str, object] = {}
     for key, obj in state.items():
         if isinstance(obj, Module):
             converted[key] = get_model_state_dict(obj, options=options)

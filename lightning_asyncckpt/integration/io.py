@@ -16,7 +16,9 @@ One save, and the module that owns each step:
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
@@ -33,6 +35,12 @@ from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.tiers import restore_key
 from lightning_asyncckpt.tiers.config import LocalTier
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    import torch
+    from torch.serialization import MAP_LOCATION
 
 __all__ = ["AsyncCheckpointIO", "SaveRecord", "META_FILE"]
 
@@ -113,8 +121,8 @@ class AsyncCheckpointIO(CheckpointIO):
         self._returned = 0  # history[:_returned] was returned by finalize()
         # the user's options and instruments, read at each save or load (assigning them between saves is theirs)
         self.faults: FaultPolicy = faults if faults is not None else EnvironmentFaults()
-        self.write_hook: Any = None  # picklable; the worker calls it with the buckets before writing
-        self.copy_hook: Any = None  # a lazy snapshot's copy thread calls it before copying (testing.HoldCopy)
+        self.write_hook: Callable[[list], None] | None = None  # picklable; the worker calls it with the buckets before writing
+        self.copy_hook: Callable[[], None] | None = None  # a lazy snapshot's copy thread calls it before copying (testing.HoldCopy)
         self.local = local
         self.verify_on_load = verify_on_load  # read by every load path of the plugin and the strategies
         autoattach.install(self)  # the Trainer that takes this plugin gets the finalizer (and no other Trainer)
@@ -145,35 +153,62 @@ class AsyncCheckpointIO(CheckpointIO):
 
     # Lightning's CheckpointIO -------------------------------------------------------------------------
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, object], path: Path | str, storage_options: object | None = None) -> None:
         """(the ranks Lightning calls it on) Snapshots ``checkpoint`` and schedules its write to ``path``.
-        Returns once the snapshot is taken; errors of the write are raised later, by :meth:`finalize`."""
+        Returns once the snapshot is taken; errors of the write are raised later, by :meth:`finalize`.
+
+        Args:
+            checkpoint: the state to save; not read again once this returns (a lazy snapshot's tracked
+                optimizers excepted, see :meth:`wait_for_snapshot`).
+            path: the file or directory to write, local or an fsspec URL.
+            storage_options: passed on to the write (fsspec's options for a URL)."""
         self._session.submit(checkpoint, path, Layout.SINGLE_WRITER, self._instruments(),
                              storage_options=storage_options, trainer_save=_from_trainer(checkpoint))
 
-    def save_checkpoint_distributed(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint_distributed(self, checkpoint: dict[str, object], path: Path | str,
+                                    storage_options: object | None = None) -> None:
         """(all ranks, same order) Saves a state replicated on every rank; each rank snapshots and writes a
         disjoint share, so every byte is written once. One checkpoint that loads on any number of ranks.
-        Used by :class:`~lightning_asyncckpt.AsyncDDPStrategy`."""
+        Used by :class:`~lightning_asyncckpt.AsyncDDPStrategy`.
+
+        Args:
+            checkpoint: the state, the same on every rank.
+            path: the DCP directory to write, the same on every rank.
+            storage_options: passed on to the write (fsspec's options for a URL)."""
         self._session.submit(checkpoint, path, Layout.DISTRIBUTED, self._instruments(),
                              storage_options=storage_options, trainer_save=_from_trainer(checkpoint))
 
-    def save_checkpoint_sharded(self, state: dict[str, Any], path: Any, meta: dict[str, Any] | None = None) -> None:
+    def save_checkpoint_sharded(self, state: dict[str, object], path: Path | str,
+                                meta: dict[str, object] | None = None) -> None:
         """(all ranks, same order) Saves a sharded state in Lightning's ``ModelParallelStrategy`` layout: each
         rank writes its own shards (``DTensor`` local shards and its share of replicated tensors), global
-        rank 0 also writes ``meta`` to ``meta.pt``. Stock Lightning and plain DCP read the result."""
+        rank 0 also writes ``meta`` to ``meta.pt``. Stock Lightning and plain DCP read the result.
+
+        Args:
+            state: this rank's sharded state (module and optimizer state dicts).
+            path: the checkpoint directory, the same on every rank.
+            meta: the rest of the checkpoint (Lightning's loops, callbacks, ``global_step``), or None."""
         self._session.submit(state, path, Layout.SHARDED, self._instruments(), meta=meta, step=global_step(meta),
                              trainer_save=_from_trainer(meta))
 
     @override
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: Path | str, map_location: MAP_LOCATION = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         """(any rank) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a directory
         of this library or DCP, or a ``torch.save`` file, local or at an fsspec URL). A failed save at
         ``path`` is raised here. With other ranks up, a save that another rank is still writing into that
         directory is waited for first (at most ``timeout_s``): Fabric's ``save`` returns on every rank once
         rank 0 has scheduled it, and its ``load`` then reads on every rank. A path that the local tier's
         recovery returned (``LocalTierHook.latest``) gives the checkpoint it fetched, once; loaded again later it
-        raises ``FileNotFoundError`` saying what to load instead (:mod:`~lightning_asyncckpt.tiers.restore_key`)."""
+        raises ``FileNotFoundError`` saying what to load instead (:mod:`~lightning_asyncckpt.tiers.restore_key`).
+
+        Args:
+            path: a checkpoint file or directory, local or an fsspec URL.
+            map_location: as ``torch.load``'s, for a ``torch.save`` file and for the tensors of a directory.
+            weights_only: as ``torch.load``'s (None: torch's default).
+
+        Returns:
+            The checkpoint as stock Lightning would load it."""
         restored = self._session.take_restored(path)
         if restored is not None:
             return restored
@@ -185,9 +220,12 @@ class AsyncCheckpointIO(CheckpointIO):
         return loading.load(path, map_location=map_location, weights_only=weights_only, verify=self.verify_on_load)
 
     @override
-    def remove_checkpoint(self, path: Any) -> None:
+    def remove_checkpoint(self, path: Path | str) -> None:
         """(the ranks Lightning calls it on) Removes ``path`` once every save scheduled so far has committed:
-        a checkpoint being written is never deleted, the newest committed one stays until a newer commits."""
+        a checkpoint being written is never deleted, the newest committed one stays until a newer commits.
+
+        Args:
+            path: a checkpoint this plugin saved (file or directory, local or an fsspec URL)."""
         self._session.request_removal(path)
 
     @override
@@ -233,17 +271,18 @@ class AsyncCheckpointIO(CheckpointIO):
         to that check: such code needs ``snapshot="eager"``."""
         self._session.wait_for_snapshot()
 
-    def track_optimizers(self, optimizers: Any) -> None:
+    def track_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """(the saving ranks, before the saves; the callback at the start of training, and at each save)
         The optimizers whose ``step`` alone changes their parameters and state: with ``snapshot="lazy"``
         those are copied in the background after ``save_checkpoint`` returns. Nothing tracked: every save
         is copied at save time. Fabric users call it once, with their optimizers.
 
         Args:
-            optimizers: an optimizer or an iterable of them (held weakly)."""
+            optimizers: the optimizers (held weakly; a Lightning ``LightningOptimizer`` stands for the one it
+                wraps), e.g. ``[optimizer]``."""
         self._session.track_optimizers(optimizers)
 
-    def warmup(self, like: dict[str, Any] | None = None) -> None:
+    def warmup(self, like: dict[str, object] | None = None) -> None:
         """(writing ranks) Starts the background worker now, so that the first save does not pay for it (nor
         the first DCP save for importing DCP's writer: only a Trainer stage whose saves are single files
         skips that import). Local: it changes nothing the ranks must agree on, so it may be called on some
@@ -261,7 +300,8 @@ class AsyncCheckpointIO(CheckpointIO):
     def __enter__(self) -> AsyncCheckpointIO:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         """(all ranks) For loops that never tear down (Fabric's): ``teardown``, or :meth:`abort` on an exception."""
         if exc is None:
             self.teardown()
@@ -272,7 +312,7 @@ class AsyncCheckpointIO(CheckpointIO):
         return Instruments(self.faults, self.write_hook, self.copy_hook)
 
 
-def _from_trainer(checkpoint: Any) -> bool:
+def _from_trainer(checkpoint: object) -> bool:
     """A checkpoint the Lightning Trainer built (its dict carries Lightning's version)."""
     return isinstance(checkpoint, dict) and "pytorch-lightning_version" in checkpoint
 
@@ -280,7 +320,7 @@ def _from_trainer(checkpoint: Any) -> bool:
 
 lightning_api.register_with_the_other(AsyncCheckpointIO)  # either distribution's Trainer takes it as a plugin
 
-def find_async_io(strategy: Any) -> AsyncCheckpointIO | None:
+def find_async_io(strategy: object) -> AsyncCheckpointIO | None:
     """The ``AsyncCheckpointIO`` behind a strategy's (possibly wrapped) checkpoint IO, if any (None for a
     strategy that has no checkpoint IO: Fabric's ``ModelParallelStrategy`` raises when asked for it)."""
     try:

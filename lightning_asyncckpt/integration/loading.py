@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_asyncckpt.format import commit, destination, integrity
 from lightning_asyncckpt.format import dcp as dcp_format
@@ -13,8 +13,12 @@ from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.lightning_api import TorchCheckpointIO
 from lightning_asyncckpt.integration.map_location import for_file as map_location_for_file
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.serialization import MAP_LOCATION
 
-def load(path: Path | str, map_location: Any | None = None, weights_only: bool | None = None,
+
+def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool | None = None,
          verify: bool = True) -> dict[str, Any]:
     """(any rank) The checkpoint at ``path`` (a remote one: a file, read as stock reads it, through
     fsspec); a clear error for a missing or incomplete one. A local one is checked first
@@ -50,14 +54,14 @@ def load(path: Path | str, map_location: Any | None = None, weights_only: bool |
     return dcp_format.load(path, map_location=map_location, weights_only=weights_only, verify=verify)
 
 
-def is_sharded(path: Any) -> bool:
+def is_sharded(path: object) -> bool:
     """Whether ``path`` is a local, committed sharded checkpoint directory (Lightning's layout: ``meta.pt``)."""
     local = destination.plain_path(path)
     return local is not None and local.is_dir() and commit.is_committed(local) and (local / dcp_format.META_FILE).is_file()
 
 
-def load_sharded(path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None, verify: bool,
-                 metadata: Any | None = None) -> dict[str, Any]:
+def load_sharded(path: Path, state: dict[str, object], strict: bool, weights_only: bool | None, verify: bool,
+                 metadata: Metadata | None = None) -> dict[str, Any]:
     """(all ranks, together: DCP's ``load`` is collective) Lightning's and Fabric's load of a sharded checkpoint
     directory (``ModelParallelStrategy``'s, its sharded branch, unchanged in effect), with every rank's items
     read through :class:`~lightning_asyncckpt.format.dcp_reader.CheckedReader`: each rank checks the CRC32 of

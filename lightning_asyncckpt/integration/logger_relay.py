@@ -27,10 +27,16 @@ from __future__ import annotations
 import copy
 import logging
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.integration.patches import InstancePatches
+
+if TYPE_CHECKING:
+    from lightning.pytorch.loggers import Logger
+
+    from lightning_asyncckpt.integration.contract import SessionInterface
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +45,8 @@ _HOOK = "after_save_checkpoint"
 
 @dataclass
 class _Call:
-    original: Any  # the logger's own bound after_save_checkpoint
-    checkpoint_callback: Any  # what Lightning passed (a weakref proxy of the ModelCheckpoint)
+    original: Callable[[object], None]  # the logger's own bound after_save_checkpoint
+    checkpoint_callback: object  # what Lightning passed (a weakref proxy of the ModelCheckpoint)
     mark: int  # io.saves_scheduled when the call was made
 
 
@@ -48,7 +54,7 @@ class LoggerRelay:
     """Defers the loggers' ``after_save_checkpoint`` until the saves scheduled before each call commit."""
 
     def __init__(self) -> None:
-        self._io: Any = None
+        self._io: SessionInterface | None = None
         self._since = 0  # io.saves_scheduled at attach, then through which save every call was settled
         self._deferred: deque[_Call] = deque()
         self._patches = InstancePatches()  # each logger's after_save_checkpoint, ours until detach
@@ -58,9 +64,12 @@ class LoggerRelay:
         """Calls recorded and not yet made or dropped."""
         return len(self._deferred)
 
-    def attach(self, loggers: Any, io: Any) -> None:
-        """(all ranks, at the callback's ``setup``) Wraps each logger's ``after_save_checkpoint``; ``io`` is
-        the trainer's ``AsyncCheckpointIO.session`` (what it calls: ``integration.contract.SessionInterface``)."""
+    def attach(self, loggers: Iterable[Logger], io: SessionInterface) -> None:
+        """(all ranks, at the callback's ``setup``) Wraps each logger's ``after_save_checkpoint``.
+
+        Args:
+            loggers: the trainer's loggers.
+            io: the session of the trainer's ``AsyncCheckpointIO`` (``io.session``)."""
         self.detach()
         self._io, self._since = io, io.saves_scheduled
         for logger in loggers:
@@ -109,10 +118,10 @@ class LoggerRelay:
         self._patches.undo()
         self._io = None
 
-    def _deferring(self, original: Any) -> Any:
+    def _deferring(self, original: Callable[[object], None]) -> Callable[[object], None]:
         """A logger's ``after_save_checkpoint`` that records the call, to be made by :meth:`replay`."""
 
-        def after_save_checkpoint(checkpoint_callback: Any) -> None:
+        def after_save_checkpoint(checkpoint_callback: object) -> None:
             self._deferred.append(_Call(original, _as_of_now(checkpoint_callback), self._io.saves_scheduled))
             self._io.hold_removals(True)
             self.replay()
@@ -120,7 +129,7 @@ class LoggerRelay:
         return after_save_checkpoint
 
 
-def _as_of_now(checkpoint_callback: Any) -> Any:
+def _as_of_now(checkpoint_callback: object) -> object:
     """A copy of the checkpoint callback's state now, for a call made later: what a logger reads of it
     (``best_k_models``, ``last_model_path``, ``best_model_path``, scores) as stock's call would see it.
     Lightning passes a weak proxy; its attributes are the callback's own."""

@@ -10,15 +10,18 @@ instead. Any other callable is passed on as it is (a file without wrapper subcla
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.serialization import MAP_LOCATION
 
 # the location tags a probe asks about: the CPU, and the CUDA devices a GPU checkpoint names
 _PROBE_LOCATIONS = ("cpu", "cuda", "cuda:0", "cuda:1")
 
 
-def for_file(map_location: Any) -> Any:
+def for_file(map_location: MAP_LOCATION) -> MAP_LOCATION:
     """(any rank, before ``torch.load`` of a file) ``"cpu"`` for ``None`` (Lightning's default, the identity
     callable) and for a callable that keeps every storage where it is; ``map_location`` otherwise."""
     if map_location is None:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
 MARK = "_asyncckpt"  # set on every wrapper this package installs
-_class_patches: list[tuple[type, str, Any, Any]] = []  # (class, name, our wrapper, its own attribute before)
+F = TypeVar("F", bound=Callable[..., object])  # the method wrapped, and its wrapper
+_class_patches: list[tuple[type, str, Callable[..., object], object]] = []  # (class, name, our wrapper, its own attribute before)
 _warned: set[str] = set()
 
 
@@ -58,7 +59,7 @@ def _set(owner: object, name: str, value: object) -> None:
     setattr(owner, name, value)
 
 
-def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> tuple[Any, Any] | None:
+def _wrap(owner: object, name: str, make: Callable[[F], F]) -> tuple[F, object] | None:
     """Sets ``owner.name`` to ``make(current)``, marked; returns ``(wrapper, owner's own attribute before)``,
     or None where ``owner`` has no such method or it is ours already."""
     current = getattr(owner, name, None)
@@ -74,7 +75,7 @@ def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> tuple[Any, Any] 
     return wrapper, before
 
 
-def _give_back(owner: Any, name: str, wrapper: Any, before: Any) -> None:
+def _give_back(owner: object, name: str, wrapper: Callable[..., object], before: object) -> None:
     """Gives ``owner`` its own ``name`` back, unless someone replaced our wrapper since."""
     if vars(owner).get(name) is wrapper:
         if before is None:
@@ -88,17 +89,17 @@ class MethodHook:
     to the object. Unlike a closure it pickles (``strategy="ddp_spawn"`` pickles the trainer, and with it the
     trainer's own objects that carry these), as long as ``around`` is a module-level function."""
 
-    def __init__(self, obj: object, name: str, around: Callable[..., Any]) -> None:
+    def __init__(self, obj: object, name: str, around: Callable[..., object]) -> None:
         self._obj = obj
         self._name = name
         self._around = around
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         original = getattr(type(self._obj), self._name).__get__(self._obj)
         return self._around(original, *args, **kwargs)
 
 
-def hook_method(obj: object, name: str, around: Callable[..., Any]) -> bool:
+def hook_method(obj: object, name: str, around: Callable[..., object]) -> bool:
     """(any process) Wraps ``obj.name`` in a :class:`MethodHook`, for ``obj``'s life: ``obj`` alone is changed,
     not its class. False, and ``obj`` left as it is, where its class has no such method or ``obj`` has an
     attribute of that name of its own already (ours, or someone's that would have shadowed the class's)."""
@@ -117,9 +118,9 @@ class InstancePatches:
     """(one callback or relay, on every rank) The instance attributes it put on Lightning objects."""
 
     def __init__(self) -> None:
-        self._made: list[tuple[Any, str, Any, Any]] = []  # (object, name, our wrapper, its own attribute before)
+        self._made: list[tuple[object, str, Callable[..., object], object]] = []  # (object, name, our wrapper, its own attribute before)
 
-    def wrap(self, obj: object, name: str, make: Callable[[Any], Any]) -> Any | None:
+    def wrap(self, obj: object, name: str, make: Callable[[F], F]) -> F | None:
         """Sets ``obj.name`` to ``make(current)``; returns the wrapper, or None where ``obj`` has no such method
         or it is ours already."""
         made = _wrap(obj, name, make)
@@ -135,7 +136,7 @@ class InstancePatches:
         self._made = []
 
 
-def wrap_class(cls: type, name: str, make: Callable[[Any], Any]) -> bool:
+def wrap_class(cls: type, name: str, make: Callable[[F], F]) -> bool:
     """(any process, idempotent) Replaces ``cls.name`` with ``make(current)``, process-wide, until
     :func:`undo_class_patches`; False where ``cls`` has no such method or it is ours already."""
     made = _wrap(cls, name, make)

@@ -20,35 +20,38 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_asyncckpt.tiers.hook import LocalTierHook
 
 log = logging.getLogger(__name__)
 
 
-def _parts(handler: Any) -> list[Any]:
+def _parts(handler: object) -> list[object]:
     """``handler`` flattened: Lightning's ``_HandlersCompose`` into the handlers it calls in turn."""
     if type(handler).__name__ == "_HandlersCompose":
         return [p for h in getattr(handler, "signal_handlers", []) for p in _parts(h)]
     return [handler]
 
 
-def _lightnings(part: Any) -> bool:
+def _lightnings(part: object) -> bool:
     """A method of Lightning's signal connector (its notifier, its SIGTERM bypass, its SLURM requeue)."""
     return type(getattr(part, "__self__", None)).__name__ == "_SignalConnector"
 
 
-def is_lightnings_requeue(handler: Any) -> bool:
+def is_lightnings_requeue(handler: object) -> bool:
     """Whether ``handler`` (the one installed for a signal) runs Lightning's SLURM requeue."""
     return any(_lightnings(p) and getattr(p, "__name__", "") == "_slurm_sigusr_handler_fn" for p in _parts(handler))
 
 
-def users_own(handler: Any) -> list[Callable[..., Any]]:
+def users_own(handler: object) -> list[Callable[..., object]]:
     """The callables in ``handler`` (the handler the local tier replaced) that are not Lightning's: the
     user's own. ``SIG_DFL``, ``SIG_IGN`` and signal numbers are not handlers to call."""
     return [p for p in _parts(handler) if callable(p) and not isinstance(p, int) and not _lightnings(p)]
 
 
-def pass_on(tier: Any, handlers_everywhere: bool) -> None:
+def pass_on(tier: LocalTierHook, handlers_everywhere: bool) -> None:
     """(every rank, at the boundary that stops training, after the emergency save is complete) Runs what the
     signal this rank received replaced: Lightning's SLURM requeue (see the module docstring) where every
     rank received that signal and has that handler, with a warning where not; and the user's own handlers.

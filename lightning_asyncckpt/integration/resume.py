@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.integration.patches import InstancePatches
 
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
 
 @contextmanager
-def schemes_kept(trainer: Any) -> Iterator[None]:
+def schemes_kept(trainer: Trainer) -> Iterator[None]:
     """(the rank resolving ``ckpt_path="last"``, inside ``_parse_ckpt_path``: every rank) Within it, the
     ``_find_last_checkpoints`` of ``trainer``'s checkpoint callbacks keep a remote file's scheme; given back
     on exit.
@@ -38,9 +42,9 @@ def schemes_kept(trainer: Any) -> Iterator[None]:
         made.undo()
 
 
-def _with_scheme(cb: Any) -> Callable[[Any], Any]:
-    def make(original: Any) -> Any:
-        def _find_last_checkpoints(trainer: Any) -> set[str]:
+def _with_scheme(cb: ModelCheckpoint) -> Callable[[Callable[[Trainer], set[str]]], Callable[[Trainer], set[str]]]:
+    def make(original: Callable[[Trainer], set[str]]) -> Callable[[Trainer], set[str]]:
+        def _find_last_checkpoints(trainer: Trainer) -> set[str]:
             found = original(trainer)
             if not found or _is_local(cb._fs):
                 return found
@@ -52,13 +56,13 @@ def _with_scheme(cb: Any) -> Callable[[Any], Any]:
     return make
 
 
-def _saves_async(trainer: Any) -> bool:
+def _saves_async(trainer: Trainer) -> bool:
     from lightning_asyncckpt.integration.io import find_async_io
 
     return find_async_io(getattr(trainer, "strategy", None)) is not None
 
 
-def _is_local(fs: Any) -> bool:
+def _is_local(fs: object) -> bool:
     from fsspec.implementations.local import LocalFileSystem
 
     return isinstance(fs, LocalFileSystem)

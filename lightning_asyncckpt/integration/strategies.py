@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import override
 
@@ -23,6 +23,9 @@ from lightning_asyncckpt.integration.io import META_FILE, AsyncCheckpointIO, fin
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO, DDPStrategy, ModelParallelStrategy
 from lightning_asyncckpt.tiers import shares
 
+if TYPE_CHECKING:
+    import torch
+
 
 class _AsyncStrategyMixin:
     """What both strategies share: an ``AsyncCheckpointIO`` by default, and a finalizer on the trainer; their
@@ -34,6 +37,7 @@ class _AsyncStrategyMixin:
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO given (``plugins`` or ``checkpoint_io``), else an ``AsyncCheckpointIO()`` made once."""
         if self._checkpoint_io is None:
             self._checkpoint_io = AsyncCheckpointIO()
         return self._checkpoint_io
@@ -50,7 +54,7 @@ class _AsyncStrategyMixin:
             )
         return io
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         autoattach.install(self)  # the Trainer made with this strategy gets the finalizer and the resume wrappers
 
@@ -69,7 +73,10 @@ class _AsyncStrategyMixin:
     @contextlib.contextmanager
     def local_tier_state(self) -> Iterator[None]:
         """(all ranks, while ``AsyncFinalizerCallback`` builds a local-tier checkpoint) The state dicts as for a
-        persistent save."""
+        persistent save.
+
+        Returns:
+            A context manager for the build of one local-tier checkpoint."""
         yield
 
 
@@ -87,8 +94,14 @@ class AsyncDDPStrategy(_AsyncStrategyMixin, DDPStrategy):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """(all ranks) Each rank schedules the write of its share; returns once the snapshot is taken."""
+    def save_checkpoint(self, checkpoint: dict[str, object], filepath: Path | str,
+                        storage_options: object | None = None) -> None:
+        """(all ranks) Each rank schedules the write of its share; returns once the snapshot is taken.
+
+        Args:
+            checkpoint: the checkpoint Lightning built, the same on every rank.
+            filepath: the checkpoint directory, the same on every rank (local or an fsspec URL).
+            storage_options: passed on to the write (fsspec's options for a URL)."""
         self._async_io().save_checkpoint_distributed(checkpoint, filepath, storage_options)
 
 
@@ -113,7 +126,7 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
     # saves its own state layout: AsyncFinalizerCallback does not pre-stage
     save_capabilities: ClassVar[StrategyCapabilities] = StrategyCapabilities(all_ranks_write=True, own_state_layout=True)
 
-    def __init__(self, *args: Any, checkpoint_io: CheckpointIO | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: object, checkpoint_io: CheckpointIO | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self._checkpoint_io = checkpoint_io
         self._sharded_for_local_tier = False
@@ -124,7 +137,10 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         """(all ranks, while ``AsyncFinalizerCallback`` builds a local-tier checkpoint) The model's and the
         optimizers' states are each rank's own shards, even with ``save_distributed_checkpoint=False``: the
         local tier keeps every rank's shards, never a full state gathered on rank 0 (which the other ranks
-        would not hold)."""
+        would not hold).
+
+        Returns:
+            A context manager for the build of one local-tier checkpoint."""
         self._sharded_for_local_tier = True
         try:
             yield
@@ -135,9 +151,12 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         return self._save_distributed_checkpoint or self._sharded_for_local_tier
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def lightning_module_state_dict(self) -> dict[str, object]:
         """The sharded model state, left on its device: the stager copies it into reused (pinned) host buffers
-        instead of the stock strategy's synchronous CPU offload."""
+        instead of the stock strategy's synchronous CPU offload.
+
+        Returns:
+            The model's state dict (``DTensor`` values when sharded), as the stock strategy's."""
         if not self._sharded():
             return super().lightning_module_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -146,9 +165,15 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
 
     @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, object]:
         """(all ranks, when Lightning builds a checkpoint) The optimizer's sharded state, left on its device
-        for the stager (``cpu_offload=False``)."""
+        for the stager (``cpu_offload=False``).
+
+        Args:
+            optimizer: one of the strategy's optimizers (a ``LightningOptimizer`` counts as the one it wraps).
+
+        Returns:
+            Its state dict, as the stock strategy's."""
         if not self._sharded():
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -158,8 +183,14 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=False))
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """(all ranks) Each rank schedules the write of its shards; returns once the snapshot is taken."""
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Path | str,
+                        storage_options: object | None = None) -> None:
+        """(all ranks) Each rank schedules the write of its shards; returns once the snapshot is taken.
+
+        Args:
+            checkpoint: the checkpoint Lightning built (``state_dict`` and ``optimizer_states`` sharded).
+            filepath: the checkpoint directory (global rank 0's is used on every rank).
+            storage_options: refused unless None (``TypeError``)."""
         if storage_options is not None:
             raise TypeError(
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported;"
@@ -176,9 +207,16 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         self._async_io().save_checkpoint_sharded(state, path, meta)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Path | str, weights_only: bool | None = None) -> dict[str, Any]:
         """(all ranks) Settles pending saves, then loads a sharded checkpoint (this package's or stock
-        Lightning's, written on any number of ranks) or a full one."""
+        Lightning's, written on any number of ranks) or a full one.
+
+        Args:
+            checkpoint_path: the checkpoint (global rank 0's is used on every rank), local or an fsspec URL.
+            weights_only: as ``torch.load``'s (None: torch's default).
+
+        Returns:
+            The rest of the checkpoint, the model and optimizers loaded in place, as the stock strategy's."""
         io = self._async_io()
         io.session.finalize(blocking=True)  # every pending save committed or raised first
         restored = io.session.take_restored(checkpoint_path)
@@ -213,7 +251,7 @@ class AsyncModelParallelStrategy(_AsyncStrategyMixin, ModelParallelStrategy):
         return _load_checkpoint(path=path, state=state, strict=self.lightning_module.strict_loading,
                                 optimizer_states_from_list=True, weights_only=weights_only)
 
-    def _load_tier(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _load_tier(self, state: dict[str, object]) -> dict[str, Any]:
         """(all ranks) Loads this rank's own shards from the local tier into the model and optimizers, each
         ``DTensor`` rebuilt on the model's mesh; returns the rest of the checkpoint, as the stock load does."""
         from torch.distributed.checkpoint.state_dict import (

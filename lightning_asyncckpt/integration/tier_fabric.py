@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.integration import lightning_api, replaced_handlers
 from lightning_asyncckpt.integration.fabric import sharded_state
-from lightning_asyncckpt.integration.io import find_async_io
+from lightning_asyncckpt.integration.io import AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.tiers import run_identity
 from lightning_asyncckpt.tiers.hook import LocalTierHook
 from lightning_asyncckpt.tiers.setup import open_tier
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class FabricTiers:
     """(every rank, after ``fabric.launch()``) The local tier of ``fabric``'s ``AsyncCheckpointIO(local=...)``.
     Making it is collective (process groups, setup checks)."""
 
-    def __init__(self, fabric: Any, io: Any = None) -> None:
+    def __init__(self, fabric: Fabric, io: AsyncCheckpointIO | None = None) -> None:
         self.fabric = fabric
         self.io = io if io is not None else find_async_io(fabric.strategy)
         if self.io is None or getattr(self.io, "local", None) is None:
@@ -63,13 +67,22 @@ class FabricTiers:
         self.tier: LocalTierHook = self.io.session.tier
         self.tier.arm()
 
-    def resume(self, state: dict[str, Any], persistent: Any = None, strict: bool = True,
+    def resume(self, state: dict[str, object], persistent: Path | str | None = None, strict: bool = True,
                weights_only: bool | None = None) -> bool:
         """(every rank, before the first :meth:`step_end`) Loads the newest step complete in the local tier, or
         ``persistent`` where that is newer or the local tier has none complete, into ``state``
         (``fabric.load``). False: nothing loaded. ``persistent`` also names the run (module docstring); a local
         path that does not exist yet is no checkpoint (the first start's). ``weights_only`` as ``fabric.load``'s:
-        either checkpoint is read with it (None: stock's default)."""
+        either checkpoint is read with it (None: stock's default).
+
+        Args:
+            state: Fabric's state (model, optimizers, other values), loaded in place.
+            persistent: the persistent checkpoint the loop would resume from (it need not exist yet).
+            strict: as ``fabric.load``'s.
+            weights_only: as ``fabric.load``'s.
+
+        Returns:
+            True where a checkpoint was loaded."""
         self.tier.begin(run_identity.destination_of(persistent), resuming=True)
         if persistent is not None and "://" not in str(persistent) and not os.path.exists(persistent):
             persistent = None  # nothing saved there yet
@@ -79,11 +92,18 @@ class FabricTiers:
         self.fabric.load(path, state, strict=strict, weights_only=weights_only)
         return True
 
-    def step_end(self, step: int, state: dict[str, Any]) -> bool:
+    def step_end(self, step: int, state: dict[str, object]) -> bool:
         """(every rank, after every optimizer step) Agrees on the step boundary; saves ``state`` to the local
         tier every ``every_n_train_steps``; on a preemption signal saves now, waits for the copies, drains
         the persistent saves, runs the handler that signal had before ``FabricTiers`` (on the ranks that
-        received it) and returns True (the loop should stop)."""
+        received it) and returns True (the loop should stop).
+
+        Args:
+            step: the global step just completed.
+            state: Fabric's state, as for ``fabric.save``.
+
+        Returns:
+            True on a preemption: the loop should stop."""
         end = self.tier.step_end(step, lambda: self._convert(state), lambda: self._convert(state),
                                  lazy=self.io.session.lazy_rule(), hook=self.io.copy_hook)
         if not end.preempted:
@@ -98,7 +118,7 @@ class FabricTiers:
         replaced_handlers.pass_on(self.tier, end.handlers_everywhere)  # a handler installed before, if any
         return True
 
-    def _convert(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _convert(self, state: dict[str, object]) -> dict[str, object]:
         """``state`` as ``fabric.save`` would write it: modules and optimizers as their state dicts (FSDP2,
         tensor parallel: their sharded ones, each rank's ``DTensor`` shards, as a sharded ``fabric.save``)."""
         unwrap = lightning_api.fabric_module("wrappers")._unwrap_objects

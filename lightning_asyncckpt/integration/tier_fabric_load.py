@@ -18,7 +18,8 @@ from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.tiers import shares
 
 
-def load_shards(restored: dict[str, Any], state: dict[str, Any], strict: bool, device: torch.device) -> dict[str, Any]:
+def load_shards(restored: dict[str, object], state: dict[str, object], strict: bool,
+                device: torch.device) -> dict[str, Any]:
     """(every rank, in ``fabric.load`` of the key ``FabricTiers.resume`` got) Loads this rank's shards of a
     local step (``restored``, as :meth:`FabricTiers.step_end` saved them) into ``state``'s model and
     optimizers and its other keys; returns what ``state`` did not request. ``strict``: as ``fabric.load``'s

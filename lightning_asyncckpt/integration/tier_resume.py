@@ -19,38 +19,45 @@ wrappers on the checkpoint connector of each trainer that uses the plugin (:func
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.integration import patches, resume, tier_trainer
 from lightning_asyncckpt.tiers import run_identity
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+    from lightning_asyncckpt.integration.io import AsyncCheckpointIO
 
 
 class TierLast(str):
     """``"last"``, carrying the persistent checkpoint Lightning found for it (None: none)."""
 
-    persistent: Any
+    persistent: Path | str | None
 
-    def __new__(cls, persistent: Any) -> TierLast:
+    def __new__(cls, persistent: Path | str | None) -> TierLast:
         self = super().__new__(cls, "last")
         self.persistent = persistent
         return self
 
 
-def _io_with_tier(trainer: Any) -> Any:
+def _io_with_tier(trainer: Trainer) -> AsyncCheckpointIO | None:
     from lightning_asyncckpt.integration.io import find_async_io
 
     io = find_async_io(getattr(trainer, "strategy", None))
     return io if io is not None and io.local is not None else None
 
 
-def destination(trainer: Any) -> str:
+def destination(trainer: Trainer) -> str:
     """Where the trainer's persistent checkpoints go, as a run's record names it: the ``dirpath`` of each
     checkpoint callback (resolved at their setup), or ``default_root_dir`` where there is none."""
     dirs = [cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", []) if getattr(cb, "dirpath", None)]
     return run_identity.destination_of(dirs or [trainer.default_root_dir])
 
 
-def attach(trainer: Any) -> None:
+def attach(trainer: Trainer) -> None:
     """(every rank, as a Trainer that uses the plugin is made: :mod:`~lightning_asyncckpt.integration.autoattach`)
     Wraps the two methods of ``trainer``'s own checkpoint connector, for that trainer's life, as described
     above; no other trainer is touched. The wrappers pickle with the trainer (``ddp_spawn``)."""
@@ -59,7 +66,8 @@ def attach(trainer: Any) -> None:
     patches.hook_method(connector, "resume_start", _resume_start)
 
 
-def _parse_ckpt_path(original: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+def _parse_ckpt_path(original: Callable[..., Path | str | None], state_fn: object, ckpt_path: Path | str | None,
+                     *args: object, **kwargs: object) -> Path | str | None:
     """Lightning's ``_parse_ckpt_path`` (``original``, bound to the connector); for ``"last"``, remote names keep
     their scheme (:func:`~lightning_asyncckpt.integration.resume.schemes_kept`), and a fit with a local tier
     gets a :class:`TierLast`."""
@@ -75,7 +83,8 @@ def _parse_ckpt_path(original: Any, state_fn: Any, ckpt_path: Any, *args: Any, *
             return TierLast(original(state_fn, ckpt_path, *args, **kwargs))
 
 
-def _resume_start(original: Any, checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+def _resume_start(original: Callable[..., None], checkpoint_path: Path | str | None = None, *args: object,
+                  **kwargs: object) -> None:
     """Lightning's ``resume_start`` (``original``, bound to the connector), after the local tier's run is named
     and a :class:`TierLast` is resolved to the newest step complete in either tier."""
     trainer = original.__self__.trainer

@@ -16,7 +16,6 @@ It has no state, so it is in no checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from typing_extensions import override
 
@@ -30,7 +29,7 @@ class TierStepEnd(Callback):
         self._step_end = step_end
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:
         """(all ranks, after every training batch, after every other callback's hook)"""
         self._step_end(trainer)

@@ -16,19 +16,24 @@ from __future__ import annotations
 import contextvars
 import logging
 import signal
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.integration import contract, lightning_api, replaced_handlers
 from lightning_asyncckpt.tiers.cliques import TierConfigError
 from lightning_asyncckpt.tiers.hook import LocalTierHook
 from lightning_asyncckpt.tiers.setup import open_tier
 
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+    from lightning_asyncckpt.integration.io import AsyncCheckpointIO
+
 log = logging.getLogger(__name__)
 
 _BUILDING_LOCAL = contextvars.ContextVar("building_local_checkpoint", default=False)
 
 
-def start(trainer: Any, io: Any) -> LocalTierHook | None:
+def start(trainer: Trainer, io: AsyncCheckpointIO | None) -> LocalTierHook | None:
     """(all ranks, at setup, once the process group exists) Makes the run's local tier (collective: its
     groups and setup checks) and attaches it to ``io``, unless there is none or one is attached already."""
     if io is None or io.local is None:
@@ -39,7 +44,7 @@ def start(trainer: Any, io: Any) -> LocalTierHook | None:
     return io.session.tier
 
 
-def _refuse_stock_sharded(strategy: Any) -> None:
+def _refuse_stock_sharded(strategy: object) -> None:
     """(every rank alike, before anything collective) A strategy that loads its checkpoints without the plugin
     (Lightning's own ``ModelParallelStrategy``, ``FSDPStrategy``, ``DeepSpeedStrategy``) could save to the
     local tier but never resume from it: refused, with the strategy to use."""
@@ -56,7 +61,7 @@ def _refuse_stock_sharded(strategy: Any) -> None:
             " (the same arguments as `ModelParallelStrategy`); FSDP1 and DeepSpeed are not covered.")
 
 
-def arm(trainer: Any, io: Any) -> None:
+def arm(trainer: Trainer, io: AsyncCheckpointIO | None) -> None:
     """(all ranks, at the start of training: after Lightning has installed its signal handlers) Lets a
     preemption signal request an emergency save. Under Lightning's SLURM auto-requeue, its requeue signal is
     passed on to Lightning's handler after that save (:func:`step_end`), so the job is still requeued; so is
@@ -65,7 +70,7 @@ def arm(trainer: Any, io: Any) -> None:
         io.session.tier.arm(pass_on=_slurm_requeue_signal(trainer))
 
 
-def _slurm_requeue_signal(trainer: Any) -> tuple[str, ...]:
+def _slurm_requeue_signal(trainer: Trainer) -> tuple[str, ...]:
     from lightning_asyncckpt.integration.lightning_api import fabric_module
 
     # the environment Lightning's signal connector reads when it decides to install its requeue handler
@@ -85,7 +90,7 @@ def building_local_checkpoint() -> bool:
     return _BUILDING_LOCAL.get()
 
 
-def _dump(trainer: Any) -> dict[str, Any]:
+def _dump(trainer: Trainer) -> dict[str, object]:
     """(all ranks) The checkpoint ``ModelCheckpoint`` would save now, for the local tier."""
     token = _BUILDING_LOCAL.set(True)
     try:
@@ -94,14 +99,14 @@ def _dump(trainer: Any) -> dict[str, Any]:
         _BUILDING_LOCAL.reset(token)
 
 
-def _like(trainer: Any) -> dict[str, Any]:
+def _like(trainer: Trainer) -> dict[str, object]:
     """The states that make up nearly all of a checkpoint's bytes: sizes the first save's files without
     :func:`_dump`, which would run the user's ``on_save_checkpoint``."""
     return {"state_dict": trainer.lightning_module.state_dict(),
             "optimizer_states": [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]}
 
 
-def step_end(trainer: Any, io: Any) -> bool:
+def step_end(trainer: Trainer, io: AsyncCheckpointIO) -> bool:
     """(all ranks, after every training batch) Agrees on the step boundary, saves to the local tier when
     one is due (the checkpoint as ``ModelCheckpoint`` would build it), and on a preemption request saves
     now, waits for the copies and their replicas, and stops training. Returns True then."""
@@ -121,7 +126,7 @@ def step_end(trainer: Any, io: Any) -> bool:
     return True
 
 
-def stop(io: Any, wait: bool = True) -> None:
+def stop(io: AsyncCheckpointIO | None, wait: bool = True) -> None:
     """(all ranks, at the end of fit; ``wait=False`` on an exception, where a peer may be gone) Detaches the
     run's tier from ``io``, waits for the local save in flight and agrees on it (raising a failed one), and
     closes it: gives the signals back and releases its lock."""

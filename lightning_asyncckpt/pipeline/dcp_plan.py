@@ -11,13 +11,14 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from lightning_asyncckpt.collectives import Agreement
 from lightning_asyncckpt.collectives.planning import PlanRound
@@ -25,7 +26,7 @@ from lightning_asyncckpt.pipeline import plan_cache
 from lightning_asyncckpt.snapshot import staging, subclasses, tree
 
 
-def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything: bool) -> tuple[dict, dict]:
+def replicated_items(skeleton: object, tensors: dict[str, torch.Tensor], everything: bool) -> tuple[dict, dict]:
     """The flat DCP items of a replicated save and where each sits in the checkpoint dict (``planner_data``,
     which plain DCP readers such as ``dcp_to_torch_save`` use to rebuild the nesting).
 
@@ -35,17 +36,17 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
     leaf, since every item costs a ``torch.save`` frame and a ``.metadata`` entry. The paths cover every
     rank's tensors. A wrapper subclass (torchao's optimizer states) is one item, as in stock's DCP save: the
     wrapper rebuilt around its staged inner tensors; the reader splits it for the skeleton beside them."""
-    items: dict[str, Any] = dict(tensors)
+    items: dict[str, object] = dict(tensors)
     paths: dict[str, tuple] = {}
     names = tree.FqnNamer()
 
-    def has_tensor(obj: Any) -> bool:
+    def has_tensor(obj: object) -> bool:
         if isinstance(obj, torch.Tensor):  # a sparse or nested one stays in the skeleton: a leaf
             return tree.stageable(obj) or subclasses.is_wrapper(obj)
         values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
         return any(has_tensor(v) for v in values)
 
-    def visit(obj: Any, path: tuple) -> None:
+    def visit(obj: object, path: tuple) -> None:
         if subclasses.is_wrapper(obj):  # one item, as stock's DCP save writes it, around the staged inner tensors
             whole, inner = names(path), {n: names((*path, n)) for n in subclasses.inner_names(obj)}
             if all(name in tensors for name in inner.values()):  # this rank's (tree.share keeps them together)
@@ -59,7 +60,7 @@ def replicated_items(skeleton: Any, tensors: dict[str, torch.Tensor], everything
         elif everything:
             leaves.append((path, obj))
 
-    leaves: list[tuple[tuple, Any]] = []
+    leaves: list[tuple[tuple, object]] = []
     visit(skeleton, ())
     for path, obj in leaves:  # named after every tensor, so that tensor names stay those of staging.split
         name = names(path)
@@ -75,19 +76,22 @@ WriteBucket = tuple
 class WritePlan:
     """What one rank writes for one save, and what the coordinator needs to commit it."""
 
-    writer: Any  # the engine's FileSystemWriterAsync, kept in the trainer for ``finish``
+    writer: StorageWriter  # the engine's FileSystemWriterAsync, kept in the trainer for ``finish``
     metadata: Metadata | None
     buckets: list[WriteBucket]
     transforms: list  # DCP storage transforms the engine's ``write_preloaded_data`` expects
 
 
-def _call_with_known_kwargs(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+T = TypeVar("T")
+
+
+def _call_with_known_kwargs(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
     params = inspect.signature(fn).parameters
     return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
 
 
 def plan_save(
-    state: dict[str, Any],
+    state: dict[str, object],
     tmp: Path,
     writer_cls: type,
     thread_count: int,
@@ -161,7 +165,7 @@ def plan_save(
 def plan_local_save(snapshot: staging.Snapshot, tmp: Path, writer_cls: type, thread_count: int,
                     split_by_size: Callable[[int, list], list]) -> WritePlan:
     """Plans a save that this rank writes alone (no collectives)."""
-    state: dict[str, Any] = dict(snapshot.tensors)
+    state: dict[str, object] = dict(snapshot.tensors)
     state[staging.SKELETON_KEY] = snapshot.skeleton
     return plan_save(state, tmp, writer_cls, thread_count, split_by_size, distributed=False)
 
@@ -189,5 +193,5 @@ def make_buckets(plan, planner, tmp: Path, bins: int, split_by_size: Callable) -
 class DcpPlan:
     """This rank's part of a DCP save, planned (collectively when all ranks write): what the worker gets."""
 
-    plan: Any  # WritePlan
+    plan: WritePlan
     extra: list[tuple[str, bytes]]  # small files beside the shards (skeleton, provenance, extra_files)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -62,7 +62,7 @@ class SaveSession:
         self._tracked = TrackedState()  # the optimizers given to track_optimizers (weakly), for every run
         self._tier: AttachedTier | None = None  # the local tier's run, attached at setup on every rank
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         """A pickled (or deep-copied) session is its settings and history, as stock's ``TorchCheckpointIO`` is:
         ``torch.save(trainer)`` works. The copy starts no worker until it saves; the saves in flight stay
         with the original."""
@@ -71,7 +71,7 @@ class SaveSession:
         return state
 
     # settings ---------------------------------------------------------------------------------------------
-    def configure(self, **changes: Any) -> Settings:
+    def configure(self, **changes: object) -> Settings:
         """(any rank, between saves) Replaces settings, validated as the constructor's arguments are (a bad
         value raises here and changes nothing); the next save uses them.
 
@@ -102,9 +102,15 @@ class SaveSession:
         """The host buffers held for snapshots, reused from save to save (empty after ``close``)."""
         return self._run.stager.buffers() if self._run is not None else []
 
-    def is_pending(self, path: Any) -> bool:
+    def is_pending(self, path: Path | str) -> bool:
         """(the saving ranks) Whether a save to ``path`` is scheduled and not yet committed: it exists for
-        whoever picks free names (``ModelCheckpoint``'s ``-v1`` suffixes), as stock's synchronous file would."""
+        whoever picks free names (``ModelCheckpoint``'s ``-v1`` suffixes), as stock's synchronous file would.
+
+        Args:
+            path: a checkpoint path, as given to the save.
+
+        Returns:
+            True while a save to it is neither committed nor failed."""
         path = paths.checkpoint_path(path)
         return self._run is not None and any(p == path for p, _ in self._run.unsettled())
 
@@ -121,7 +127,14 @@ class SaveSession:
         settled: ``None`` while one of them is still pending; then ``True`` if every one committed, ``False``
         if one did not (its write failed, it was dropped on the way out, or it raised to its caller). Saves
         commit in ``finalize``; a failure is raised there, on every rank. With nothing in the range
-        (``mark <= since``, e.g. a rank that saves nothing), ``True``."""
+        (``mark <= since``, e.g. a rank that saves nothing), ``True``.
+
+        Args:
+            mark: the last save of the range, a value of :attr:`saves_scheduled`.
+            since: the save before the range (0: from the first).
+
+        Returns:
+            None while pending; else whether every save of the range committed."""
         unsettled = [call for _, call in self._run.unsettled()] if self._run is not None else []
         return self._calls.settled(mark, since, unsettled)
 
@@ -129,29 +142,41 @@ class SaveSession:
     def hold_removals(self, held: bool) -> None:
         """(this rank; the callback's logger relay) While held, the removals Lightning asks for (top-k) wait,
         so that a checkpoint is still there for the deferred logger call that announces it; releasing
-        runs those whose saves have committed."""
+        runs those whose saves have committed.
+
+        Args:
+            held: True to hold the removals, False to release (and run) them."""
         run = self._run
         if run is None:
             return  # no run: nothing to remove (a closed run ran its removals)
         run.retention.hold(held)
 
-    def request_removal(self, path: Any) -> None:
+    def request_removal(self, path: Path | str) -> None:
         """(the ranks Lightning calls ``remove_checkpoint`` on) Removes ``path`` once every save scheduled so far
-        has committed."""
+        has committed.
+
+        Args:
+            path: a checkpoint this session saved."""
         committer.request_removal(self._ensure_run(), paths.checkpoint_path(path))
 
     def begin_run(self, collective: bool) -> None:
         """(all ranks, together, at the start of a Trainer stage) Saves are finalized from now on.
-        ``collective``: all ranks will write parts, so the exit group is made now, outside any save."""
+        ``collective``: all ranks will write parts, so the exit group is made now, outside any save.
+
+        Args:
+            collective: every rank will write DCP directories (sharded or ``AsyncDDPStrategy`` saves)."""
         self._life.begin()
         self._collective_run = collective
         self._ensure_run()
         if collective:
             self._begin_collective_saves()
 
-    def warmup(self, like: dict[str, Any] | None = None) -> None:
+    def warmup(self, like: dict[str, object] | None = None) -> None:
         """(writing ranks; local) Starts the background worker now; ``like`` also allocates the staging buffers
-        (``AsyncCheckpointIO.warmup``)."""
+        (``AsyncCheckpointIO.warmup``).
+
+        Args:
+            like: a checkpoint like the ones to come, or None."""
         self._life.begin()
         # a Trainer stage whose saves are single torch.save files (begin_run, not collective) never needs DCP's
         # writer in its worker; a user's warmup may come before any kind of save
@@ -165,15 +190,22 @@ class SaveSession:
         on some rank, so that every rank knows a save is pending."""
         self._ensure_run().count.announce()
 
-    def prepare(self, like: dict[str, Any], distributed: bool) -> None:
+    def prepare(self, like: dict[str, object], distributed: bool) -> None:
         """(writing ranks, before the first save) Allocates staging buffers for checkpoints like ``like``
-        (this rank's share of it when ``distributed``)."""
+        (this rank's share of it when ``distributed``).
+
+        Args:
+            like: a checkpoint like the ones to come.
+            distributed: the saves will be ``Layout.DISTRIBUTED`` (each rank stages its share)."""
         rank, world = (self._agreement.rank, self._agreement.world_size) if distributed else (0, 1)
         self._ensure_run().prepare(like, rank, world)
 
-    def track_optimizers(self, optimizers: Any) -> None:
+    def track_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """(the saving ranks, before the saves) The optimizers whose ``step`` alone changes their parameters
-        and state: with ``snapshot="lazy"`` those are copied in the background after the save call returns."""
+        and state: with ``snapshot="lazy"`` those are copied in the background after the save call returns.
+
+        Args:
+            optimizers: the optimizers (held weakly; a ``LightningOptimizer`` stands for the one it wraps)."""
         self._tracked.track(optimizers)
 
     def lazy_rule(self) -> staging.Defer | None:
@@ -189,7 +221,10 @@ class SaveSession:
 
     def attach_tier(self, tier: AttachedTier) -> None:
         """(every rank, at setup, before any restore) The local tier's run, waited for with the persistent saves'
-        lazy copies and asked first at a load. A second tier while one is attached is refused."""
+        lazy copies and asked first at a load. A second tier while one is attached is refused.
+
+        Args:
+            tier: the local tier's run (``tiers.run.TierRun``)."""
         if self._tier is not None and self._tier is not tier:
             raise RuntimeError("SaveSession.attach_tier: a local tier is attached already; detach_tier() it first.")
         self._tier = tier
@@ -199,13 +234,19 @@ class SaveSession:
         tier, self._tier = self._tier, None
         return tier
 
-    def take_restored(self, key: Any) -> dict[str, Any] | None:
-        """(every rank, at a load) The checkpoint the local tier's recovery fetched for ``key``, once; else None."""
+    def take_restored(self, key: Path | str) -> dict[str, object] | None:
+        """(every rank, at a load) The checkpoint the local tier's recovery fetched for ``key``, once; else None.
+
+        Args:
+            key: the path being loaded (a resume name ``LocalTierHook.latest`` returned, or any other).
+
+        Returns:
+            The fetched checkpoint, or None (no tier, another path, or taken already)."""
         return self._tier.take(key) if self._tier is not None else None
 
     # the verbs --------------------------------------------------------------------------------------------
-    def submit(self, checkpoint: dict[str, Any], path: Any, layout: Layout, instruments: Instruments, *,
-               storage_options: Any = None, meta: dict[str, Any] | None = None, step: int | None = None,
+    def submit(self, checkpoint: dict[str, object], path: Path | str, layout: Layout, instruments: Instruments, *,
+               storage_options: object | None = None, meta: dict[str, object] | None = None, step: int | None = None,
                trainer_save: bool = False) -> None:
         """(the saving ranks; every rank, same order, for a ``layout`` where all ranks write) Snapshots
         ``checkpoint`` and schedules its write to ``path``; returns once the snapshot is taken.
@@ -275,7 +316,10 @@ class SaveSession:
 
     def settle_for_load(self, path: Path | str) -> None:
         """(any rank, before a load of ``path``) This rank's saves to ``path`` settled; with other ranks up, a
-        save another rank is still writing into ``path`` landed (at most ``timeout_s``)."""
+        save another rank is still writing into ``path`` landed (at most ``timeout_s``).
+
+        Args:
+            path: the checkpoint about to be loaded (local, or an fsspec URL)."""
         if self._run is not None:
             self.wait_for_snapshot()
             poller.settle_for(self._run, self.settings, self._agreement.rank, path)

@@ -28,9 +28,13 @@ import os
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.collectives import AllMax, max_min
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +43,8 @@ MAX_ENTRIES = 4  # structures kept (e.g. a full save and a weights-only save tak
 _ID_BITS = 62
 
 
-def structure_digest(local_plan: Any, *, world_size: int, rank: int, flatten: bool, writer: str,
-                     metadata_extra: Any = None) -> str:
+def structure_digest(local_plan: SavePlan, *, world_size: int, rank: int, flatten: bool, writer: str,
+                     metadata_extra: object = None) -> str:
     """(each rank, pure) A digest of everything this rank contributes to the global plan: each write item
     (fqn, chunk offsets and sizes, the tensor's size, dtype, layout and other properties, or a byte item),
     the local plan's storage and planner data (DCP's flattening map), the writer class, the world size and
@@ -57,10 +61,10 @@ class CachedPlan:
     metadata (copied out per save by :meth:`metadata_for_save`)."""
 
     round_id: int
-    central_plan: Any  # torch's SavePlan for this rank, after the coordinator's planning
-    metadata: Any  # torch's Metadata (the coordinator), else None
+    central_plan: SavePlan  # this rank's, after the coordinator's planning
+    metadata: Metadata | None  # the coordinator's, else None
 
-    def metadata_for_save(self) -> Any:
+    def metadata_for_save(self) -> Metadata | None:
         """A copy for one save: the writer's ``finish`` sets its storage locations and ``storage_meta``."""
         return copy.copy(self.metadata) if self.metadata is not None else None
 
@@ -104,7 +108,7 @@ class PlanCache:
         log.debug("lightning-asyncckpt: planning the save in full (a structure changed, or nothing cached)")
         return Decision(None, round_id)
 
-    def store(self, digest: str, round_id: int, central_plan: Any, metadata: Any) -> None:
+    def store(self, digest: str, round_id: int, central_plan: SavePlan, metadata: Metadata | None) -> None:
         """(each rank, after a full planning round that succeeded on every rank) Keeps its result."""
         if not self.enabled:
             return

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from lightning_asyncckpt.engines import Ticket
 from lightning_asyncckpt.faults.policy import NO_FAULTS, SaveFaults
@@ -87,7 +87,7 @@ class SaveRequest:
     """The save call, as the face received it. Replaced whole (never edited) when the scheduler checks
     its path or prepares a ``torch.save`` file's dict (:meth:`Save.validated`, :meth:`Save.prepared`)."""
 
-    checkpoint: dict[str, Any]
+    checkpoint: dict[str, object]
     path: Path | str  # as the caller gave it; a checked local Path (or a remote URL as a str) once validated
     layout: Layout
     collective: bool  # every rank writes a part (and is here); committed by all ranks together
@@ -132,8 +132,8 @@ class Save:
     """One save: the request, then what the scheduler, the worker and the commit make of it. Compared by
     identity. Every change goes through a method here, named after the step that makes it."""
 
-    def __init__(self, checkpoint: dict[str, Any], path: Path | str, layout: Layout, collective: bool,
-                 seq: int | None, called_at: float, **request: Any) -> None:
+    def __init__(self, checkpoint: dict[str, object], path: Path | str, layout: Layout, collective: bool,
+                 seq: int | None, called_at: float, **request: object) -> None:
         """Args:
             checkpoint, path, layout, collective, seq, called_at, **request: the fields of :class:`SaveRequest`.
         """
@@ -153,7 +153,7 @@ class Save:
 
     # -- the request, read through ---------------------------------------------------------------------
     @property
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self) -> dict[str, object]:
         return self.request.checkpoint
 
     @property
@@ -219,7 +219,7 @@ class Save:
         """(scheduler) Its position in this rank's queue, the hidden path it is written to, and whose part it is."""
         self.order, self.tmp, self.rank = order, tmp, rank
 
-    def prepared(self, checkpoint: dict[str, Any], shape: file_layout.FileLayout) -> None:
+    def prepared(self, checkpoint: dict[str, object], shape: file_layout.FileLayout) -> None:
         """(scheduler) A ``torch.save`` file's dict, as stock's file has it, and its aliases and devices."""
         self.request = replace(self.request, checkpoint=checkpoint)
         self.staged = replace(self.staged, shape=shape)

@@ -4,8 +4,10 @@ of the local tier's run it holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Protocol
 
 from lightning_asyncckpt.faults.policy import FaultPolicy
 
@@ -16,7 +18,7 @@ class AttachedTier(Protocol):
     def wait_copy(self) -> None:
         """(every rank, before the optimizer step) Waits for a lazy local save's copy."""
 
-    def take(self, key: Any) -> dict[str, Any] | None:
+    def take(self, key: Path | str) -> dict[str, object] | None:
         """(every rank, at a load) The checkpoint the tier's recovery fetched for ``key``, once; else None."""
 
 
@@ -32,8 +34,8 @@ class Instruments:
     """
 
     faults: FaultPolicy
-    write_hook: Any = None
-    copy_hook: Any = None
+    write_hook: Callable[[list], None] | None = None
+    copy_hook: Callable[[], None] | None = None
 
 
 @dataclass

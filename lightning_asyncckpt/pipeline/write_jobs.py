@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -51,7 +50,7 @@ def plan_dcp(run: Run, agreement: Agreement, settings: Settings, save: Save) -> 
     extra = [(str(tmp / name), data) for name, data in save.extra_files]
     planner_data = None
     if save.layout is Layout.SHARDED:
-        state: dict[str, Any] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
+        state: dict[str, object] = snapshot.skeleton  # the copied tree, flattened by DCP as stock does
     else:  # flat items; where they sit in the dict for plain DCP readers; the exact skeleton beside them
         state, planner_data = dcp_plan.replicated_items(snapshot.skeleton, snapshot.tensors, everything=rank == 0)
         if rank == 0:
@@ -79,7 +78,7 @@ def dcp_job(run: Run, save: Save, planned: DcpPlan, result_path: Path, gate: tup
     return run.engine.schedule(dcp_writer.write_job, (job,))
 
 
-def meta_file(meta: dict[str, Any]) -> ExtraFile:
+def meta_file(meta: dict[str, object]) -> ExtraFile:
     """(global rank 0 of a sharded save) ``meta.pt``, serialized now: a snapshot of the non-tensor state."""
     return ExtraFile(dcp_format.META_FILE, torch_bytes(meta))
 
