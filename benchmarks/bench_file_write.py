@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.pipeline import dcp_plan
 from lightning_asyncckpt.snapshot import staging
+from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.units import human_bytes
 from lightning_asyncckpt.write import dcp_writer, direct_io, file_layout, torch_file
 from lightning_asyncckpt.write.jobs import DcpJob

@@ -40,8 +40,8 @@ class Trainer:
 
         from lightning_asyncckpt import AsyncCheckpointIO
         from lightning_asyncckpt.tiers import restore as tier_restore
-        from lightning_asyncckpt.tiers import run as tier_run
         from lightning_asyncckpt.tiers import store as tier_store
+        from lightning_asyncckpt.tiers import tier_run as tier_run
         from lightning_asyncckpt.tiers import writer as tier_writer
         from lightning_asyncckpt.tiers.store import LocalStore
 

@@ -23,12 +23,12 @@ __all__ = [
 
 if TYPE_CHECKING:
     from lightning_asyncckpt.errors import CheckpointWriteError
-    from lightning_asyncckpt.format.remote import last_checkpoint
     from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
     from lightning_asyncckpt.integration.fabric import AsyncFabricModelParallelStrategy
     from lightning_asyncckpt.integration.io import AsyncCheckpointIO, SaveRecord
     from lightning_asyncckpt.integration.strategies import AsyncDDPStrategy, AsyncModelParallelStrategy
     from lightning_asyncckpt.integration.tier_fabric import FabricTiers
+    from lightning_asyncckpt.storage.remote import last_checkpoint
     from lightning_asyncckpt.tiers.config import LocalTier
 
 _LOCATIONS = {
@@ -41,7 +41,7 @@ _LOCATIONS = {
     "FabricTiers": "lightning_asyncckpt.integration.tier_fabric",
     "LocalTier": "lightning_asyncckpt.tiers.config",
     "SaveRecord": "lightning_asyncckpt.integration.io",
-    "last_checkpoint": "lightning_asyncckpt.format.remote",
+    "last_checkpoint": "lightning_asyncckpt.storage.remote",
 }
 
 

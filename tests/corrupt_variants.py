@@ -234,8 +234,8 @@ def _file_variants(src: Path, out: Path, marker: str) -> list[Variant]:
 def _dir_variants(src: Path, out: Path, marker: str) -> list[Variant]:
     import torch
 
-    from lightning_asyncckpt.format import commit
     from lightning_asyncckpt.format.metadata import read_metadata
+    from lightning_asyncckpt.storage import commit
 
     vs: list[Variant] = []
 

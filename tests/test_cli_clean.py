@@ -12,7 +12,7 @@ from cli_checkpoints import ckpts_fixture  # noqa: F401 - the fixture ckpts
 from cli_checkpoints import copy_dir as _copy
 
 from helpers import run_cli as run
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 
 
 def test_clean_lists_then_removes_only_leftovers(ckpts, tmp_path, capsys):
@@ -47,7 +47,7 @@ def _crash_between_renames(kind: str, path) -> None:
     code = (
         "import os, sys\n"
         "from pathlib import Path\n"
-        "from lightning_asyncckpt.format import commit\n"
+        "from lightning_asyncckpt.storage import commit\n"
         "from lightning_asyncckpt.write import torch_file\n"
         "kind, path = sys.argv[1], Path(sys.argv[2])\n"
         "commit._exchange = lambda a, b: False  # no atomic exchange here (NFS, Lustre)\n"

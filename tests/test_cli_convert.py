@@ -17,8 +17,8 @@ from lightning.fabric.plugins import TorchCheckpointIO
 
 from helpers import assert_tree_equal, assert_user_error
 from helpers import run_cli as run
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.storage import commit
 
 
 @dataclasses.dataclass

@@ -10,8 +10,8 @@ from cli_checkpoints import ckpts_fixture  # noqa: F401 - the fixture ckpts
 from cli_checkpoints import copy_dir as _copy
 
 from helpers import run_cli as run
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.snapshot import staging
+from lightning_asyncckpt.storage import commit
 
 
 def test_inspect_json_reports_the_checkpoint(ckpts, capsys):

@@ -17,9 +17,9 @@ from cli_checkpoints import copy_dir as _copy
 
 from helpers import assert_user_error
 from helpers import run_cli as run
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.format.integrity import CorruptCheckpointError
+from lightning_asyncckpt.storage import commit
 
 
 def _item(path: Path, fqn: str):

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 
 
 def _complete(tmp, payload):

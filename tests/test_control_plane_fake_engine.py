@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from lightning_asyncckpt import engines
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.engines import Status, Ticket
 from lightning_asyncckpt.errors import CheckpointWriteError
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import poller, scheduler
-from lightning_asyncckpt.pipeline.agreement import Agreement
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.testing import FailWrite

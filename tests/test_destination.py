@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_asyncckpt.format import commit, destination, remote
-from lightning_asyncckpt.format.destination import LocalDestination, RemoteDestination
+from lightning_asyncckpt.storage import commit, destination, remote
+from lightning_asyncckpt.storage.destination import LocalDestination, RemoteDestination
 
 
 def test_of_decides_local_or_remote_once(tmp_path):

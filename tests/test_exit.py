@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import combo_params
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from processes import job_command, launch
 from reports import read_report
 

@@ -80,7 +80,7 @@ def test_fabric_sharded_save_lands_when_the_script_just_ends(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from helpers import assert_tree_equal
-    from lightning_asyncckpt.format import commit
+    from lightning_asyncckpt.storage import commit
 
     r0, r1 = run_ranks(JOB, tmp_path, "sharded_exit", "nvrx", "persistent")
     assert r0["complete_right_after_save"] is False and r1["complete_right_after_save"] is False

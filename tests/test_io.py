@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import assert_tree_equal, clone_tree
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from processes import live_children
 
 

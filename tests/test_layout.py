@@ -15,7 +15,7 @@ import lightning_asyncckpt
 ROOT = Path(lightning_asyncckpt.__file__).parent
 PKG = "lightning_asyncckpt"
 # lowest first; a module may import from its own layer and those before it
-LAYERS = ["version", "errors", "units", "faults", "collectives", "snapshot", "format", "write", "engines", "pipeline", "tiers",
+LAYERS = ["version", "errors", "units", "faults", "collectives", "snapshot", "storage", "format", "write", "engines", "pipeline", "tiers",
           "integration", "tools", "testing"]
 
 

@@ -14,8 +14,8 @@ from lazy_snapshot_parts import torch_state as _torch_state
 
 from helpers import assert_tree_equal, clone_tree, dir_entries
 from lightning_asyncckpt import CheckpointWriteError, testing
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.snapshot import staging
+from lightning_asyncckpt.storage import commit
 from processes import live_children
 
 

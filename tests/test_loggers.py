@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import Logger
 
 from helpers import TinyModel, dir_entries, loader, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 
 
 class RecordingLogger(Logger):

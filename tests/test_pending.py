@@ -11,7 +11,7 @@ import pytest
 from lightning_asyncckpt.engines import Ticket
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline.pending import PendingQueue
-from lightning_asyncckpt.pipeline.run import SaveCount
+from lightning_asyncckpt.pipeline.run_state import SaveCount
 from lightning_asyncckpt.pipeline.save import TRANSITIONS, Save, SaveState, TransitionError
 
 

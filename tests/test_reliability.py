@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from helpers import combo_params, latest_raise_step
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from processes import job_command, launch, rank_reports, run_ranks
 from reports import read_report
 

@@ -16,7 +16,7 @@ from lightning_asyncckpt import (
     CheckpointWriteError,
     last_checkpoint,
 )
-from lightning_asyncckpt.format import remote
+from lightning_asyncckpt.storage import remote
 from processes import run_ranks
 
 URL = "s3://ckpt/run1"

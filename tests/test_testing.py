@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_asyncckpt import AsyncCheckpointIO, testing
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 
 
 def test_a_write_held_at_its_end_is_whole_on_disk_and_not_yet_committed(tmp_path):

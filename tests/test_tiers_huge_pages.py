@@ -1,6 +1,6 @@
 """The hint to put the local tier on a tmpfs with huge pages: read from the real mount table, for real
 tmpfs mounts made here (skipped where mounting is refused), and logged once at setup by a real
-:class:`~lightning_asyncckpt.tiers.run.TierRun`."""
+:class:`~lightning_asyncckpt.tiers.tier_run.TierRun`."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from lightning_asyncckpt.tiers.persistent import global_step
+from lightning_asyncckpt.tiers.persistent_step import global_step
 
 
 class _RunsCode:

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import assert_tree_equal
 from lightning_asyncckpt import testing
-from lightning_asyncckpt.engines.persistent import resource_tracker_running, stop_resource_tracker
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.engines.persistent_worker import resource_tracker_running, stop_resource_tracker
 from lightning_asyncckpt.snapshot import staging
+from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.write import file_layout, torch_file
 from lightning_asyncckpt.write.jobs import FileJob
 

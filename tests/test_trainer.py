@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import SnapshotRecorder, TinyModel, assert_tree_equal, clone_tree, dir_entries, loader, trainer
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, testing
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from processes import live_children
 
 

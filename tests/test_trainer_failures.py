@@ -24,7 +24,7 @@ from helpers import (
     trainer,
 )
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback, CheckpointWriteError, testing
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from processes import live_children
 
 

@@ -4,7 +4,7 @@
 - ``protocol``: :class:`EngineProtocol`, what the save session's run calls on an engine, with its
   :class:`Ticket` and :class:`Status`.
 - ``base``: :class:`Engine`, the adapter over the nvrx and mcore queues; ``nvrx`` and ``mcore``: each engine's.
-- ``persistent``: the persistent worker (one spawned process fed through a queue, with liveness checks);
+- ``persistent_worker``: the persistent worker (one spawned process fed through a queue, with liveness checks);
   ``fork``: a writer forked per save; ``startup``: why a spawned worker died before it was ready.
 """
 

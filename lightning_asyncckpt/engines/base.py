@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from torch import multiprocessing as mp
 
 from lightning_asyncckpt.engines.fork import TemporalMixin
-from lightning_asyncckpt.engines.persistent import (
+from lightning_asyncckpt.engines.persistent_worker import (
     PersistentMixin,
     RequestQueue,
     resource_tracker_running,

@@ -20,10 +20,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_asyncckpt.format import commit, integrity
+from lightning_asyncckpt.format import integrity
 from lightning_asyncckpt.format.dcp_reader import CheckedReader, failure
 from lightning_asyncckpt.format.metadata import read_metadata
 from lightning_asyncckpt.snapshot import staging, subclasses
+from lightning_asyncckpt.storage import commit
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import ReadItem

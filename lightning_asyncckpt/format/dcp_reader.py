@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from lightning_asyncckpt.format import integrity
-from lightning_asyncckpt.format.regular_files import CorruptCheckpointError, open_regular
 from lightning_asyncckpt.format.zip_records import MemoryFile, first_line
+from lightning_asyncckpt.storage.regular_files import CorruptCheckpointError, open_regular
 
 
 class CheckedReader(FileSystemReader):

@@ -29,9 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.entries import BITS_PER_BYTE, chunk_elements, entry_problems
-from lightning_asyncckpt.format.regular_files import CorruptCheckpointError, open_regular
 from lightning_asyncckpt.format.zip_records import (
     ArchiveError,
     ZipCheck,
@@ -40,6 +38,8 @@ from lightning_asyncckpt.format.zip_records import (
     mapped,
     scan_torch_zip,
 )
+from lightning_asyncckpt.storage import commit
+from lightning_asyncckpt.storage.regular_files import CorruptCheckpointError, open_regular
 
 __all__ = ["ArchiveError", "CorruptCheckpointError", "ZipCheck", "check_directory", "check_file", "check_items",
            "check_path", "crc32", "decode", "first_line", "open_regular", "payload_problem", "scan_torch_zip",

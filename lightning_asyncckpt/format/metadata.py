@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 
 
 class MetadataError(pickle.UnpicklingError):

@@ -15,11 +15,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_asyncckpt.format import integrity, paths
+from lightning_asyncckpt.format import integrity
 from lightning_asyncckpt.integration import lightning_api, loading, tier_fabric_load
 from lightning_asyncckpt.integration.io import AsyncCheckpointIO
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO
 from lightning_asyncckpt.integration.lightning_api import FabricModelParallelStrategy as ModelParallelStrategy
+from lightning_asyncckpt.storage import paths
 from lightning_asyncckpt.tiers import restore_key
 
 

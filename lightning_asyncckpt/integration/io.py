@@ -25,7 +25,6 @@ from typing_extensions import override
 from lightning_asyncckpt import engines
 from lightning_asyncckpt.faults.injected import EnvironmentFaults
 from lightning_asyncckpt.faults.policy import FaultPolicy, check_policy
-from lightning_asyncckpt.format import paths
 from lightning_asyncckpt.format.dcp import META_FILE
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.integration import autoattach, lightning_api, loading, logsetup, versions
@@ -33,6 +32,7 @@ from lightning_asyncckpt.integration.lightning_api import CheckpointIO
 from lightning_asyncckpt.pipeline.pipeline import Instruments, SaveSession
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
 from lightning_asyncckpt.pipeline.settings import Settings
+from lightning_asyncckpt.storage import paths
 from lightning_asyncckpt.tiers import restore_key
 from lightning_asyncckpt.tiers.config import LocalTier
 

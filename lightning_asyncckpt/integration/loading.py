@@ -7,11 +7,12 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_asyncckpt.format import commit, destination, integrity
 from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.format import integrity
 from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.lightning_api import TorchCheckpointIO
 from lightning_asyncckpt.integration.map_location import for_file as map_location_for_file
+from lightning_asyncckpt.storage import commit, destination
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

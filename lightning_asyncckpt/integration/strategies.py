@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import override
 
-from lightning_asyncckpt.format import commit, destination, integrity, metadata, paths
 from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.format import integrity, metadata
 from lightning_asyncckpt.integration import autoattach, lightning_api, loading
 from lightning_asyncckpt.integration.callback import AsyncFinalizerCallback
 from lightning_asyncckpt.integration.contract import StrategyCapabilities
 from lightning_asyncckpt.integration.io import META_FILE, AsyncCheckpointIO, find_async_io
 from lightning_asyncckpt.integration.lightning_api import CheckpointIO, DDPStrategy, ModelParallelStrategy
+from lightning_asyncckpt.storage import commit, destination, paths
 from lightning_asyncckpt.tiers import shares
 
 if TYPE_CHECKING:

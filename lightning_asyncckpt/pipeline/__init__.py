@@ -9,7 +9,7 @@ No Lightning imports. Its collectives go through :mod:`lightning_asyncckpt.colle
   ``lifecycle``: ``RunLifecycle``, its current run and what ends it (the exit group, the drain);
   ``session_parts``: the values the session is handed.
 - ``settings``: :class:`Settings`, what ``AsyncCheckpointIO``'s arguments decide, validated once, frozen.
-- ``run``: :class:`Run`, one run's state, made of small parts that each own theirs and change it only
+- ``run_state``: :class:`Run`, one run's state, made of small parts that each own theirs and change it only
   through their methods: ``workers`` (the engine, the scratch directory), ``temp_names`` (the save order, the
   token, the hidden paths), ``pending`` (the queue), ``failures``, ``retention`` (top-k removals),
   ``remote_ops`` (the object-store thread and its publishes), ``records`` (:class:`SaveRecord`, the ``Ledger``
@@ -22,5 +22,4 @@ No Lightning imports. Its collectives go through :mod:`lightning_asyncckpt.colle
   failures are raised on every rank; ``committer``: a written save published and recorded.
 - ``drain``: what is in flight landed on the way out (an exception, interpreter exit), within a bound.
 - ``scratch``: the run's results directory in ``/dev/shm``, and the sweep of dead runs' ones.
-- ``agreement``: re-exports :class:`~lightning_asyncckpt.collectives.agreement.Agreement` for the pipeline.
 """

@@ -12,13 +12,13 @@ import os
 import time
 from pathlib import Path
 
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.format import commit
-from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.failures import Failed
 from lightning_asyncckpt.pipeline.records import SaveRecord, written_bytes
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
+from lightning_asyncckpt.storage import commit
 
 log = logging.getLogger(__name__)
 

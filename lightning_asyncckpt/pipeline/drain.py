@@ -16,11 +16,11 @@ import time
 import weakref
 from collections.abc import Callable
 
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError
-from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.finalizer import finalize
 from lightning_asyncckpt.pipeline.poller import settle_local
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.pipeline.agreement import Agreement
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from lightning_asyncckpt.collectives import Agreement
 from lightning_asyncckpt.pipeline.committer import commit_collective, drop_collective_pending
 from lightning_asyncckpt.pipeline.poller import settle_local
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.save import SaveState
 from lightning_asyncckpt.pipeline.settings import Settings
 

@@ -1,5 +1,5 @@
 """The life of one run of saves inside a :class:`~lightning_asyncckpt.pipeline.pipeline.SaveSession`: the
-current :class:`~lightning_asyncckpt.pipeline.run.Run` (made at the first save, ``begin_run`` or ``warmup``,
+current :class:`~lightning_asyncckpt.pipeline.run_state.Run` (made at the first save, ``begin_run`` or ``warmup``,
 ended by :meth:`RunLifecycle.stop`), who settles its saves (:class:`Phase`), the exit group for committing
 collective saves on the way out, the interpreter-exit hook, and the drain of what is in flight when a rank
 raises. The session decides when; this object keeps the state and does the ending."""
@@ -12,10 +12,10 @@ import sys
 import time
 from collections.abc import Callable
 
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.pipeline import settle_copy
-from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.drain import AtExit, ExitGroup, drain
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
 hands it every save. The session owns what those saves share: its frozen :class:`Settings`, the committed
 ``history``, the cross-rank ``Agreement``, the tracked optimizers, the local tier's run, when attached, and the
 run's lifecycle (:class:`~lightning_asyncckpt.pipeline.lifecycle.RunLifecycle`: the current
-:class:`~lightning_asyncckpt.pipeline.run.Run`, the exit group, the interpreter-exit hook, the drain on the way
+:class:`~lightning_asyncckpt.pipeline.run_state.Run`, the exit group, the interpreter-exit hook, the drain on the way
 out). The values it is handed or keeps (:class:`Instruments`, :class:`SaveCalls`, :class:`AttachedTier`) are
 in :mod:`~lightning_asyncckpt.pipeline.session_parts`.
 
@@ -29,18 +29,18 @@ from pathlib import Path
 
 import torch
 
-from lightning_asyncckpt.format import paths
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import committer, finalizer, poller, scheduler, settle_copy, write_jobs
-from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.lifecycle import Phase, RunLifecycle
 from lightning_asyncckpt.pipeline.records import SaveRecord, global_step
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.save import Save
 from lightning_asyncckpt.pipeline.session_parts import AttachedTier, Instruments, SaveCalls
 from lightning_asyncckpt.pipeline.settings import Settings
 from lightning_asyncckpt.snapshot import staging
 from lightning_asyncckpt.snapshot.lazy import TrackedState
+from lightning_asyncckpt.storage import paths
 
 __all__ = ["AttachedTier", "Instruments", "Phase", "SaveCalls", "SaveSession"]
 
@@ -224,7 +224,7 @@ class SaveSession:
         lazy copies and asked first at a load. A second tier while one is attached is refused.
 
         Args:
-            tier: the local tier's run (``tiers.run.TierRun``)."""
+            tier: the local tier's run (``tiers.tier_run.TierRun``)."""
         if self._tier is not None and self._tier is not tier:
             raise RuntimeError("SaveSession.attach_tier: a local tier is attached already; detach_tier() it first.")
         self._tier = tier

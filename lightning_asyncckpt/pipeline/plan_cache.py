@@ -80,7 +80,7 @@ class Decision:
 
 class PlanCache:
     """Plans of earlier collective saves on this rank, by structure digest (a few, least recently used
-    dropped). It lives in the run (:class:`lightning_asyncckpt.pipeline.run.Run`): a new run starts empty."""
+    dropped). It lives in the run (:class:`lightning_asyncckpt.pipeline.run_state.Run`): a new run starts empty."""
 
     def __init__(self, enabled: bool | None = None, max_entries: int = MAX_ENTRIES) -> None:
         self.enabled = os.environ.get(ENV_VAR, "1") != "0" if enabled is None else enabled

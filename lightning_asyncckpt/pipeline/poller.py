@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 from lightning_asyncckpt.engines import Status
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.pipeline.committer import commit_save, record_failure, settle_publishing
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.settings import Settings
+from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.write.gate import Skipped
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from lightning_asyncckpt.format import destination, remote
+from lightning_asyncckpt.storage import destination, remote
 
 if TYPE_CHECKING:
     from lightning_asyncckpt.pipeline.save import Save

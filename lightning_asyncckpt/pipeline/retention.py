@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 
 Remover = Callable[[Path | str, str], None]  # (path, what it is, for the log): removes now or in the background
 

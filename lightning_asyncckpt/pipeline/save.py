@@ -32,12 +32,12 @@ from typing import NamedTuple
 
 from lightning_asyncckpt.engines import Ticket
 from lightning_asyncckpt.faults.policy import NO_FAULTS, SaveFaults
-from lightning_asyncckpt.format import destination
-from lightning_asyncckpt.format.destination import Destination
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan, WritePlan
 from lightning_asyncckpt.snapshot import lazy, staging
 from lightning_asyncckpt.snapshot.buffer_pool import Lease
+from lightning_asyncckpt.storage import destination
+from lightning_asyncckpt.storage.destination import Destination
 from lightning_asyncckpt.write import file_layout
 from lightning_asyncckpt.write.gate import Gate
 

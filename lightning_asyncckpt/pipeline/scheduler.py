@@ -16,17 +16,17 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
-from lightning_asyncckpt.format import commit, paths
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import poller, write_jobs
-from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.failures import Failed, filesystem_failures
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.serialize import torch_bytes
 from lightning_asyncckpt.pipeline.settings import Settings, SnapshotMode
 from lightning_asyncckpt.snapshot import lazy, staging
+from lightning_asyncckpt.storage import commit, paths
 from lightning_asyncckpt.write import file_layout
 from lightning_asyncckpt.write.gate import Gate
 

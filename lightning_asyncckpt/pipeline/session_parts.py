@@ -13,7 +13,7 @@ from lightning_asyncckpt.faults.policy import FaultPolicy
 
 
 class AttachedTier(Protocol):
-    """What the session asks of the local tier's run (``tiers.run.TierRun``) that it holds."""
+    """What the session asks of the local tier's run (``tiers.tier_run.TierRun``) that it holds."""
 
     def wait_copy(self) -> None:
         """(every rank, before the optimizer step) Waits for a lazy local save's copy."""

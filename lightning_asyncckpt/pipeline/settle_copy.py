@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import time
 
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.errors import CheckpointWriteError, RankFailure
 from lightning_asyncckpt.pipeline import poller
-from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.failures import Failed
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.save import Save, SaveState
 from lightning_asyncckpt.pipeline.scheduler import drop, fail_at_save_time, hand_over
 from lightning_asyncckpt.pipeline.settings import Settings

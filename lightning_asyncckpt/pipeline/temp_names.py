@@ -1,6 +1,6 @@
 """The names of a run's hidden directories, and the leftovers of dead runs it removes before writing.
 
-Every save is written into a hidden temporary path first and published by a rename (``format.commit``).
+Every save is written into a hidden temporary path first and published by a rename (``storage.commit``).
 The name carries the run's token, so that the sweep of leftovers at the start of a run never removes
 what this run is writing; a collective save's directory has the same name on every rank (rank 0's token,
 agreed at the first one, and a count every rank keeps).
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning_asyncckpt.format import commit
-from lightning_asyncckpt.format.destination import Destination
-from lightning_asyncckpt.pipeline.agreement import Agreement
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.pipeline.save import Save
+from lightning_asyncckpt.storage import commit
+from lightning_asyncckpt.storage.destination import Destination
 
 
 class TempNames:

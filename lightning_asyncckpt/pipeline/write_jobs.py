@@ -11,18 +11,18 @@ from pathlib import Path
 
 import torch
 
+from lightning_asyncckpt.collectives.agreement import Agreement
 from lightning_asyncckpt.engines import Ticket
 from lightning_asyncckpt.faults.policy import with_hook
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.format.layout import Layout
 from lightning_asyncckpt.pipeline import dcp_plan
-from lightning_asyncckpt.pipeline.agreement import Agreement
 from lightning_asyncckpt.pipeline.dcp_plan import DcpPlan
-from lightning_asyncckpt.pipeline.run import Run
+from lightning_asyncckpt.pipeline.run_state import Run
 from lightning_asyncckpt.pipeline.save import ExtraFile, Save
 from lightning_asyncckpt.pipeline.serialize import torch_bytes
 from lightning_asyncckpt.pipeline.settings import Settings
+from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.version import __version__
 from lightning_asyncckpt.write import dcp_writer, torch_file
 from lightning_asyncckpt.write.jobs import DcpJob, FileJob

@@ -44,7 +44,7 @@ class HeldShare:
 def held(dir: str | os.PathLike, session: str = "default") -> list[HeldShare]:
     """Every complete share this node's local directory holds for ``session``, newest step first (``[]``
     where the tier has saved nothing here yet)."""
-    from lightning_asyncckpt.tools import local_tier as listing
+    from lightning_asyncckpt.tools import local_command as listing
 
     try:
         [found] = listing.sessions(Path(dir), only=session)
@@ -61,7 +61,7 @@ def lose_node(dir: str | os.PathLike, session: str = "default") -> int:
     it; nothing outside ``<dir>/asyncckpt-local/<session>/`` is touched. Returns how many files it removed.
     Refused (``RuntimeError`` naming the processes) while a process still maps or holds open one of them:
     a lost node runs no job."""
-    from lightning_asyncckpt.tools import local_tier as listing
+    from lightning_asyncckpt.tools import local_command as listing
 
     root = Path(dir) / listing.TIER_DIR / session
     if not root.is_dir():

@@ -19,7 +19,7 @@ One concern per module, lowest first:
 - ``job_lock``: one job at a time in a session directory (an exclusive lock for the run's life).
 - ``run_identity``: which run a local step belongs to; only that run restores it.
 - ``recovery``: which step is complete in the local tier, and who sends each share (pure).
-- ``persistent``: a persistent checkpoint's step, read from its pickle alone (local or on an object store).
+- ``persistent_step``: a persistent checkpoint's step, read from its pickle alone (local or on an object store).
 - ``preemption``: SIGTERM/SIGUSR1 set a flag, nothing more.
 - ``writer``: the background thread that settles the replicas and commits a save.
 - ``restore``: refill, check and read the newest complete step on every rank (one try).
@@ -30,7 +30,7 @@ One concern per module, lowest first:
 - ``saving``: one rank's local save: its shares copied into mapped files, handed to the writer.
 - ``resuming``: which tier to resume from, and the local restore tried again without a bad copy.
 - ``hook``: :class:`LocalTierHook`, the interface the plugin and Lightning's side drive the tier through.
-- ``run``: :class:`TierRun`, one run's local tier on one rank: the parts above, composed.
+- ``tier_run``: :class:`TierRun`, one run's local tier on one rank: the parts above, composed.
 - ``setup``: :func:`open_tier`, which makes the groups, runs the setup checks, takes the lock, then a ``TierRun``.
 
 Its collectives (the step boundary's agreement, its gathers and transfers, its gloo groups) go through

@@ -16,7 +16,7 @@ order:
   (:mod:`~lightning_asyncckpt.integration.replaced_handlers`);
 - :meth:`LocalTierHook.finish` and :meth:`LocalTierHook.close` end the run.
 
-:class:`~lightning_asyncckpt.tiers.run.TierRun` implements it; ``integration.tier_trainer`` (the Trainer) and
+:class:`~lightning_asyncckpt.tiers.tier_run.TierRun` implements it; ``integration.tier_trainer`` (the Trainer) and
 ``integration.tier_fabric`` (a Fabric loop) drive it, and ``AsyncCheckpointIO`` asks it for a restored
 checkpoint at load and waits for its copy before the optimizer step.
 """

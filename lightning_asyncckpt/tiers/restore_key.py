@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from lightning_asyncckpt.format import destination
+from lightning_asyncckpt.storage import destination
 
 _NAME = re.compile(r"restore-step-(\d+)")
 

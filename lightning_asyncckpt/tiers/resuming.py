@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.tiers import deferred_refill, packing, recovery, restore, restore_key
 from lightning_asyncckpt.tiers.config import LocalTier
-from lightning_asyncckpt.tiers.persistent import global_step
+from lightning_asyncckpt.tiers.persistent_step import global_step
 from lightning_asyncckpt.tiers.store import Held, LocalStore
 from lightning_asyncckpt.tiers.tier_groups import TierGroups
 from lightning_asyncckpt.tiers.writer import ShareWriter

@@ -22,10 +22,10 @@ from lightning_asyncckpt.tiers.boundary import StepBoundary
 from lightning_asyncckpt.tiers.config import LocalTier
 from lightning_asyncckpt.tiers.preemption import PreemptionFlag
 from lightning_asyncckpt.tiers.resuming import TierRestorer
-from lightning_asyncckpt.tiers.run import TierRun
 from lightning_asyncckpt.tiers.saving import TierSaver
 from lightning_asyncckpt.tiers.store import LocalStore, holder_dir
 from lightning_asyncckpt.tiers.tier_groups import TierGroups, make_groups
+from lightning_asyncckpt.tiers.tier_run import TierRun
 from lightning_asyncckpt.tiers.writer import ShareWriter
 
 log = logging.getLogger(__name__)

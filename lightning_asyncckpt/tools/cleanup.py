@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.tools.usage import EXIT_FAILED, EXIT_OK, CliError, existing, tree_size
 from lightning_asyncckpt.units import human_bytes
 
@@ -79,7 +79,7 @@ def _age(seconds: float) -> str:
 
 def cmd_local(args: argparse.Namespace) -> int:
     """``local DIR [--session S] [--verify] [--remove [--yes]] [--json]``: a node's local-tier files."""
-    from lightning_asyncckpt.tools import local_tier
+    from lightning_asyncckpt.tools import local_command as local_tier
 
     if args.yes and not args.remove:
         raise CliError("--yes confirms --remove; add --remove to remove the session's files")

@@ -32,8 +32,8 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.metadata import MetadataError, read_metadata
+from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.tools.cleanup import cmd_clean, cmd_local
 from lightning_asyncckpt.tools.describe import (
     describe,

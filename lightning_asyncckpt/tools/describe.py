@@ -15,9 +15,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from lightning_asyncckpt.format import commit
-from lightning_asyncckpt.format.commit import SKELETON_FILE, read_info
 from lightning_asyncckpt.format.metadata import MetadataError, read_metadata
+from lightning_asyncckpt.storage import commit
+from lightning_asyncckpt.storage.commit import SKELETON_FILE, read_info
 from lightning_asyncckpt.tools.items import (
     META_FILE,
     PICKLE_HINT,

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.integrity import decode as decode
+from lightning_asyncckpt.storage import commit
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from lightning_asyncckpt.format import commit, integrity
+from lightning_asyncckpt.format import integrity
 from lightning_asyncckpt.format.integrity import (
     ArchiveError,
     CorruptCheckpointError,
@@ -26,6 +26,7 @@ from lightning_asyncckpt.format.integrity import (
     scan_torch_zip,
 )
 from lightning_asyncckpt.format.metadata import MetadataError, read_metadata
+from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.tools.items import (
     ItemError,
     dtype_name,

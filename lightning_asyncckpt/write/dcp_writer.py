@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from lightning_asyncckpt.faults.policy import after_write
-from lightning_asyncckpt.format import remote
+from lightning_asyncckpt.storage import remote
 from lightning_asyncckpt.write import fast_file
 from lightning_asyncckpt.write import gate as _gate
 from lightning_asyncckpt.write.jobs import DcpJob

@@ -36,7 +36,7 @@ import time
 import torch
 
 from lightning_asyncckpt.faults.policy import after_write
-from lightning_asyncckpt.format import commit, remote
+from lightning_asyncckpt.storage import commit, remote
 from lightning_asyncckpt.write import fast_file, file_layout, worker
 from lightning_asyncckpt.write import gate as _gate
 from lightning_asyncckpt.write.jobs import FileJob

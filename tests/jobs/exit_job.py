@@ -15,7 +15,7 @@ import lightning as L
 import torch
 
 from lightning_asyncckpt import AsyncCheckpointIO, testing
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from reports import RankReport
 
 

@@ -12,7 +12,7 @@ import torch
 
 from helpers import assert_tree_equal, clone_tree, run_fabric_case
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from processes import job_args, other_children
 
 

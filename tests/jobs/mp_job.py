@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import FailOnRankFrom, ShardedModel, assert_tree_equal, clone_tree, loader
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncModelParallelStrategy, testing
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.integration.io import META_FILE
+from lightning_asyncckpt.storage import commit
 from processes import other_children, run_job
 
 WIDTH = 64
@@ -202,7 +202,7 @@ def case_remote(args, report):
     checkpoint read with plain DCP from a local copy matches its state; resume from the newest ``last``, each
     rank from its own local copy (rank 1 reads ``meta.pt`` after rank 0's copy is gone: ``Rank0LoadsFirst``)."""
     from lightning_asyncckpt import last_checkpoint
-    from lightning_asyncckpt.format import remote
+    from lightning_asyncckpt.storage import remote
 
     io = AsyncCheckpointIO(args.engine, worker=args.worker)
     rec = FullStateRecorder()

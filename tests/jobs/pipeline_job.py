@@ -13,7 +13,7 @@ from helpers import run_fabric_case
 from lightning_asyncckpt import AsyncCheckpointIO, CheckpointWriteError, testing
 from lightning_asyncckpt.faults.injected import EnvironmentFaults
 from lightning_asyncckpt.faults.policy import SaveFaults
-from lightning_asyncckpt.format import commit
+from lightning_asyncckpt.storage import commit
 from processes import job_args
 
 

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import assert_tree_equal, clone_tree
 from lightning_asyncckpt import AsyncCheckpointIO
-from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.pipeline import dcp_plan, plan_cache
+from lightning_asyncckpt.storage import commit
 from processes import run_job
 
 WORLD = 2

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_asyncckpt.format.regular_files import CorruptCheckpointError, open_regular
+from lightning_asyncckpt.storage.regular_files import CorruptCheckpointError, open_regular
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Opening one of a checkpoint's own files for reading: a regular file only, without blocking on a FIFO and,
-where asked, without following a link out of the checkpoint. Below both :mod:`~lightning_asyncckpt.format.commit`
+where asked, without following a link out of the checkpoint. Below both :mod:`~lightning_asyncckpt.storage.commit`
 (which reads ``.asyncckpt.json``) and :mod:`~lightning_asyncckpt.format.integrity` (every other file)."""
 
 from __future__ import annotations

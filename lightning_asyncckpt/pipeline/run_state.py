@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from lightning_asyncckpt import engines
-from lightning_asyncckpt.format import commit
-from lightning_asyncckpt.format.destination import Destination
 from lightning_asyncckpt.pipeline.failures import FailureLog
 from lightning_asyncckpt.pipeline.pending import PendingQueue
 from lightning_asyncckpt.pipeline.plan_cache import PlanCache
@@ -30,6 +28,8 @@ from lightning_asyncckpt.pipeline.temp_names import TempNames
 from lightning_asyncckpt.pipeline.workers import Workers
 from lightning_asyncckpt.snapshot.lazy import TrackedState
 from lightning_asyncckpt.snapshot.staging import Stager
+from lightning_asyncckpt.storage import commit
+from lightning_asyncckpt.storage.destination import Destination
 
 log = logging.getLogger(__name__)
 

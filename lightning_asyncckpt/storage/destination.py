@@ -5,12 +5,12 @@ Every decision between local and remote storage is made here, once, when a path 
 into, publish, discard, existence) and never looks at the path's type.
 
 - :class:`LocalDestination`: a local or mounted path (``file://`` URLs included). A save is written into a
-  hidden sibling (``.asyncckpt-incomplete-*``, :mod:`~lightning_asyncckpt.format.commit`) and published by
+  hidden sibling (``.asyncckpt-incomplete-*``, :mod:`~lightning_asyncckpt.storage.commit`) and published by
   an atomic rename; an NFS-style replace goes through an aside name.
 - :class:`RemoteDestination`: any other fsspec URL (``s3://``, ``gs://``, ``memory://``, ...). A file is
   written at its URL, visible only once the upload completes; a DCP directory is written into this node's
   local spool first, uploaded by its worker, and published by uploading ``.metadata`` last
-  (:mod:`~lightning_asyncckpt.format.remote`).
+  (:mod:`~lightning_asyncckpt.storage.remote`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from lightning_asyncckpt.format import commit, remote
+from lightning_asyncckpt.storage import commit, remote
 
 
 class Destination(Protocol):

@@ -2,7 +2,7 @@
 
 A checkpoint path is a local :class:`~pathlib.Path` (``file://`` URLs included) or, for every other fsspec
 URL (``s3://``, ``gs://``, ``memory://``, ...), the URL as a ``str``: the ``location`` of its
-:class:`~lightning_asyncckpt.format.destination.Destination`, which decides between the two.
+:class:`~lightning_asyncckpt.storage.destination.Destination`, which decides between the two.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from lightning_asyncckpt.format import commit, destination
-from lightning_asyncckpt.format.destination import Destination
+from lightning_asyncckpt.storage import commit, destination
+from lightning_asyncckpt.storage.destination import Destination
 
 
 def checkpoint_path(path: str | os.PathLike) -> Path | str:
