@@ -8,7 +8,11 @@ loops and recursion over the state's tensors add nothing). Consecutive functions
 
 - ``returns``: stops in a module the path had already left (A -> B -> A counts once);
 - ``climbs``: stops in a higher layer than the stop before (a call back up the layer table of
-  ``docs/architecture.md``).
+  ``docs/architecture.md``);
+- ``call-backs``: first calls into a module that is already on the call stack below the caller (B, called by
+  A, calls back into A): the path leaves a module and re-enters it from underneath, which a top-down reader
+  cannot follow. A caller that calls its parts one after another (A -> B, back in A, A -> C) reads
+  top-down; it counts as returns, not as call-backs.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from pathlib import Path
 import torch
 
 # top to bottom, as tests/test_layout.py orders the folders
-LAYERS = ["testing", "tools", "integration", "tiers", "pipeline", "engines", "write", "format", "snapshot",
-          "collectives", "faults"]
+LAYERS = ["testing", "tools", "integration", "tiers", "pipeline", "engines", "write", "format", "storage",
+          "snapshot", "collectives", "faults"]
 
 
 def _layer(module: str) -> int:
@@ -29,16 +33,31 @@ def _layer(module: str) -> int:
     return LAYERS.index(part) if part in LAYERS else len(LAYERS)
 
 
-def trace(call) -> list[str]:
+def trace(call) -> tuple[list[str], list[str]]:
+    """The stops of ``call`` and its call-backs (each as "caller -> module re-entered")."""
     stops: list[str] = []
+    callbacks: list[str] = []
     read: set[object] = set()
+    stack: list[str] = []  # the package's modules of the frames now running, outermost first
 
     def hook(frame, event, _arg):
-        if event != "call" or frame.f_code in read:
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith("lightning_asyncckpt"):
+            return
+        if event == "return":
+            if stack:
+                stack.pop()
+            return
+        if event != "call":
+            return
+        first = frame.f_code not in read
+        if first and stack and stack[-1] != name and name in stack[:-1]:
+            callbacks.append(f"{stack[-1]} -> {name}")
+        stack.append(name)
+        if not first:
             return
         read.add(frame.f_code)
-        name = frame.f_globals.get("__name__", "")
-        if name.startswith("lightning_asyncckpt") and (not stops or stops[-1] != name):
+        if not stops or stops[-1] != name:
             stops.append(name)
 
     sys.setprofile(hook)
@@ -46,7 +65,7 @@ def trace(call) -> list[str]:
         call()
     finally:
         sys.setprofile(None)
-    return stops
+    return stops, callbacks
 
 
 def main() -> None:
@@ -59,7 +78,7 @@ def main() -> None:
         io.teardown()
         io = AsyncCheckpointIO()
         io.save_checkpoint(state, Path(tmp) / "warm.ckpt")
-        stops = trace(lambda: io.save_checkpoint(state, Path(tmp) / "x.ckpt"))
+        stops, callbacks = trace(lambda: io.save_checkpoint(state, Path(tmp) / "x.ckpt"))
         io.teardown()
     seen: set[str] = set()
     returns = climbs = 0
@@ -70,7 +89,10 @@ def main() -> None:
         climbs += up
         seen.add(m)
         print(f"{i + 1:3d}  {m}{'   (again)' if back else ''}{'   (up)' if up else ''}")
-    print(f"{len(stops)} stops in {len(seen)} modules; {returns} returns to a module already left; {climbs} climbs")
+    for callback in callbacks:
+        print(f"call-back: {callback}")
+    print(f"{len(stops)} stops in {len(seen)} modules; {returns} returns to a module already left; {climbs} climbs; "
+          f"{len(callbacks)} call-backs")
 
 
 if __name__ == "__main__":
