@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 
 from helpers import TESTS
+from netcluster import NetCluster
 from processes import STACKS_AFTER_VAR, free_port, hang_report, job_command, rank_reports
 from reports import RankReport, report_path, reported
 
@@ -170,13 +171,18 @@ class Cluster:
 
 @contextlib.contextmanager
 def launch_nodes(job: str, args: list, tmp_path: Path, nodes: int = 2, devices: int = 2, timeout: float = 300,
-                 env: dict | None = None, node_local: bool = False) -> Iterator[Cluster]:
+                 env: dict | None = None, node_local: bool = False, network: NetCluster | None = None,
+                 shared: Path | None = None) -> Iterator[Cluster]:
     """Starts the job ``jobs.<job>`` once per node (``NODE_RANK`` 0..``nodes``-1) with ``--nodes``/``--devices`` and the
     reports' directory ``--out <tmp_path>/out``; each node in its own session and mount namespace, with its
     log in ``<tmp_path>/node<k>/log.txt``, its scratch in ``<tmp_path>/node<k>/scratch`` and its own
     ``TMPDIR`` (a short directory under the system's temp directory, removed afterwards). Leaving the block
     kills every process of every node. ``node_local``: each node's ``<tmp_path>/node<k>/local`` is its
-    ``/dev/shm/local`` (see :func:`node_local_dir`)."""
+    ``/dev/shm/local`` (see :func:`node_local_dir`). ``network``: each node runs in that emulated cluster's
+    network namespace (rendezvous and gloo over its rate-limited links), with the cluster's shared storage
+    mounted at ``shared`` (``netcluster.NetCluster.node_command``)."""
+    if network is not None and (shared is None or node_local):
+        raise ValueError("launch_nodes(network=...) needs shared=<mount point> and does not take node_local")
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -200,8 +206,13 @@ def launch_nodes(job: str, args: list, tmp_path: Path, nodes: int = 2, devices: 
             if node_local:
                 (home / "local").mkdir(exist_ok=True)
                 node_env["NODE_LOCAL"] = str(home / "local")
-            cmd = [*_UNSHARE, "sh", "-c", _NODE_LOCAL_SHELL if node_local else _NODE_SHELL, "node", *job_command(job), *map(str, args),
-                   "--out", str(out), "--nodes", str(nodes), "--devices", str(devices)]
+            job_cmd = [*job_command(job), *map(str, args), "--out", str(out), "--nodes", str(nodes),
+                       "--devices", str(devices)]
+            if network is not None and shared is not None:
+                node_env.update(network.node_env(k))
+                cmd = network.node_command(k, shared, job_cmd)
+            else:
+                cmd = [*_UNSHARE, "sh", "-c", _NODE_LOCAL_SHELL if node_local else _NODE_SHELL, "node", *job_cmd]
             log = open(home / "log.txt", "w")  # noqa: SIM115 - closed below
             logs.append(log)
             proc = subprocess.Popen(cmd, cwd=home / "scratch", stdout=log, stderr=subprocess.STDOUT, env=node_env,
