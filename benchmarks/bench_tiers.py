@@ -176,17 +176,28 @@ def main() -> None:
                         " have their own CPUs; the persistent writer, a child of rank 0, runs on node 0's")
     p.add_argument("--s3-nice", type=int, default=19,
                    help="CPU priority of the S3-protocol server (a cluster's store does not run on its nodes' cores)")
+    p.add_argument("--cluster", action="store_true",
+                   help="run the ranks on an emulated cluster (tiers_cluster.py: a network namespace per node behind"
+                        " --nic-mbit, the persistent tier on shared storage behind --storage-mbit); needs root")
+    p.add_argument("--nic-mbit", type=float, default=200, help="--cluster: each node's link, Mbit/s both ways")
+    p.add_argument("--storage-mbit", type=float, default=200,
+                   help="--cluster: the shared storage's link, Mbit/s both ways, shared by the nodes")
     p.add_argument("--render", default=None, help="print the tables of a saved tiers-*.json instead of running")
     args = p.parse_args()
 
-    if args.layout == "sharded":
-        args.s3 = False  # the S3 recovery reads one torch.save file
+    if args.layout == "sharded" or args.cluster:
+        args.s3 = False  # the S3 recovery reads one torch.save file; on --cluster the persistent tier is on S3
     if args.render:
         saved = json.loads(Path(args.render).read_text())
         print(markdown(summarize(saved["result"]), saved["result"], saved["args"]))
         return
     t0 = time.monotonic()
-    result = run(args)
+    if args.cluster:
+        import tiers_cluster
+
+        result = tiers_cluster.run(args)
+    else:
+        result = run(args)
     from lightning_asyncckpt.tiers.huge_pages import tmpfs_huge
 
     result["local_dir_huge"] = tmpfs_huge(Path(args.local_dir))  # None: not a tmpfs

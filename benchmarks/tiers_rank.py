@@ -40,8 +40,8 @@ class Trainer:
 
         from lightning_asyncckpt import AsyncCheckpointIO
         from lightning_asyncckpt.tiers import restore as tier_restore
+        from lightning_asyncckpt.tiers import saving as tier_saving
         from lightning_asyncckpt.tiers import store as tier_store
-        from lightning_asyncckpt.tiers import tier_run as tier_run
         from lightning_asyncckpt.tiers import writer as tier_writer
         from lightning_asyncckpt.tiers.store import LocalStore
 
@@ -75,7 +75,7 @@ class Trainer:
         self.persistent_s3_path: str | None = None
         self.s3_pid = int(os.environ.get("BENCH_S3_PID", "0"))  # moto's process: its CPU is reported apart
         self.timers = t = Timers()
-        t.wrap(tier_run.packing, "copy_into", "copy_share")  # the save call's one copy, into mapped files
+        t.wrap(tier_saving.packing, "copy_into", "copy_share")  # the save call's one copy, into mapped files
         t.wrap(self.tier.writer, "wait", "wait_previous")
         t.wrap(tier_writer.local_replicas, "settle", "replicate")  # replicated state: CRC32s gathered, repairs
         t.wrap(tier_replication, "replicate", "replicate")  # sharded state: NVRx's clique exchange
@@ -364,7 +364,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, base: Path, ckpt_d
         node = rank // PER_NODE
         os.sched_setaffinity(0, set(cores[node * per:(node + 1) * per] or cores[-per:]))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        master = os.environ.get("MASTER_ADDR", "127.0.0.1")  # node 0's address on an emulated cluster
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=args.timeout))
         trainer = Trainer(rank, args, base / f"node{rank // PER_NODE}", ckpt_dir)
         result: dict[str, Any] = {"matmuls_per_step": trainer.matmuls, "state_bytes": trainer.state_bytes,

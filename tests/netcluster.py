@@ -187,6 +187,10 @@ class NetCluster:
         """Bytes the storage has sent since the cluster was made, counted at the switch's port to it."""
         return self._port_bytes("vst", "rx")
 
+    def storage_bytes_received(self) -> int:
+        """Bytes the storage has received (what was written to it, with the protocol's own bytes)."""
+        return self._port_bytes("vst", "tx")
+
     def node_bytes_received(self, node: int) -> int:
         """Bytes node ``node`` has received (from the storage and from other nodes)."""
         return self._port_bytes(f"v{node}", "tx")
