@@ -15,9 +15,9 @@ def human_bytes(n: float) -> str:
 
 
 def rate(bytes_per_second: float) -> str:
-    """``0.78 GiB/s`` from 0.01 GiB/s up, ``48.1 MiB/s`` below: the same units as :func:`human_bytes`."""
+    """``1.25 GiB/s`` from 1 GiB/s up, ``48.1 MiB/s`` below: the same units as :func:`human_bytes`."""
     gib = bytes_per_second / 2**30
-    return f"{gib:.2f} GiB/s" if gib >= 0.01 else f"{human_bytes(bytes_per_second)}/s"
+    return f"{gib:.2f} GiB/s" if gib >= 1 else f"{human_bytes(bytes_per_second)}/s"
 
 
 def seconds(s: float) -> str:
