@@ -4,8 +4,8 @@
     python benchmarks/report_docs.py                 # rewrites docs/_generated/performance_tables.md
     python benchmarks/report_docs.py --check         # exit 1 if the committed file is out of date
 
-``docs/performance.md`` includes the generated file. The runs it shows are listed in ``RUNS`` below; to show a
-newer run, add its results file there (and its plots: ``python benchmarks/plots.py <file>.json``), run this
+``docs/performance.md`` includes the generated file. The runs it shows are named by the constants below; to
+show a newer run, name its results file there (and its plots: ``python benchmarks/plots.py <file>.json``), run this
 script and commit both. The GPU section quotes ``scripts/gpu_check.sh``'s log as it was measured.
 Needs only the standard library (``tests/test_docs_performance.py`` runs it in ``make test``).
 """
