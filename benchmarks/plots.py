@@ -65,10 +65,10 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _bars(ax, names: list[str], values: list[float | None], fmt: str = "{:.3f}") -> None:
+def _bars(ax, names: list[str], values: list[float | None], fmt: str = "{:.3f}", colours: list[str] | None = None) -> None:
     """One horizontal bar per variant, its value written at its end (``n/a`` where none was measured)."""
     ys = range(len(names))
-    ax.barh(ys, [v or 0 for v in values], color=[colour(n) for n in names])
+    ax.barh(ys, [v or 0 for v in values], color=colours or [colour(n) for n in names])
     ax.set_yticks(list(ys), [label(n) for n in names])
     ax.invert_yaxis()
     for y, v in zip(ys, values):
@@ -182,21 +182,24 @@ def _train_steps(data: dict, stem: Path) -> Path:
     timed = [(r, ph) for r in runs for ph in r["phases"][:1] if ph.get("steps_s")]
     fig, ax = plt.subplots(figsize=(11, 4.2))
     if timed:
-        seen = set()
+        seen: list[str] = []
+        ours_styles = iter([(c, "-") for c in (OURS, "#5fa2dd", "#0b3d6b", "#3c8dbc", "#7fb8e6")] * 4)
+        peer_styles = iter([(c, ls) for c in ("#555555", "#999999") for ls in ("--", ":", "-.")] * 4)
         for r, ph in timed:
             if r["variant"] in seen:
                 continue
-            seen.add(r["variant"])
+            seen.append(r["variant"])
             first = ph["first_step"]
             xs = range(first, first + len(ph["steps_s"]))
-            ax.plot(list(xs), ph["steps_s"], label=label(r["variant"]), linewidth=1,
-                    color=None if colour(r["variant"]) == OURS else PEER)
+            col, ls = next(ours_styles if colour(r["variant"]) == OURS else peer_styles)
+            ax.plot(list(xs), ph["steps_s"], label=label(r["variant"]), linewidth=1.2, color=col, linestyle=ls)
         for s in (timed[0][1]["saves"] or []):
             if s:
                 ax.axvline(s["batch"], color="black", alpha=0.25, linewidth=0.8)
         ax.set_xlabel(f"training step (a save every {timed[0][1]['every']} steps: the vertical lines)")
         ax.set_ylabel("seconds")
-        ax.set_title("Every training step around the saves (the first round)", fontsize=10)
+        ax.set_title("Every training step around the saves (the first round); blue, solid: this library;"
+                     " grey, dashed: peers", fontsize=10)
         ax.legend(fontsize=8)
     else:
         names = sorted({r["variant"] for r in runs}, key=lambda v: (colour(v) == OURS, v))
@@ -231,14 +234,16 @@ def tiers_plots(data: dict, stem: Path) -> list[Path]:
     where = f"{args.get('layout') or 'replicated'}, {args.get('size')} GiB, 4 ranks on 2 simulated nodes, {data.get('cpus')} CPUs"
     over = [o for o in summary["overhead"] if o["variant"] != "baseline"]
     names = [o["variant"] for o in over]
+    tiers = [OURS if n.startswith("local") else PEER for n in names]
     fig, (ax_o, ax_s) = plt.subplots(1, 2, figsize=(12, 0.5 * len(names) + 1.8))
-    _bars(ax_o, names, [o["overhead_s"] for o in over])
+    _bars(ax_o, names, [o["overhead_s"] for o in over], colours=tiers)
     ax_o.set_title("overhead per save (the period's extra time)", fontsize=10)
     ax_o.set_xlabel("seconds (median)")
-    _bars(ax_s, names, [o["stall_s"] for o in over])
+    _bars(ax_s, names, [o["stall_s"] for o in over], colours=tiers)
     ax_s.set_title("stall per save (the save call)", fontsize=10)
     ax_s.set_xlabel("seconds (median)")
-    fig.suptitle(f"The local tier against the persistent one ({where})", fontsize=10)
+    fig.suptitle(f"The local tier against the persistent one ({where})\nblue: the local tier; grey: the persistent"
+                 " tier (this library's too)", fontsize=10)
     out = [_save(fig, stem.with_name(f"{stem.name}-overhead.png"))]
 
     rec = summary["recovery"]
