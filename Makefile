@@ -6,6 +6,10 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.lightning-asyncckpt-installed
+# `make demo` installs only what examples/train.py needs (the library, torch and Lightning: the demo extra);
+# `make test` adds the test extra to the same venv, `make bench` the plots' matplotlib (the bench extra)
+DEMO_STAMP := $(VENV)/.lightning-asyncckpt-demo-installed
+BENCH_STAMP := $(VENV)/.lightning-asyncckpt-bench-installed
 # the standalone Lightning distribution (pytorch-lightning, no `lightning`), for tests/test_distributions.py
 PL_VENV ?= .venv-pl
 PL_STAMP := $(PL_VENV)/.lightning-asyncckpt-installed
@@ -24,6 +28,16 @@ $(STAMP): pyproject.toml requirements/pins.txt
 	$(PIP) install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" -e ".[test]"
 	@touch $@
 
+$(DEMO_STAMP): pyproject.toml requirements/pins.txt
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(PIP) install -q --disable-pip-version-check --index-url $(TORCH_INDEX) "$(TORCH_SPEC)")
+	$(PIP) install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" -e ".[demo]"
+	@touch $@
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -q --disable-pip-version-check -c requirements/pins.txt "$(TORCH_SPEC)" -e ".[test,bench]"
+	@touch $@
+
 $(PL_STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(PL_VENV)/bin/python || $(PYTHON) -m venv $(PL_VENV)
 	$(if $(TORCH_INDEX),$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --index-url $(TORCH_INDEX) "$(TORCH_SPEC)")
@@ -32,7 +46,7 @@ $(PL_STAMP): pyproject.toml requirements/pins.txt
 	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/python examples/train.py
 
 # both environments side by side: pip waits on unpacking and disk as much as on a core, so on 2 cores a clean
@@ -70,20 +84,21 @@ test-nvrx-versions: $(STAMP)
 test-compat:
 	bash scripts/compat.sh
 
-# every save variant in one run, interleaved; writes benchmarks/results/bench-<time>.{md,json}
-bench: $(STAMP)
+# every save variant in one run, interleaved; writes benchmarks/results/bench-<time>.{md,json} and its plots
+# (bench-<time>-{stall,step,commit}.png; benchmarks/README.md says how to read them)
+bench: $(BENCH_STAMP)
 	$(VENV)/bin/python benchmarks/bench_save.py $(BENCH_ARGS)
 
 # a real Trainer loop with 1 GiB of state saving every 4, 8 and 16 steps, every variant and the DCP async_save peer
 # (planned for about 15 minutes on 2 idle cores; the first run took 47 on a busy machine); writes
-# benchmarks/results/train-<time>.{md,json}
-bench-train: $(STAMP)
+# benchmarks/results/train-<time>.{md,json} and train-<time>-{stall,step,commit}.png
+bench-train: $(BENCH_STAMP)
 	$(VENV)/bin/python benchmarks/bench_train_loop.py $(BENCH_TRAIN_ARGS)
 
 # the local tier (node-local saves replicated to a peer on another node) against the persistent one, 4 ranks on
 # 2 simulated nodes: training overhead per save and recovery after a lost node (about 2 minutes on 2 cores);
-# writes benchmarks/results/tiers-<time>.{md,json}
-bench-tiers: $(STAMP)
+# writes benchmarks/results/tiers-<time>.{md,json} and tiers-<time>-{overhead,recovery}.png
+bench-tiers: $(BENCH_STAMP)
 	$(VENV)/bin/python benchmarks/bench_tiers.py $(BENCH_TIERS_ARGS)
 
 # on a CUDA machine: the GPU tests and the CUDA benchmark, with the machine's own CUDA torch (see the script)

@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from plots import write_plots
 from save_report import markdown, summarize
 from save_variant import VARIANTS, run_variant
 
@@ -111,6 +112,7 @@ def main() -> None:
         + (f", state on {_gpu_name()}" if args.device == "cuda" else "") + "\n\n"
         + table + "\n"
     )
+    write_plots(out / f"bench-{stamp}.json")
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loopback S3 server
+from plots import write_plots  # noqa: E402
 from s3server import S3Server  # noqa: E402
 from tiers_rank import PER_NODE, S3_PATH, WORLD, rank_main  # noqa: E402
 from tiers_report import markdown, summarize  # noqa: E402
@@ -213,6 +214,7 @@ def main() -> None:
     (out / f"tiers-{stamp}.md").write_text(
         f"# bench_tiers.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs,"
         f" {wall:.0f} s\n\n" + table + "\n")
+    write_plots(out / f"tiers-{stamp}.json")
 
 
 if __name__ == "__main__":

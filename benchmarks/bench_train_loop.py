@@ -63,6 +63,7 @@ sys.path.insert(0, str(HERE))
 
 import train_loop_parts as parts  # noqa: E402
 from bench_save import memcpy_floor  # noqa: E402
+from plots import write_plots  # noqa: E402
 from profile_write import probe  # noqa: E402
 from train_loop_parts import VARIANTS  # noqa: E402
 
@@ -136,6 +137,8 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict:
             "fwd_bwd_s": statistics.median(timer.fwd_bwd[b] for b in range(b0, b1)),
             "periods_s": periods, "overheads_s": [p - n * pooled for p in periods],
             "saves": saves, "writer_cpu_s": writer_cpu, "written_bytes": state_bytes * len(ph["saves"]),
+            # every step from the phase's baseline to its last save, for benchmarks/plots.py's step-time plot
+            "first_step": b0, "steps_s": [timer.interval(b) for b in range(b0, ph["saves"][-1] + 1)],
         })
     return {"variant": name, "format": args.format, "state_bytes": state_bytes, "memcpy_floor_s": floor, "probe_floor_s": probe_floor,
             "batch": args.batch,
@@ -304,6 +307,8 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(markdown(summarize(runs)))
     print(f"wrote {out / f'train-{stamp}.md'}", file=sys.stderr)
+    if runs:
+        write_plots(out / f"train-{stamp}.json")
     if len(runs) < len(variants) * args.rounds:
         sys.exit(1)
 

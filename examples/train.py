@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_asyncckpt import AsyncCheckpointIO, AsyncFinalizerCallback
 from lightning_asyncckpt.tools import cli
+from lightning_asyncckpt.units import human_bytes
 
 
 class MLP(L.LightningModule):
@@ -82,7 +83,7 @@ def main() -> None:
     model = MLP(width=args.width)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"engine={plugin.engine} worker={plugin.settings.worker} params={n_params / 1e6:.1f}M "
-          f"(checkpoint ~{3 * 4 * n_params / 2**20:.0f} MiB with AdamW state)")
+          f"(checkpoint ~{human_bytes(3 * 4 * n_params)} with AdamW state; sizes in binary units, 1 MiB = 2**20 bytes)")
     t0 = time.perf_counter()
     trainer.fit(model, data(args.width))
     elapsed = time.perf_counter() - t0

@@ -19,20 +19,20 @@ def test_clean_lists_then_removes_only_leftovers(ckpts, tmp_path, capsys):
     real = _copy(ckpts.single, tmp_path / "last.ckpt")
     leftover = commit.tmp_for(tmp_path / "epoch=1.ckpt", f"{_dead_token()}-3")
     leftover.mkdir()
-    (leftover / "__0_0.distcp").write_bytes(b"x" * 1000)
+    (leftover / "__0_0.distcp").write_bytes(b"x" * 1024)
     aside = tmp_path / f"{commit.INCOMPLETE_PREFIX}{_dead_token()}-1-replaced"
     aside.write_bytes(b"y" * 10)
     (tmp_path / "notes.txt").write_text("keep")
 
     code, out, err = run(capsys, "clean", tmp_path)
     assert code == 0 and err == ""
-    assert f"would remove {leftover} (1.0 kB," in out and f"would remove {aside} (10 B," in out
+    assert f"would remove {leftover} (1.0 KiB," in out and f"would remove {aside} (10 B," in out
     assert "2 leftover(s)" in out and "--yes" in out
     assert leftover.exists() and aside.exists()
 
     code, out, err = run(capsys, "clean", tmp_path, "--yes")
     assert code == 0 and err == ""
-    assert f"removed {leftover}" in out and "removed 2 leftover(s), 1.0 kB" in out
+    assert f"removed {leftover}" in out and "removed 2 leftover(s), 1.0 KiB" in out
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "notes.txt"]
     assert run(capsys, "verify", real)[0] == 0
 
@@ -138,6 +138,6 @@ def test_clean_removes_a_planted_link_never_its_target(capsys, tmp_path):
     aside.mkdir()  # a name that would put it back outside the directory
     code, out, err = run(capsys, "clean", ckpts, "--yes")
     assert code == 0 and err == "", err
-    assert f"removed {link}" in out and "5.0 kB" not in out, out
+    assert f"removed {link}" in out and "4.9 KiB" not in out, out
     assert (target / "sub" / "f").read_bytes() == b"z" * 5000
     assert os.listdir(ckpts) == [] and not (tmp_path / "precious2").exists()

@@ -98,7 +98,7 @@ def test_inspect_file_text(ckpt_file, capsys):
     assert fields["format"].strip().startswith("torch.save file") and "stock Lightning" in fields["format"]
     assert fields["status"].strip() == "complete"
     assert fields["global step"].strip() == "3" and fields["epoch"].strip() == "0"
-    assert fields["tensors"].strip() == "6 (15.0 kB, 15000 bytes)"
+    assert fields["tensors"].strip() == "6 (14.6 KiB, 15000 bytes)"
     assert fields["size"].strip().endswith(f"({ckpt_file.stat().st_size} bytes)")
     assert "optimizer_states.0.state.0.exp_avg" in out and "[64, 16]" in out and "bfloat16" in out
     assert "engine" not in fields and "world size" not in fields  # a file does not say who wrote it

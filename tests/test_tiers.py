@@ -221,9 +221,9 @@ def test_a_missing_directory_is_refused_with_the_fix(tmp_path):
 
 
 def test_a_directory_too_small_is_refused_with_the_sizes_before_anything_is_written(tmpfs_1m):
-    # 2 x 2 copies of a 300 kB share (the newest step and the next, own and replica) do not fit in 1 MiB
-    with pytest.raises(TierConfigError, match=r"has 1\.0 MB free, but its 1 rank\(s\) need 1\.2 MB.*2 x 2 x share"
-                       r".*rank 0: 300\.0 kB.*Fix: a larger directory.*--shm-size.*emptyDir.*Nothing was written"):
+    # 2 x 2 copies of a 300 kB (293 KiB) share (the newest step and the next, own and replica) do not fit in 1 MiB
+    with pytest.raises(TierConfigError, match=r"has 1\.0 MiB free, but its 1 rank\(s\) need 1\.2 MiB.*2 x 2 x share"
+                       r".*rank 0: 293\.0 KiB.*Fix: a larger directory.*--shm-size.*emptyDir.*Nothing was written"):
         checks.space(tmpfs_1m, 0, [0], share_bytes=300_000, held_bytes=0, factor=2, gather=lambda x: [x])
     assert list(tmpfs_1m.iterdir()) == []
     checks.space(tmpfs_1m, 0, [0], share_bytes=200_000, held_bytes=0, factor=2, gather=lambda x: [x])

@@ -136,7 +136,7 @@ def test_every_committed_save_reaches_the_loggers_and_the_log(tmp_path):
     assert [r.step for r in io.history] == [5, 10, 15, 20]
     committed = [ln for ln in lines if ln.startswith("lightning-asyncckpt: committed ")]
     assert [ln.split()[2].rstrip(":") for ln in committed] == [os.path.basename(r.path) for r in io.history]
-    assert all(re.search(r" in \d+\.\d+ s \(\d+(\.\d+)? [kMG]?B/s\); training stalled \d+\.\d+ s$", ln) for ln in committed)
+    assert all(re.search(r" in \d+\.\d+ s \(\d+(\.\d+)? ([KMG]i)?B/s\); training stalled \d+\.\d+ s$", ln) for ln in committed)
 
 
 def test_log_metrics_false_logs_nothing(tmp_path):

@@ -6,7 +6,7 @@ largest. The tier's gathers carry a few hundred bytes (which copies a rank holds
 so here the first collective carries each object itself in a fixed-size slot beside its size, and only an
 object too large for its slot costs the second collective. On this project's 2 cores, 4 gloo ranks took
 4.4 ms per gather of a small object this way against 8.6 ms with ``all_gather_object`` (medians of 200:
-``benchmarks/probe_gather.py``, and ``benchmarks/README.md``).
+``benchmarks/probe_gather.py``, and ``benchmarks/results/findings-probe-gather.md``).
 
 :func:`all_gather_object` is ``torch.distributed``'s, for the persistent pipeline's gathers and NVRx's
 replication, which run it as they always have.

@@ -85,7 +85,7 @@ class AsyncCheckpointIO(CheckpointIO):
             (data-loading workers, other jobs) first; the write is never starved (nice 10 still gets about
             a tenth of a contended core) but commits later. nvidia-resiliency-ext 0.6+ runs its own worker
             at 10; measured on a CPU-bound Trainer, 10 did not lower training's overhead and made commits
-            about 1.5 times later (``benchmarks/README.md``), hence 0 here.
+            about 1.5 times later (``benchmarks/results/findings-train.md``), hence 0 here.
         verify_on_load: before a checkpoint is loaded through this plugin (``ckpt_path=``, ``load_checkpoint``,
             ``fabric.load`` through the package's strategies), check every zip record against its CRC32 and
             size, and refuse a mismatch (``CorruptCheckpointError`` naming the file and the record), as the CLI's

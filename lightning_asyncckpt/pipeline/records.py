@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_asyncckpt.units import human_bytes, seconds
+from lightning_asyncckpt.units import human_bytes, rate, seconds
 
 METRICS_PREFIX = "asyncckpt/"
 
@@ -58,10 +58,10 @@ class SaveRecord:
 
     def summary(self) -> str:
         """The INFO line logged on rank zero for every committed checkpoint."""
-        rate = f"{self.gbps:.2f} GB/s" if self.gbps >= 0.01 else f"{human_bytes(self.gbps * 1e9)}/s"
+        speed = rate(self.nbytes / max(self.write_s, 1e-9))
         return (
             f"committed {os.path.basename(self.path)}: {human_bytes(self.nbytes)} in {seconds(self.write_s)}"
-            f" ({rate}); training stalled {seconds(self.stall_s)}"
+            f" ({speed}); training stalled {seconds(self.stall_s)}"
         )
 
 

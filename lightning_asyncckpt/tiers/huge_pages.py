@@ -4,7 +4,7 @@ A restore after a lost node moves each share over gloo into a file of the node b
 shares of the others through private mappings. On a tmpfs with 4 KiB pages (the default, and ``/dev/shm``
 everywhere unless configured) every 4 KiB of those files is a page fault, inside gloo's receive and inside
 the checks' first read. On a tmpfs mounted ``huge=within_size`` (or ``always``) they are 2 MiB folios, one
-fault per 2 MiB. Measured on this project's 2 cores (``benchmarks/README.md``, "huge pages"): a sharded
+fault per 2 MiB. Measured on this project's 2 cores (``benchmarks/results/findings-tiers.md``, "huge pages"): a sharded
 recovery (0.25 GiB per rank, 4 ranks on 2 simulated nodes) took 0.280 s (``huge=always``) and 0.319 s
 (``huge=within_size``) there against 0.594 s on ``/dev/shm``; gloo alone received 256 MiB into a fresh
 4 KiB-page mapping in 0.107 s, into one already faulted in 0.050 s. The local save's overhead did not

@@ -80,7 +80,7 @@ def _write_all(writer_cls: type, transforms: list, buckets: list) -> list:
 
     The engine writes each shard through the file :func:`fast_file.shard_opener` gives: its tensor bytes go from the
     staged copies to the disk with ``O_DIRECT``, never through the page cache (whose copy and writeback
-    cost 1.5 to 3.5 CPU-seconds per GiB on the machines measured; ``benchmarks/README.md``), and each
+    cost 1.5 to 3.5 CPU-seconds per GiB on the machines measured; ``benchmarks/results/findings-profile-write.md``), and each
     item's CRC32 is computed by ISA-L rather than inside ``torch.save``. The engine's code, items, offsets
     and results are its own; only the file object is ours."""
     import inspect

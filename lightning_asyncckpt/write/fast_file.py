@@ -4,7 +4,7 @@ name ``direct_io``, ``zip_crc`` or ``shard_file``.
 - **Fast** (the default): the file is recorded by ``torch.save`` with its CRC32 off, each record's CRC32
   is computed by ISA-L (``zip_crc``), and the bytes go from the staged copies to the disk in aligned
   ``O_DIRECT`` chunks (``direct_io``; buffered where the filesystem refuses ``O_DIRECT``), never copied
-  through the page cache. Measured in ``benchmarks/README.md``.
+  through the page cache. Measured in ``benchmarks/results/findings-profile-write.md``.
 - **Plain** (``LIGHTNING_ASYNCCKPT_FAST_WRITE=0`` in the trainer's environment, which its writers inherit):
   the builtin ``open``, ``torch.save`` with its own CRC32, a flush and an fsync. For a filesystem or
   platform where the fast path misbehaves, and as the reference the fast path is tested against.
