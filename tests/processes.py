@@ -91,6 +91,29 @@ def run_job(run: Any, extra: tuple = ("--dir",), seen: dict | None = None) -> No
              RankReport(rank=rank, seen=dict(seen or {})))
 
 
+def _gloo_rank(rank: int, module: str, world: int) -> None:
+    import importlib
+
+    import torch.distributed as dist
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cases = importlib.import_module(module)
+        run_job(lambda args, report: getattr(cases, f"case_{args.case}")(args, report), extra=())
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo_cases(module: str, world: int) -> None:
+    """The ``main`` of a job script whose ``case_<name>(args, report)`` functions run on ``world`` ranks it
+    spawns itself, in one gloo group on 127.0.0.1 (``MASTER_PORT`` from the environment); ``module`` is the
+    job's importable name (``jobs.<name>``)."""
+    import torch.multiprocessing
+
+    torch.multiprocessing.start_processes(_gloo_rank, args=(module, world), nprocs=world, start_method="spawn")
+
+
 def hang_report(pgid: int, script: str, out: Any, log: Any) -> str:
     """Every stack of a hung job that runs ``script``: the ranks' own (written by their watchdog, see
     ``run_job``), and those of the other processes (forked writers), which print them into ``log`` on

@@ -6,7 +6,6 @@ back the saved state, and what the damaged load raised.
 
 from __future__ import annotations
 
-import os
 import zipfile
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_asyncckpt.format.metadata import read_metadata
 from lightning_asyncckpt.integration import loading
-from processes import run_job
+from processes import run_gloo_cases
 
 WORLD = 2
 
@@ -86,14 +85,5 @@ def case_sharded(args, report):
     dist.barrier()
 
 
-def spawned(rank: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        run_job(lambda args, report: globals()[f"case_{args.case}"](args, report), extra=())
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    torch.multiprocessing.start_processes(spawned, nprocs=WORLD, start_method="spawn")
+    run_gloo_cases("jobs.integrity_ranks_job", WORLD)

@@ -25,7 +25,7 @@ from helpers import assert_tree_equal, clone_tree
 from lightning_asyncckpt import AsyncCheckpointIO
 from lightning_asyncckpt.pipeline import dcp_plan, plan_cache
 from lightning_asyncckpt.storage import commit
-from processes import run_job
+from processes import run_gloo_cases
 
 WORLD = 2
 
@@ -261,14 +261,5 @@ def case_planning_error(args, report):
     report["misses"] = cache.misses
 
 
-def spawned(rank: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        run_job(lambda args, report: globals()[f"case_{args.case}"](args, report), extra=())
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    torch.multiprocessing.start_processes(spawned, nprocs=WORLD, start_method="spawn")
+    run_gloo_cases("jobs.plan_job", WORLD)
