@@ -10,10 +10,11 @@ opening fence may say
   object store), and the named file, a stated reduced form of it, runs instead;
 - ``<!-- example: fragment -->``: a piece of a larger loop shown in context, not run (keep these few).
 
-Identical scripts run once (the README's quick starts are the getting-started page's)."""
+Identical scripts run once (the README's quick starts are the getting-started page's), module docstrings aside."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
@@ -61,6 +62,16 @@ def python_blocks(path: Path) -> list[tuple[int, str, str | None]]:
     return blocks
 
 
+def _without_docstring(script: str) -> str:
+    """``script`` less its module docstring: a reduced form's docstring says how it differs from the page, and
+    one identical to a page's block otherwise runs once."""
+    body = ast.parse(script).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        script = "\n".join(script.splitlines()[body[0].end_lineno:])
+    return script.strip("\n") + "\n"
+
+
 def scripts() -> tuple[dict[str, list[str]], list[str], set[Path]]:
     """The scripts to run (script text -> where it comes from), the fragments, and the files named."""
     runs: dict[str, list[str]] = {}
@@ -83,7 +94,7 @@ def scripts() -> tuple[dict[str, list[str]], list[str], set[Path]]:
                     raise AssertionError(f"{where}: names {value}, which does not exist")
                 named.add(target)
                 script = (target.read_text() + "\n" + code) if key == "setup" else target.read_text()
-            runs.setdefault(script, []).append(where)
+            runs.setdefault(_without_docstring(script), []).append(where)
     return runs, fragments, named
 
 

@@ -3,6 +3,7 @@ docs/getting-started.md's Fabric quick start)."""
 
 import lightning as L
 import torch
+
 from lightning_asyncckpt import AsyncCheckpointIO
 
 io = AsyncCheckpointIO()

@@ -22,7 +22,9 @@ class MyModel(L.LightningModule):
         data = torch.utils.data.TensorDataset(torch.randn(256, 32), torch.randn(256, 1))
         return torch.utils.data.DataLoader(data, batch_size=32)
 
-    val_dataloader = train_dataloader
+    def val_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randn(64, 1))
+        return torch.utils.data.DataLoader(data, batch_size=32)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
