@@ -28,7 +28,7 @@ from processes import launch
 EXAMPLES_DIR = Path(ROOT) / "docs" / "examples"
 # a block is 'fragment' only by choice, and such choices stay few: raise this only with a reason in the page
 MAX_FRAGMENTS = 3
-TIMEOUT_S = 240
+TIMEOUT_S = 200  # below pytest-timeout's 240 s, so that a hang reports its stacks
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<info>[^\n]*)$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*example:\s*(?P<what>[^>]*?)\s*-->\s*$")
