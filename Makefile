@@ -105,7 +105,7 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks
+	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks docs
 
 clean:
 	rm -rf $(VENV) $(PL_VENV) $(DOCS_VENV) docs/_build demo_output .pytest_cache
