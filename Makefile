@@ -14,13 +14,16 @@ BENCH_STAMP := $(VENV)/.lightning-asyncckpt-bench-installed
 PL_VENV ?= .venv-pl
 PL_STAMP := $(PL_VENV)/.lightning-asyncckpt-installed
 PYTEST_ARGS ?=
+# the documentation site's tools, pinned (requirements/docs.txt), apart from the runtime in .venv
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.lightning-asyncckpt-installed
 # `make test` runs the suite in this many pytest processes (pytest-xdist; 0: in this one). Most tests wait on
 # processes they started (workers importing torch, ranks importing Lightning) with a core idle, so more
 # processes than cores fill a 2-core machine: 620 s in 2 against 1036 s in one, measured in one session; on
 # 2026-12-07, 740 s in 3 against 777 s in 2 (one run each).
 PYTEST_WORKERS ?= 3
 
-.PHONY: demo environments test fuzz test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train bench-tiers gpu-check lint clean
+.PHONY: demo docs environments test fuzz test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train bench-tiers gpu-check lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +48,17 @@ $(PL_STAMP): pyproject.toml requirements/pins.txt
 		pytorch-lightning nvidia-resiliency-ext isal
 	$(PL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
+
+$(DOCS_STAMP): requirements/docs.txt
+	@test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements/docs.txt
+	@touch $@
+
+# the site, into docs/_build/html: warnings are errors (a broken link, reference or include fails it), and
+# the API reference imports the package from this checkout with .venv's torch and Lightning
+docs: $(STAMP) $(DOCS_STAMP)
+	ASYNCCKPT_RUNTIME_SITE="$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+		$(DOCS_VENV)/bin/python -m sphinx -b html -W --keep-going -q -E docs docs/_build/html
 
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/python examples/train.py
@@ -106,7 +120,7 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks
+	$(VENV)/bin/ruff check lightning_asyncckpt tests examples benchmarks docs
 
 clean:
-	rm -rf $(VENV) $(PL_VENV) demo_output .pytest_cache
+	rm -rf $(VENV) $(PL_VENV) $(DOCS_VENV) docs/_build demo_output .pytest_cache

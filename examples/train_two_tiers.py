@@ -14,7 +14,7 @@ and the resume from the newest complete tier.
 
 ``replication_factor`` keeps its default: on one machine that is 1 (no other node could hold a replica),
 and the same script on several nodes gets 2: each share then has a copy on another node, and a node that
-comes back empty is refilled from it (README, "Two tiers").
+comes back empty is refilled from it (docs/tiers.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make test-compat`: the corners of the supported versions (README, "Supported versions"), each in its own
+# `make test-compat`: the corners of the supported versions (docs/compatibility.md), each in its own
 # cached virtual environment, against a representative subset of the suite (needs network the first time).
 #
 #     bash scripts/compat.sh                  # every corner

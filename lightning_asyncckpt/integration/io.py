@@ -78,7 +78,7 @@ class AsyncCheckpointIO(CheckpointIO):
             changes in place before its copy fails that save (see :mod:`lightning_asyncckpt.snapshot.lazy`).
             Fork-per-save (``worker="fork"``) saves are always eager.
         local: a :class:`~lightning_asyncckpt.LocalTier`: frequent node-local checkpoints on every rank,
-            replicated to peers on other nodes, beside the persistent ones (``README.md``, "Two tiers").
+            replicated to peers on other nodes, beside the persistent ones (``docs/tiers.md``).
             ``ckpt_path="last"`` then resumes from the newest step complete in either tier.
         worker_nice: the nice value of the writer processes: 0 (the default) is the trainer's own
             priority, up to 19 the lowest. A higher value gives the CPU to whatever else competes for it

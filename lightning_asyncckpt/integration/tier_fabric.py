@@ -103,7 +103,7 @@ class FabricTiers:
             state: Fabric's state, as for ``fabric.save``.
 
         Returns:
-            True on a preemption: the loop should stop."""
+            ``True`` on a preemption, when the loop should stop; else ``False``."""
         end = self.tier.step_end(step, lambda: self._convert(state), lambda: self._convert(state),
                                  lazy=self.io.session.lazy_rule(), hook=self.io.copy_hook)
         if not end.preempted:

@@ -1,7 +1,7 @@
 """The package versions this library supports, and the check ``AsyncCheckpointIO`` runs when it is made.
 
 The ranges are the ones ``pyproject.toml`` declares and ``make test-compat`` tests at their corners (see
-the README's "Supported versions"). Below them saves are written that this library cannot load back
+docs/compatibility.md). Below them saves are written that this library cannot load back
 (torch 2.6 and older, Lightning 2.5), so the constructor refuses at once, before any save, naming the
 package, the installed version, the range and the pip command that fixes it.
 

@@ -43,7 +43,7 @@ class SaveRecord:
 
     @property
     def gbps(self) -> float:
-        """Write throughput in GB/s (1e9 bytes): all ranks' bytes over the time to the commit."""
+        """Write throughput in GB/s (1e9 bytes), all ranks' bytes over the time to the commit."""
         return self.nbytes / max(self.write_s, 1e-9) / 1e9
 
     def metrics(self, prefix: str = METRICS_PREFIX) -> dict[str, float]:

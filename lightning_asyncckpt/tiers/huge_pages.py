@@ -66,7 +66,7 @@ def hint(directory: Path, mountinfo: str | None = None, shmem_enabled: str | Non
             " after a lost node moves and checks its shares about twice as fast on a tmpfs mounted with"
             " huge=within_size (4 KiB pages fault one by one). Where the job script can, give the tier a directory"
             " on one, e.g. `mount -t tmpfs -o size=<2 x replication_factor x share x ranks per node>,"
-            "huge=within_size tmpfs /local_ckpt` (README, \"Two tiers\").")
+            "huge=within_size tmpfs /local_ckpt` (docs/tiers.md, \"A tmpfs with huge pages\").")
 
 
 def _selected(path: Path, text: str | None) -> str | None:

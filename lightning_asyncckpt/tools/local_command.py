@@ -319,7 +319,7 @@ def format_session(session: Session) -> str:
     huge = tmpfs_huge(session.path)
     if huge == "never":  # a recovery is twice as fast with huge pages (tiers/huge_pages.py)
         lines.append("  on a tmpfs without huge pages: a recovery moves and checks these files about twice as fast on a"
-                     " tmpfs mounted huge=within_size (README, \"Two tiers\")")
+                     " tmpfs mounted huge=within_size (docs/tiers.md, \"A tmpfs with huge pages\")")
     elif huge is not None:
         lines.append(f"  on a tmpfs with huge={huge}")
     return "\n".join(lines)
