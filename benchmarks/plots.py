@@ -222,8 +222,9 @@ def _train_steps(data: dict, stem: Path) -> Path:
         ax.set_title("Training step time around a save (this file has no per-step times)", fontsize=10)
         ax.legend(handles=[Patch(color="#d0d0d0", label="step, no save in flight"),
                            Patch(color=OURS, label="mean step of a save period, its save included (this library)"),
-                           Patch(color=PEER, label="the same, a peer")], fontsize=8)
-        fig.set_size_inches(11, 0.35 * len(labels) + 1.6)
+                           Patch(color=PEER, label="the same, a peer")], fontsize=8,
+                  loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over one
+        fig.set_size_inches(14, 0.35 * len(labels) + 1.6)
     return _save(fig, stem.with_name(f"{stem.name}-step.png"))
 
 
