@@ -10,4 +10,5 @@ Lightning imports.
   read; ``metadata``: the one reader of ``.metadata`` (no code runs from it).
 - The integrity checks a load and ``verify`` share: ``integrity``, ``entries`` (``.metadata``'s entries),
   ``zip_records`` (a ``torch.save`` zip's records), ``regular_files`` (opening a checkpoint's own files).
+- ``private_dirs``: directories of our own in shared places (the spool in ``/tmp``), 0700, never through a link.
 """
