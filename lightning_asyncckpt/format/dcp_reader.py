@@ -13,7 +13,8 @@ the CRC32 of a chunk in cache adds 15% to the chunk's memcpy, and the checked lo
 unchecked one, whose single ``copy_`` wakes torch's thread pool (``benchmarks/bench_verify_load.py``). A target
 the chunked copy cannot take (not contiguous, another dtype, a part of the item) is checked in place first.
 No rank reads another rank's items: a sharded load on W ranks reads the shared storage once, not W times.
-A bad item raises :class:`CorruptCheckpointError` naming the file and the item on the rank that read it; DCP's ``load`` gathers every rank's failure, so every rank raises (see :func:`failure`).
+A bad item raises :class:`CorruptCheckpointError` naming the file and the item on the rank that read it; DCP's
+``load`` gathers every rank's failure, so every rank raises (see :func:`failure`).
 """
 
 from __future__ import annotations
