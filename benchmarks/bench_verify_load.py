@@ -2,6 +2,7 @@
 
     python benchmarks/bench_verify_load.py                 # 0.75 GiB, 7 rounds, a file and a DCP directory
     python benchmarks/bench_verify_load.py --gib 1 --rounds 9
+    python benchmarks/bench_verify_load.py --readers-only --gib 0.5 --rounds 5   # DCP's readers alone
 
 Writes a Lightning-style checkpoint (weights and two Adam moments, float32) with ``AsyncCheckpointIO``: once as
 the single ``torch.save`` file (``format="auto"``) and once as a DCP directory (``format="dcp"``). Then loads each
@@ -10,7 +11,9 @@ through the plugin's load path (``AsyncCheckpointIO.load_checkpoint``: ``integra
 checkpoint fits in memory: this is the cost of the check, not of the disk). A file is checked in a thread beside
 the load (``integrity.while_loading``); a DCP directory item by item as ``format/dcp_reader.py``'s ``CheckedReader``
 reads it (no second read). Also times the check alone (``format/integrity.py``: for DCP, the whole directory, as
-``verify`` checks it). Reports medians of wall and CPU time (this process's: steadier on a shared machine); writes ``benchmarks/results/verify-load-<time>.{md,json}``.
+``verify`` checks it). Then DCP's readers alone, on a directory of stock ``dcp.save``: ``dcp.load`` into preallocated
+tensors with stock ``FileSystemReader``, ``CheckedReader(verify=False)`` and ``CheckedReader(verify=True)``
+(``--readers-only``: just these). Reports medians of wall and CPU time (this process's: steadier on a shared machine); writes ``benchmarks/results/verify-load-<time>.{md,json}``.
 """
 
 from __future__ import annotations
@@ -72,18 +75,54 @@ def timed(fn) -> tuple[float, float]:
     return elapsed
 
 
+def reader_rows(root: Path, gib: float, rounds: int) -> list[dict]:
+    """``dcp.load`` of one stock DCP directory (the checkpoint's tensors, flat) into preallocated tensors, with
+    stock's ``FileSystemReader`` and ours unchecked and checked, in rotating order: medians of wall and CPU."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_asyncckpt.format.dcp_reader import CheckedReader
+
+    ckpt = checkpoint(gib)
+    flat = {**{f"w.{k}": v for k, v in ckpt["state_dict"].items()},
+            **{f"o.{p}.{k}": v for p, s in ckpt["optimizer_states"][0]["state"].items() for k, v in s.items()}}
+    path = root / "stock-dcp"
+    dcp.save(flat, checkpoint_id=path)
+    target = {k: torch.empty_like(v) for k, v in flat.items()}
+    del ckpt, flat
+    meta = read_metadata(path)
+    readers = {"stock FileSystemReader": lambda: FileSystemReader(str(path)),
+               "ours, unchecked": lambda: CheckedReader(path, meta, verify=False),
+               "ours, checked": lambda: CheckedReader(path, meta, verify=True)}
+    names = list(readers)
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for n in names:  # warms the page cache and every lazy import
+        timed(lambda n=n: dcp.load(target, storage_reader=readers[n]()))
+    for r in range(rounds):
+        for n in names[r % 3:] + names[:r % 3]:
+            times[n].append(timed(lambda n=n: dcp.load(target, storage_reader=readers[n]())))
+    unchecked = statistics.median(c for _, c in times["ours, unchecked"])
+    return [{"reader": n, "bytes": tree_bytes(path), "median_s": statistics.median(w for w, _ in times[n]),
+             "median_cpu_s": statistics.median(c for _, c in times[n]),
+             "cpu_vs_unchecked_pct": 100 * (statistics.median(c for _, c in times[n]) - unchecked) / unchecked,
+             "runs": times[n]} for n in names]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=0.75)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--readers-only", action="store_true", help="only DCP's readers, on a stock DCP directory")
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-verify-", dir=args.dir))
     try:
-        ckpt = checkpoint(args.gib)
-        paths = {"file": root / "a.ckpt", "dcp": root / "b.ckpt"}
-        save(ckpt, paths["file"], "auto")
-        save(ckpt, paths["dcp"], "dcp")
+        readers = reader_rows(root, args.gib, args.rounds)
+        paths = {} if args.readers_only else {"file": root / "a.ckpt", "dcp": root / "b.ckpt"}
+        ckpt = checkpoint(args.gib) if paths else {}
+        for kind, fmt in (("file", "auto"), ("dcp", "dcp")):
+            if kind in paths:
+                save(ckpt, paths[kind], fmt)
         del ckpt
         loaders = {v: AsyncCheckpointIO(worker="fork", verify_on_load=v) for v in (True, False)}
         checks = {"file": lambda: integrity.check_file(paths["file"]),
@@ -108,7 +147,7 @@ def main() -> None:
                          "check_gb_per_s": tree_bytes(path) / med["check_alone"] / 1e9, "runs": times})
         report = {"gib": args.gib, "rounds": args.rounds, "crc32": zip_crc.IMPLEMENTATION, "torch": torch.__version__,
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_avg": os.getloadavg(),
-                  "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
+                  "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows, "readers": readers}
         lines = [f"# Load with and without verify_on_load ({args.gib} GiB, {args.rounds} rounds, medians, warm page cache)",
                  "", f"CRC32: {report['crc32']}; torch {report['torch']}; {report['machine']}; load average at the end "
                  f"{', '.join(f'{x:.2f}' for x in report['load_avg'])}", "",
@@ -120,6 +159,10 @@ def main() -> None:
                          f"{row['median_no_verify_s']:.3f} | {row['overhead_pct']:+.1f}% | {row['median_verify_cpu_s']:.3f} | "
                          f"{row['median_no_verify_cpu_s']:.3f} | {row['cpu_overhead_pct']:+.1f}% | "
                          f"{row['median_check_alone_s']:.3f} | {row['check_pct_of_load']:.1f}% | {row['check_gb_per_s']:.1f} |")
+        lines += ["", "DCP's readers alone (`dcp.load` of a stock DCP directory into preallocated tensors):", "",
+                  "| reader | bytes | load (s) | CPU s | CPU vs ours unchecked |", "|---|---|---|---|---|"]
+        lines += [f"| {r['reader']} | {r['bytes']} | {r['median_s']:.3f} | {r['median_cpu_s']:.3f} | "
+                  f"{r['cpu_vs_unchecked_pct']:+.1f}% |" for r in readers]
         text = "\n".join(lines) + "\n"
         print(text)
         RESULTS.mkdir(exist_ok=True)

@@ -42,7 +42,7 @@ from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.storage.regular_files import CorruptCheckpointError, open_regular
 
 __all__ = ["ArchiveError", "CorruptCheckpointError", "ZipCheck", "check_directory", "check_file", "check_items",
-           "check_path", "crc32", "decode", "first_line", "open_regular", "payload_problem", "scan_torch_zip",
+           "check_path", "crc32", "decode", "first_line", "open_regular", "payload_problem", "payload_scan", "scan_torch_zip",
            "shard_path", "side_file_problems"]
 
 META_FILE = "meta.pt"
@@ -157,15 +157,24 @@ def payload_problem(data: bytes | memoryview, crc: bool = True) -> tuple[str | N
     """(what is wrong with one DCP item's bytes, after its storage transforms, or None; whether a CRC32 was
     checked): it must be a ``torch.save`` archive (DCP's planner writes tensors and objects alike with
     ``torch.save``) and, with ``crc``, its records must match their sizes and CRC32."""
+    problem, scan = payload_scan(data, crc)
+    return problem, scan is not None and scan.crc_checked > 0
+
+
+def payload_scan(data: bytes | memoryview, crc: bool = True,
+                 defer_from: int | None = None) -> tuple[str | None, ZipCheck | None]:
+    """:func:`payload_problem`, with the scan itself (None where the archive could not be opened, or without
+    ``crc``); ``defer_from``: records of that size and more are left to the caller, in ``deferred``
+    (:func:`~lightning_asyncckpt.format.zip_records.scan_torch_zip`)."""
     if bytes(data[:4]) != ZIP_MAGIC:
-        return "corrupt (not a torch.save payload: no zip header)", False
+        return "corrupt (not a torch.save payload: no zip header)", None
     if not crc:
-        return None, False
+        return None, None
     try:
-        scan = scan_torch_zip(data)
+        scan = scan_torch_zip(data, defer_from)
     except ArchiveError as e:
-        return f"corrupt: {e}", False
-    return (f"corrupt: {scan.bad[0]}" if scan.bad else None), scan.crc_checked > 0
+        return f"corrupt: {e}", None
+    return (f"corrupt: {scan.bad[0]}" if scan.bad else None), scan
 
 
 def check_items(path: Path, metadata: Metadata, crc: bool = True,

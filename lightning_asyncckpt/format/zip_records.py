@@ -40,14 +40,27 @@ class ArchiveError(ValueError):
     """A ``torch.save`` payload whose zip archive cannot be opened at all (no record was checked)."""
 
 
+@dataclass(frozen=True)
+class Record:
+    """A stored record left to its reader to check: its name, where its bytes are in the payload, their size and
+    the CRC32 the zip directory gives them."""
+
+    name: str
+    offset: int
+    size: int
+    crc: int
+
+
 @dataclass
 class ZipCheck:
-    """Outcome of :func:`scan_torch_zip`: ``bad`` names each record that is not what the archive says."""
+    """Outcome of :func:`scan_torch_zip`: ``bad`` names each record that is not what the archive says;
+    ``deferred``: the large records whose CRC32 the caller checks as it copies them (``defer_from``)."""
 
     records: int = 0
     crc_checked: int = 0  # records that carry a CRC32 (all, unless written with CRC32 turned off)
     bytes_read: int = 0
     bad: list[str] = field(default_factory=list)
+    deferred: list[Record] = field(default_factory=list)
 
 
 def first_line(e: BaseException) -> str:
@@ -98,18 +111,20 @@ def mapped(f: BinaryIO) -> Iterator[memoryview | None]:
         mm.close()
 
 
-def scan_torch_zip(data: bytes | memoryview | BinaryIO) -> ZipCheck:
+def scan_torch_zip(data: bytes | memoryview | BinaryIO, defer_from: int | None = None) -> ZipCheck:
     """Reads every record of a ``torch.save`` payload (in memory, or an open file: through a memory map, else in
     chunks) from where torch's own reader finds it (the bytes ``torch.load`` uses) and checks it against the
-    size and CRC32 of the archive's central directory. Raises :class:`ArchiveError` if the archive cannot be
-    opened; ``OSError`` if the file cannot be read."""
+    size and CRC32 of the archive's central directory. With ``defer_from`` (a payload in memory only), a
+    stored record of at least that many bytes is not read: its place and CRC32 are in ``deferred``, for a
+    reader that checks it as it copies it (its local header and place are checked here). Raises
+    :class:`ArchiveError` if the archive cannot be opened; ``OSError`` if the file cannot be read."""
     if isinstance(data, (bytes, bytearray, memoryview)):
-        return _scan(MemoryFile(memoryview(data)), memoryview(data))
+        return _scan(MemoryFile(memoryview(data)), memoryview(data), defer_from)
     with mapped(data) as view:
         return _scan(MemoryFile(view), view) if view is not None else _scan(data, None)
 
 
-def _scan(f: BinaryIO | MemoryFile, view: memoryview | None) -> ZipCheck:
+def _scan(f: BinaryIO | MemoryFile, view: memoryview | None, defer_from: int | None = None) -> ZipCheck:
     import torch
 
     try:
@@ -135,6 +150,13 @@ def _scan(f: BinaryIO | MemoryFile, view: memoryview | None) -> ZipCheck:
             if header is not None:  # torch's reader checks it when it extracts the record: the load would fail
                 check.bad.append(f"record {name!r}: {header}")
                 continue
+            if defer_from is not None and view is not None and member.file_size >= defer_from and member.CRC \
+                    and member.compress_type == zipfile.ZIP_STORED and hasattr(reader, "get_record_offset"):
+                offset = reader.get_record_offset(name)
+                if offset + member.file_size <= len(view):  # else read below: too short, a clear problem
+                    check.deferred.append(Record(name, offset, member.file_size, member.CRC))
+                    check.crc_checked += 1
+                    continue
             size, crc = _read_record(reader, f, view, name, member)
         except OSError:
             raise

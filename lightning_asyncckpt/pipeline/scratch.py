@@ -22,9 +22,12 @@ import stat
 import tempfile
 from pathlib import Path
 
+from lightning_asyncckpt.storage import private_dirs
+
 log = logging.getLogger(__name__)
 
 PREFIX = "asyncckpt-"
+_FIX = "set TMPDIR to a directory of your own (`mkdir -m 700 ~/tmp; export TMPDIR=~/tmp`)"
 _NAME = re.compile(r"asyncckpt-(\d+)-(\d+)-[^-]+")  # pidns, pid, mkdtemp's random part
 
 
@@ -40,7 +43,16 @@ def make_scratch_dir(base: str | Path | None) -> Path:
     """(writing ranks, ``Run.start``, once per run) Removes the scratch directories of dead processes in
     ``base`` (``None``: the system's temporary directory), then makes this process's own there."""
     ns = pidns()
+    problem = None if base is None else private_dirs.base_problem(Path(base), "the checkpoint writer", _FIX)
+    if problem is not None:  # /dev/shm where others may rename what we make: the temporary directory instead
+        log.warning("lightning-asyncckpt: the scratch directory goes to %s instead: %s", tempfile.gettempdir(), problem)
+        base = None
+    if base is None and (problem := private_dirs.base_problem(Path(tempfile.gettempdir()), "the checkpoint writer",
+                                                               _FIX)) is not None:
+        raise private_dirs.UntrustedDirectoryError(f"lightning-asyncckpt: {problem}")
     sweep_dead(base, ns)
+    # mkdtemp's directory is new (O_EXCL) and 0700: no one else can write into it, and in a sticky (or our own)
+    # base no one else can rename it away either
     return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{ns}-{os.getpid()}-", dir=base))
 
 

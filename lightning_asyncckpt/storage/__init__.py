@@ -7,4 +7,5 @@ trainer and the writer alike; no Lightning imports.
 - ``remote``: fsspec URLs (object stores): streamed writes, ranged reads, ``last_checkpoint``.
 - ``commit``: the atomic publish of a checkpoint file or directory, and the leftovers of interrupted saves.
 - ``regular_files``: opening a checkpoint's own files (no links, no FIFOs), and :class:`CorruptCheckpointError`.
+- ``private_dirs``: directories of our own in shared places (the spool in ``/tmp``), 0700, never through a link.
 """

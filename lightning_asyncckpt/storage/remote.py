@@ -13,7 +13,8 @@ Where a remote checkpoint is written, and by whom:
   deleted the ``.metadata`` of a checkpoint it replaces (so a reader never sees old metadata over new
   shards). At the commit, the coordinator uploads ``.metadata`` last, in the run's background thread
   (``committer.settle_publishing`` records it once done). Loads download the directory into a
-  temporary local one first.
+  temporary local one first. The spool (``<TMPDIR>/asyncckpt-spool-<uid>``) is this user's own, mode 0700,
+  and refused where another user made it or it is a link (:mod:`~lightning_asyncckpt.storage.private_dirs`).
 - Credentials and endpoints come from fsspec's own configuration, as for stock Lightning: the backend's
   environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...), its config files, or
   fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>`` variables. The worker inherits the environment.
@@ -32,6 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from lightning_asyncckpt.storage import private_dirs
+
 if TYPE_CHECKING:
     from datetime import datetime
 
@@ -46,6 +49,8 @@ BLOCK_SIZE = 64 << 20
 # Filesystems that live in one process's memory: the background writer, another process, cannot reach them
 PROCESS_LOCAL = frozenset({"memory"})
 # What to install for the common schemes, for the error of a missing backend
+# How to move the spool and a load's download out of a temporary directory that others could tamper with
+_TMPDIR_FIX = "set TMPDIR to a directory of your own (`mkdir -m 700 ~/tmp; export TMPDIR=~/tmp`)"
 _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
 
 
@@ -177,8 +182,13 @@ def last_checkpoint(dirpath: str) -> str | None:
 
 
 def spool_root() -> Path:
-    """(any rank) The local directory where this node's workers write DCP parts before uploading them."""
-    return Path(tempfile.gettempdir()) / "asyncckpt-spool"
+    """(any rank, before a remote directory save) The local directory where this node's workers write DCP
+    parts before uploading them: ``asyncckpt-spool-<uid>`` in the temporary directory, this user's own (made
+    0700, never through a link). Another user's, a link, or one writable by group or others is refused
+    (:class:`~lightning_asyncckpt.storage.private_dirs.UntrustedDirectoryError`): the parts in it are
+    uploaded as the checkpoint, so whoever could write there could plant weights (or a pickle) in it."""
+    return private_dirs.private_dir(Path(tempfile.gettempdir()), f"asyncckpt-spool-{os.geteuid()}",
+                                    "the remote save's spool", _TMPDIR_FIX)
 
 
 def upload_dir(local: str | os.PathLike, url: str) -> None:
@@ -209,6 +219,9 @@ def localize(url: str) -> Iterator[Path]:
     fs.invalidate_cache(path)
     if not fs.exists(path):
         raise FileNotFoundError(f"Checkpoint at {url!r} not found.")
+    problem = private_dirs.base_problem(Path(tempfile.gettempdir()), "a remote load", _TMPDIR_FIX)
+    if problem is not None:  # mkdtemp's own directory is 0700 and new, but others could rename it here
+        raise private_dirs.UntrustedDirectoryError(f"lightning-asyncckpt: {problem}")
     tmp = Path(tempfile.mkdtemp(prefix="asyncckpt-load-"))
     try:
         local = tmp / (path.rstrip("/").rsplit("/", 1)[-1] or "checkpoint")

@@ -19,52 +19,23 @@ Below ``dir`` nothing is followed: each directory is opened with ``O_NOFOLLOW`` 
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import stat
 from pathlib import Path
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+from lightning_asyncckpt.storage import private_dirs
+from lightning_asyncckpt.storage.private_dirs import UntrustedDirectoryError, owner_and_mode
 
+__all__ = ["UntrustedDirectoryError", "base_problem", "make", "open_file", "owner_and_mode", "read_file",
+           "tier_problem"]
 
-class UntrustedDirectoryError(PermissionError):
-    """A directory of the local tier that another local user could have written, or a link."""
-
-
-def owner_and_mode(st: os.stat_result) -> str:
-    """``uid 65534 (nobody), mode 0755``: what a refusal says about a path."""
-    try:
-        import pwd
-
-        name = pwd.getpwuid(st.st_uid).pw_name
-    except (ImportError, KeyError):
-        name = "no user name"
-    return f"owner uid {st.st_uid} ({name}), mode {stat.S_IMODE(st.st_mode):04o}"
+_WHAT = "the local tier"
 
 
 def base_problem(dir: Path) -> str | None:
     """(one rank, at setup) Why ``dir`` cannot hold the tier's directories safely, or None (also where it
     does not exist: :func:`lightning_asyncckpt.tiers.checks.directory` says that)."""
-    me = os.geteuid()
-    try:
-        link = os.lstat(dir)
-        st = os.stat(dir)
-    except OSError:
-        return None
-    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (me, 0):
-        return (f"{dir} is a symbolic link of another user ({owner_and_mode(link)}), who can point it elsewhere"
-                " at any time. Fix: give the directory it points to (or one of your own) as dir=.")
-    shown = f"{dir}" if not stat.S_ISLNK(link.st_mode) else f"{dir} (a link to {os.path.realpath(dir)})"
-    if st.st_uid not in (me, 0):
-        return (f"{shown} belongs to another user ({owner_and_mode(st)}): its owner can rename or replace what the"
-                f" tier makes in it, and so plant a checkpoint that this job (uid {me}) would resume from. Fix: a"
-                " directory of your own, e.g. `mkdir -m 700 /dev/shm/$USER-ckpt` in the job script.")
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        return (f"{shown} is writable by {_who(st)} without the sticky bit ({owner_and_mode(st)}): any of them can"
-                " rename the tier's directory and put their own in its place. Fix: `chmod go-w` it, or `chmod +t`"
-                " it (as /dev/shm and /tmp are), or give a directory of your own below it (`mkdir -m 700`).")
-    return None
+    return private_dirs.base_problem(dir, _WHAT, "give a directory of your own as dir=")
 
 
 def tier_problem(dir: Path, parts: list[str]) -> str | None:
@@ -92,48 +63,15 @@ def tier_problem(dir: Path, parts: list[str]) -> str | None:
                     f" it (`rm -r {path}`, as its owner or root), or give another dir=; the tier makes its own"
                     " directories, mode 0700.")
         if st.st_mode & 0o022:
-            return (f"{path} is writable by {_who(st)} ({owner_and_mode(st)}): any of them could plant a step there."
+            return (f"{path} is writable by {private_dirs.who(st)} ({owner_and_mode(st)}): any of them could plant a step there."
                     f" Fix: `chmod 700 {path}` (the tier makes its directories 0700), or remove it.")
     return None
 
 
-def _who(st: os.stat_result) -> str:
-    return " and ".join(w for w, bit in (("its group", 0o020), ("others", 0o002)) if st.st_mode & bit)
-
-
 def make(path: Path, base: Path) -> None:
-    """(any thread) Makes ``path`` and the directories between it and ``base`` (which exists, opened as the
-    user named it), each mode 0700; one that exists is opened without following a link and must be this
-    user's and not writable by group or others (then it is made 0700 too). Raises
-    :class:`UntrustedDirectoryError` naming the path, or ``OSError``."""
-    path, base = Path(path), Path(base)
-    me = os.geteuid()
-    fd = os.open(base, _DIR_FLAGS)
-    try:
-        here = base
-        for name in path.relative_to(base).parts:
-            here = here / name
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, 0o700, dir_fd=fd)
-            try:
-                child = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise UntrustedDirectoryError(
-                        f"{here} is a symbolic link or not a directory: the local tier never follows a link in its"
-                        f" own directories. Fix: remove it (`rm {here}`); the tier makes its own.") from None
-                raise
-            os.close(fd)
-            fd = child
-            st = os.fstat(fd)
-            if st.st_uid != me or st.st_mode & 0o022:
-                raise UntrustedDirectoryError(
-                    f"{here} ({owner_and_mode(st)}) is not this user's own (uid {me}) or is writable by others: the"
-                    f" local tier does not use it. Fix: remove it (`rm -r {here}`); the tier makes its own, 0700.")
-            if stat.S_IMODE(st.st_mode) != 0o700:  # made under a umask, or by an older version: private now
-                os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
+    """(any thread) Makes ``path`` and the directories between it and ``base``, each mode 0700, never through
+    a link (:func:`lightning_asyncckpt.storage.private_dirs.make`). Raises :class:`UntrustedDirectoryError`."""
+    private_dirs.make(path, base, _WHAT)
 
 
 def open_file(path: Path, flags: int) -> int:

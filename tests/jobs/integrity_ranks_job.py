@@ -18,6 +18,7 @@ from lightning_asyncckpt.integration import loading
 from processes import run_gloo_cases
 
 WORLD = 2
+WIDTH = 1024  # the first layer's weight, 2 MiB a rank: checked as it is copied (dcp_reader's fused check)
 
 
 def model_and_optimizer():
@@ -25,10 +26,10 @@ def model_and_optimizer():
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 4))
     fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.randn(4, 16)).sum().backward()
+    model(torch.randn(4, WIDTH)).sum().backward()
     optimizer.step()
     return model, optimizer
 
