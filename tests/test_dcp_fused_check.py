@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_asyncckpt.format import dcp_reader
 from lightning_asyncckpt.format.dcp import read_into
 from lightning_asyncckpt.format.metadata import read_metadata
-from lightning_asyncckpt.format.regular_files import CorruptCheckpointError
+from lightning_asyncckpt.storage.regular_files import CorruptCheckpointError
 
 BIG = (3 << 18) + 5  # float32: 3 MiB and 20 bytes, so its last chunk is short
 
