@@ -23,7 +23,7 @@ DOCS_STAMP := $(DOCS_VENV)/.lightning-asyncckpt-installed
 # 2026-12-07, 740 s in 3 against 777 s in 2 (one run each).
 PYTEST_WORKERS ?= 3
 
-.PHONY: demo docs environments test fuzz test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train bench-tiers gpu-check lint clean
+.PHONY: demo docs environments test fuzz test-faults test-scale test-all test-nvrx-versions test-compat bench bench-train bench-tiers bench-cluster gpu-check lint clean
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -114,6 +114,14 @@ bench-train: $(BENCH_STAMP)
 # writes benchmarks/results/tiers-<time>.{md,json} and tiers-<time>-{overhead,recovery}.png
 bench-tiers: $(BENCH_STAMP)
 	$(VENV)/bin/python benchmarks/bench_tiers.py $(BENCH_TIERS_ARGS)
+
+# resume at scale on an emulated cluster (root: a network namespace per node behind a tc rate limit, the shared
+# storage an S3-protocol server behind its own, mounted with s3fs): resume time and bytes read from the storage,
+# ours against stock's, at two NIC:storage ratios, and both tiers' targets (bench_tiers --cluster);
+# writes benchmarks/results/cluster-<time>.{md,json} and tiers-<time>.{md,json}
+bench-cluster: $(BENCH_STAMP)
+	$(VENV)/bin/python benchmarks/bench_cluster.py $(BENCH_CLUSTER_ARGS)
+	$(VENV)/bin/python benchmarks/bench_tiers.py --cluster $(BENCH_TIERS_ARGS)
 
 # on a CUDA machine: the GPU tests and the CUDA benchmark, with the machine's own CUDA torch (see the script)
 gpu-check:

@@ -1,0 +1,282 @@
+"""Resume at scale on an emulated cluster: time and bytes read from shared storage, ours against stock's.
+
+    python benchmarks/bench_cluster.py                                  # 2 nodes x 2 ranks, 0.25 GiB
+    python benchmarks/bench_cluster.py --links 200:200,1000:200 --size 0.25 --reps 3
+    python benchmarks/bench_cluster.py --render benchmarks/results/cluster-<time>.json
+
+Each ``--links`` entry ``NIC:STORAGE`` (Mbit/s) makes an emulated cluster (``tests/netcluster.py``): every node
+in its own network namespace behind a ``tc`` rate limit of ``NIC`` both ways, the shared storage (moto's
+S3-protocol server, mounted on every node with s3fs at one path) behind its own link of ``STORAGE`` Mbit/s
+that all nodes share. Each node runs ``--ranks-per-node`` ranks in one gloo group over those links.
+
+Rank 0 writes a Lightning-like ``torch.save`` checkpoint of ``--size`` GiB to the shared storage (untimed).
+Then, ``--reps`` times in a rotated order, every rank resumes from it as Lightning's resume does, through a
+``DDPStrategy``'s ``load_checkpoint``:
+
+- ``stock``: with ``TorchCheckpointIO`` (each rank reads the whole file);
+- ``ours``: with ``AsyncCheckpointIO`` (each rank reads about ``1/W`` of it and receives the rest from the
+  other ranks over the process group).
+
+Before each resume the page cache is dropped (``/proc/sys/vm/drop_caches``: the kernel's, which the FUSE
+mounts use too). A resume's time is the slowest rank's, from a common barrier until its checkpoint is loaded;
+its bytes are what the storage sent meanwhile, read from the storage link's counters (the storage's own view,
+protocol headers included). Every resumed checkpoint is compared with the saved tensors, bit for bit.
+
+The projection to larger clusters (the formula is printed with the table): with ``S`` the checkpoint's
+bytes, ``W = N x R`` ranks on ``N`` nodes, ``B_s`` the storage's bandwidth (shared by all nodes) and ``B_n``
+a node's:
+
+- stock reads ``k x S`` from the storage (``k`` measured here: ``W`` if every rank reads it, ``N`` if a
+  node's ranks share its page cache): ``T_stock = k x S / B_s``;
+- ours reads ``S`` once and moves ``(W - 1) / W x S`` into every rank; a node's link carries about
+  ``R x (W - 1) / W x S`` in, less what its own ranks hold: ``T_ours = S / B_s + R x S / B_n + c``, where
+  ``c`` (rounds of the exchange, their per-message cost and the load itself) is measured here as the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # the emulated cluster
+from netcluster import NetCluster  # noqa: E402
+
+GiB = 1 << 30
+_PORT = 29541
+
+
+def _state(size_bytes: int, layers: int = 16) -> dict[str, Any]:
+    """A Lightning-like checkpoint whose tensors hold known values (a generator's, seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    per = max(1, size_bytes // (3 * layers) // 4)
+    weights = {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(layers)}
+    moments = {i: {"exp_avg": torch.randn(per, generator=g), "exp_avg_sq": torch.randn(per, generator=g)}
+               for i in range(layers)}
+    return {"state_dict": weights, "optimizer_states": [{"state": moments, "param_groups": [{"lr": 1e-3}]}],
+            "global_step": 100, "epoch": 0}
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    if a["state_dict"].keys() != b["state_dict"].keys():
+        return False
+    pairs = list(zip(a["state_dict"].values(), b["state_dict"].values()))
+    for i, m in a["optimizer_states"][0]["state"].items():
+        pairs += [(m[k], b["optimizer_states"][0]["state"][i][k]) for k in ("exp_avg", "exp_avg_sq")]
+    return all(torch.equal(x, y) for x, y in pairs) and a["global_step"] == b["global_step"]
+
+
+def _storage_sent(switch_ns: str) -> int:
+    out = subprocess.run(["ip", "-n", switch_ns, "-s", "-j", "link", "show", "vst"], capture_output=True, text=True,
+                         check=True).stdout
+    link = json.loads(out)[0]
+    return int((link.get("stats64") or link["stats"])["rx"]["bytes"])
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace, shared: Path, out: Path) -> None:
+    """(every rank) Joins the group, resumes ``--reps`` times per variant, and rank 0 writes the results."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_asyncckpt import AsyncCheckpointIO
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{_PORT}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+    switch = os.environ["BENCH_SWITCH_NS"]
+    path = shared / "last.ckpt"
+    expected = _state(int(args.size * GiB))
+    if rank == 0:
+        before = _storage_sent(switch)
+        torch.save(expected, path)
+        os.sync()
+        file_bytes = path.stat().st_size
+        write = {"file_bytes": file_bytes, "storage_sent_during_write": _storage_sent(switch) - before}
+    dist.barrier()
+    ours = AsyncCheckpointIO()
+    variants = {"stock": DDPStrategy(checkpoint_io=TorchCheckpointIO()), "ours": DDPStrategy(checkpoint_io=ours)}
+    results: list[dict[str, Any]] = []
+    names = list(variants)
+    for rep in range(args.reps):
+        for name in names[rep % 2:] + names[: rep % 2]:
+            if rank == 0:
+                subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False)
+                before = _storage_sent(switch)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loaded = variants[name].load_checkpoint(path)
+            seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            exact = torch.tensor([int(_same(loaded, expected))])
+            del loaded
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            dist.all_reduce(exact, op=dist.ReduceOp.MIN)
+            if rank == 0:
+                results.append({"variant": name, "rep": rep, "seconds": seconds.item(), "exact": bool(exact.item()),
+                                "storage_sent": _storage_sent(switch) - before})
+                print(f"rep {rep} {name:>5}: {seconds.item():.2f} s, {results[-1]['storage_sent'] / (1 << 20):.1f} MiB"
+                      f" from storage, exact {bool(exact.item())}", flush=True)
+    ours.teardown()
+    dist.barrier()
+    if rank == 0:
+        out.write_text(json.dumps({**write, "resumes": results, "world": world}))
+    dist.destroy_process_group()
+
+
+def node_main(node: int, tmp: Path) -> None:
+    """(each node's process, in its namespace) Runs the node's ranks; exits with the first failure."""
+    import torch.multiprocessing as mp
+
+    args = pickle.loads((tmp / "args.pkl").read_bytes())
+    world = args.nodes * args.ranks_per_node
+    ctx = mp.get_context("spawn")
+    ranks = [ctx.Process(target=rank_main, args=(node * args.ranks_per_node + i, world, args, tmp / "shared",
+                                                  tmp / "result.json")) for i in range(args.ranks_per_node)]
+    for r in ranks:
+        r.start()
+    for r in ranks:
+        r.join()
+    sys.exit(max(abs(r.exitcode or 0) for r in ranks))
+
+
+def run_links(args: argparse.Namespace, nic: float, storage: float) -> dict[str, Any]:
+    """One emulated cluster at these link rates; rank 0's results."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    (tmp / "shared").mkdir()
+    (tmp / "args.pkl").write_bytes(pickle.dumps(args))
+    procs: list[subprocess.Popen] = []
+    with NetCluster(args.nodes, nic_mbit=nic, storage_mbit=storage) as cluster:
+        try:
+            for k in range(args.nodes):
+                env = {**os.environ, **cluster.node_env(k), "BENCH_SWITCH_NS": cluster.switch_ns,
+                       "PYTHONWARNINGS": "ignore::FutureWarning"}
+                cmd = cluster.node_command(k, tmp / "shared", [sys.executable, __file__, "--node", str(k), str(tmp)])
+                log = open(tmp / f"node{k}.log", "w")  # noqa: SIM115 - the child's
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+            deadline = time.monotonic() + args.timeout
+            codes: list[object] = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+        except subprocess.TimeoutExpired:
+            codes = ["timeout"]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+    out = tmp / "result.json"
+    if any(c != 0 for c in codes) or not out.is_file():
+        logs = "\n".join((tmp / f"node{k}.log").read_text()[-3000:] for k in range(args.nodes))
+        raise SystemExit(f"bench_cluster: the nodes exited with {codes}\n{logs}")
+    result = json.loads(out.read_text())
+    result.update(nic_mbit=nic, storage_mbit=storage)
+    return result
+
+
+def summarize(run: dict[str, Any], ranks_per_node: int) -> dict[str, Any]:
+    """Medians per variant, the ratios, and the projection's constants."""
+    by = {v: [r for r in run["resumes"] if r["variant"] == v] for v in ("stock", "ours")}
+    med = {v: {"seconds": statistics.median(r["seconds"] for r in rs),
+               "storage_sent": statistics.median(r["storage_sent"] for r in rs),
+               "exact": all(r["exact"] for r in rs), "reps": len(rs)} for v, rs in by.items()}
+    size = run["file_bytes"]
+    b_s, b_n = run["storage_mbit"] * 1e6 / 8, run["nic_mbit"] * 1e6 / 8
+    k = med["stock"]["storage_sent"] / size
+    c = med["ours"]["seconds"] - size / b_s - ranks_per_node * size / b_n
+    return {"file_bytes": size, "nic_mbit": run["nic_mbit"], "storage_mbit": run["storage_mbit"], "median": med,
+            "time_ours_over_stock": med["ours"]["seconds"] / med["stock"]["seconds"],
+            "bytes_ours_over_file": med["ours"]["storage_sent"] / size, "bytes_stock_over_file": k,
+            "rest_c_s": c, "world": run["world"]}
+
+
+def project(s: dict[str, Any], nodes: int, ranks_per_node: int, measured_nodes: int) -> tuple[float, float]:
+    """(stock, ours) seconds at ``nodes`` nodes by the formula of the module's docstring, with ``k`` scaled as
+    measured (per rank or per node) and ``c`` as measured."""
+    size = s["file_bytes"]
+    b_s, b_n = s["storage_mbit"] * 1e6 / 8, s["nic_mbit"] * 1e6 / 8
+    per = s["bytes_stock_over_file"] / measured_nodes  # reads per node as measured (R if per rank, 1 if shared)
+    stock = per * nodes * size / b_s
+    ours = size / b_s + ranks_per_node * size / b_n + max(s["rest_c_s"], 0.0)
+    return stock, ours
+
+
+def markdown(summaries: list[dict[str, Any]], args: dict[str, Any]) -> str:
+    lines = [f"{args['nodes']} nodes x {args['ranks_per_node']} ranks, a {summaries[0]['file_bytes'] / GiB:.3g} GiB"
+             " torch.save checkpoint, resumed through DDPStrategy.load_checkpoint; medians of"
+             f" {args['reps']} resumes each, the page cache dropped before each.", "",
+             "| NIC : storage (Mbit/s) | stock (s) | ours (s) | ours / stock | read from storage, stock (x file)"
+             " | ours (x file) | exact (stock, ours) |", "|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        m = s["median"]
+        lines.append(f"| {s['nic_mbit']:g} : {s['storage_mbit']:g} | {m['stock']['seconds']:.2f} | "
+                     f"{m['ours']['seconds']:.2f} | {s['time_ours_over_stock']:.2f}x | {s['bytes_stock_over_file']:.2f}x"
+                     f" | {s['bytes_ours_over_file']:.3f}x | {m['stock']['exact']}, {m['ours']['exact']} |")
+    lines += ["", "Projection: T_stock = k x S / B_s (k: the reads measured per node, times N); T_ours = S / B_s +"
+              " R x S / B_n + c (c measured above, kept constant: optimistic for ours at large N, where the"
+              " exchange's rounds grow with W).", "",
+              "| NIC : storage (Mbit/s) | c (s) | nodes | stock (s) | ours (s) | ours / stock |", "|---|---|---|---|---|---|"]
+    for s in summaries:
+        for n in (args["nodes"], 64, 1024):
+            st, ou = project(s, n, args["ranks_per_node"], args["nodes"])
+            lines.append(f"| {s['nic_mbit']:g} : {s['storage_mbit']:g} | {s['rest_c_s']:.2f} | {n} | {st:.1f} | "
+                         f"{ou:.1f} | {ou / st:.3f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--node":
+        node_main(int(sys.argv[2]), Path(sys.argv[3]))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=float, default=0.25, help="checkpoint size in GiB")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--links", default="200:200,1000:200", help="NIC:STORAGE Mbit/s pairs, comma-separated")
+    p.add_argument("--reps", type=int, default=3, help="resumes per variant and link setting, rotated")
+    p.add_argument("--timeout", type=float, default=900.0, help="hard deadline per link setting, in seconds")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--render", default=None, help="print the tables of a saved cluster-*.json instead of running")
+    args = p.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        print(markdown(saved["summaries"], saved["args"]))
+        return
+    t0 = time.monotonic()
+    runs = []
+    for pair in args.links.split(","):
+        nic, storage = (float(x) for x in pair.split(":"))
+        print(f"== NIC {nic:g} Mbit/s, storage {storage:g} Mbit/s", flush=True)
+        runs.append(run_links(args, nic, storage))
+    summaries = [summarize(r, args.ranks_per_node) for r in runs]
+    table = markdown(summaries, vars(args))
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    wall = time.monotonic() - t0
+    load = os.getloadavg()
+    (out / f"cluster-{stamp}.json").write_text(json.dumps(
+        {"args": vars(args), "cpus": os.cpu_count(), "wall_s": wall, "loadavg_end": load, "runs": runs,
+         "summaries": summaries}, indent=1))
+    (out / f"cluster-{stamp}.md").write_text(
+        f"# bench_cluster.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs,"
+        f" {wall:.0f} s, load average {load[0]:.1f} at the end\n\n" + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
