@@ -7,8 +7,9 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_asyncckpt.format import commit, destination, integrity
+from lightning_asyncckpt.format import commit, destination, integrity, read_once
 from lightning_asyncckpt.format import dcp as dcp_format
+from lightning_asyncckpt.format.zip_records import MemoryFile
 from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.lightning_api import TorchCheckpointIO
 from lightning_asyncckpt.integration.map_location import for_file as map_location_for_file
@@ -19,11 +20,13 @@ if TYPE_CHECKING:
 
 
 def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool | None = None,
-         verify: bool = True) -> dict[str, Any]:
-    """(any rank) The checkpoint at ``path`` (a remote one: a file, read as stock reads it, through
-    fsspec); a clear error for a missing or incomplete one. A local one is checked first
-    (:mod:`~lightning_asyncckpt.format.integrity`: a regular file, inside the checkpoint; with ``verify`` every
-    record's CRC32): a damaged one raises ``CorruptCheckpointError`` naming the file and the record."""
+         verify: bool = True, together: bool = False) -> dict[str, Any]:
+    """(any rank; with ``together``, all ranks of the default group) The checkpoint at ``path`` (a remote one: a
+    file, read as stock reads it, through fsspec); a clear error for a missing or incomplete one. A local one
+    is checked first (:mod:`~lightning_asyncckpt.format.integrity`: a regular file, inside the checkpoint; with
+    ``verify`` every record's CRC32): a damaged one raises ``CorruptCheckpointError`` naming the file and the
+    record. ``together`` (every rank loads the same path at once: Lightning's resume, Fabric's ``load``): a local
+    ``torch.save`` file is read once across the ranks (:mod:`~lightning_asyncckpt.format.read_once`)."""
     where = destination.of(path)
     far, path = where.is_remote, where.location
     if far and where.is_directory():  # a remote DCP directory: read from a local copy
@@ -35,6 +38,9 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
         kwargs = {"map_location": map_location_for_file(map_location)}
         if not far:
             integrity.check_file(path, crc=False)  # a regular file, before it is opened for the load
+        shared = read_once.read_together(path) if together and not far else None
+        if shared is not None:
+            return _load_bytes(path, shared.data, weights_only, verify, **kwargs)
         try:
             if far or not verify:
                 return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
@@ -52,6 +58,30 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
     if not commit.is_committed(path):
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {commit.METADATA_FILE}).")
     return dcp_format.load(path, map_location=map_location, weights_only=weights_only, verify=verify)
+
+
+def _load_bytes(path: Path, data: memoryview, weights_only: bool | None, verify: bool,
+                map_location: MAP_LOCATION) -> dict[str, Any]:
+    """(any rank) The ``torch.save`` file ``path`` loaded from its bytes in memory, as stock loads the file
+    (Lightning's ``_load`` of a file object: ``torch.load`` with the same ``map_location`` and
+    ``weights_only``), with every record's CRC32 checked on those bytes beside it (``verify``)."""
+    read = lightning_api.fabric_module("utilities.cloud_io")._load
+
+    def load_it() -> dict[str, Any]:
+        return read(MemoryFile(data), map_location=map_location, weights_only=weights_only)
+
+    try:
+        if not verify:
+            return load_it()
+        return integrity.while_loading(lambda: integrity.check_bytes(path, data), load_it)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"{path}: {e}") from None
+    except integrity.CorruptCheckpointError:
+        raise
+    except Exception as e:
+        if bytes(data[:4]) == integrity.ZIP_MAGIC:
+            raise
+        raise integrity.CorruptCheckpointError(f"{path}: not a checkpoint ({integrity.first_line(e)})") from e
 
 
 def is_sharded(path: object) -> bool:
