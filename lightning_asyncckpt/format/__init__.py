@@ -8,6 +8,7 @@ Lightning imports.
 - ``layout``: :class:`Layout`, which ranks write a save.
 - ``dcp``: the DCP directory's file names, and reading one back; ``dcp_reader``: its items checked as they are
   read; ``metadata``: the one reader of ``.metadata`` (no code runs from it).
+- ``read_once``: a ``torch.save`` file that every rank loads, read once across them (each rank its share).
 - The integrity checks a load and ``verify`` share: ``integrity``, ``entries`` (``.metadata``'s entries),
   ``zip_records`` (a ``torch.save`` zip's records), ``regular_files`` (opening a checkpoint's own files).
 """

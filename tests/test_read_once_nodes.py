@@ -1,0 +1,37 @@
+"""Read-once resume on 2 simulated nodes x 2 ranks (tests/nodes.py: each node in its own mount namespace),
+counted at the storage: the shared directory is read through a counting FUSE passthrough
+(tests/counting_fs.py, ``direct_io``: every read reaches it), so the bytes are the storage's own count, not
+our client's. DDP with the plugin saves; the same ranks resume with the plugin and with stock Lightning from
+hard links of that file (``jobs/read_once_job.py``): both start from exactly the saved state, the plugin's
+resume reads the file's bytes once (within 5%), stock's once per rank."""
+
+from __future__ import annotations
+
+import pytest
+from counting_fs import counting_mount, fuse_refused
+from nodes import launch_nodes, read_reports, skip_without_namespaces
+
+pytestmark = [pytest.mark.scale]
+NODES, DEVICES = 2, 2
+
+
+def test_a_ddp_resume_reads_the_checkpoint_from_shared_storage_once(tmp_path):
+    skip_without_namespaces()
+    reason = fuse_refused()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--case", "resume", "--engine", "nvrx", "--worker", "persistent", "--shared", tmp_path / "shared"]
+    with counting_mount(out, tmp_path / "shared") as served:
+        with launch_nodes("read_once_job", args, tmp_path, nodes=NODES, devices=DEVICES, timeout=240) as cluster:
+            cluster.wait()
+            reports = read_reports(cluster, NODES * DEVICES)
+    assert all(r["ours_exact"] and r["stock_exact"] for r in reports)
+    size = reports[0]["size"]
+    ours, stock = served.get("ours.ckpt", 0) / size, served.get("stock.ckpt", 0) / size
+    print(f"\nbytes served per resume, in files of {size} bytes: ours {ours:.3f}x, stock {stock:.3f}x; "
+          f"a load by every rank: ours {[round(r['ours_load_s'], 3) for r in reports]} s, "
+          f"stock {[round(r['stock_load_s'], 3) for r in reports]} s ({served})")
+    assert stock >= NODES * DEVICES * 0.95, served  # the baseline: every rank reads the whole file
+    assert abs(ours - 1.0) <= 0.05, served
