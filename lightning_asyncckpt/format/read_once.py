@@ -16,8 +16,12 @@ peak while loading is the file plus the state, as for a load from any in-memory 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,10 +60,8 @@ def read_together(path: Path) -> SharedRead | None:
 
     Returns:
         the bytes and what this rank read, or None."""
-    world = groups.world_size() if groups.is_distributed() else 1
+    world = _world(path)
     if world <= 1:
-        why = "no process group" if not groups.is_distributed() else "a world of one rank"
-        log.info("lightning-asyncckpt: %s read by this rank alone (%s)", path, why)
         return None
     try:
         f = open_regular(path)
@@ -68,32 +70,124 @@ def read_together(path: Path) -> SharedRead | None:
     else:
         identity = (os.fspath(path), os.fstat(f.fileno()).st_size)
     try:
-        seen = shares.all_same(identity)
-        if any(other != identity for other in seen):
-            log.warning("lightning-asyncckpt: %s read by every rank alone: the ranks disagree on the file (%s)",
-                        path, shares.describe(seen))
-            return None
-        assert f is not None  # every rank opened it: all identities hold a size
-        size = identity[1]
-        share = shares.share_of(size, world)
-        buffer = bytearray(world * share)
-        me = groups.rank()
-        start, end = min(me * share, size), min((me + 1) * share, size)
-        problem = _read_range(f, memoryview(buffer)[start:end], start)
-        if shares.any_failed(problem is not None):
-            log.warning("lightning-asyncckpt: %s read by every rank alone: a rank could not read its share%s",
-                        path, f" (this rank: {problem})" if problem else "")
-            return None
-        rounds = shares.exchange(buffer, size)
-        return SharedRead(memoryview(buffer)[:size], end - start, world, rounds)
+        got = _exchange(path, identity, world, lambda into, at: _read_range(f.fileno(), into, at))  # type: ignore[union-attr]
+        return None if got is None else SharedRead(got[0], got[1], world, got[2])
     finally:
         if f is not None:
             f.close()
 
 
-def _read_range(f: object, into: memoryview, offset: int) -> str | None:
-    """Reads ``len(into)`` bytes of the open file ``f`` at ``offset`` into ``into``; what went wrong, or None."""
-    fd = f.fileno()  # type: ignore[attr-defined]  # an open file
+@dataclass(frozen=True)
+class SharedFiles:
+    """The files of a checkpoint directory on this rank after a read-once exchange.
+
+    Attributes:
+        files: each file's bytes, by its name in the directory.
+        read: the bytes this rank read from the storage itself (its share of all files).
+        world: the ranks that shared the read.
+    """
+
+    files: dict[str, memoryview]
+    read: int
+    world: int
+
+
+def read_directory_together(path: Path) -> SharedFiles | None:
+    """(all ranks of the default group, together, the same ``path``) Every file of the checkpoint directory
+    ``path`` (``AsyncDDPStrategy``'s: its items' shard files, ``.metadata``, the skeleton), read once across the
+    ranks as :func:`read_together` reads one file: the files, in name order, are one byte range of which each
+    rank reads its share. None, after one log line, where :func:`read_together` would fall back, and for a
+    directory holding anything but regular files (a subdirectory, a link: the checks of the usual read name it).
+
+    Args:
+        path: a local, committed checkpoint directory.
+
+    Returns:
+        each file's bytes and what this rank read, or None."""
+    world = _world(path)
+    if world <= 1:
+        return None
+    listing = _listing(path)
+    identity = (os.fspath(path), tuple(listing) if isinstance(listing, list) else listing)
+    offsets, at = [], 0
+    for _, size in listing if isinstance(listing, list) else []:
+        offsets.append(at)
+        at += size
+
+    def read_share(into: memoryview, start: int) -> str | None:
+        for (name, size), offset in zip(listing, offsets):  # the files that overlap [start, start + len(into))
+            lo, hi = max(start, offset), min(start + len(into), offset + size)
+            if lo >= hi:
+                continue
+            try:
+                with open_regular(path / name, follow=False) as f:
+                    problem = _read_range(f.fileno(), into[lo - start:hi - start], lo - offset)
+            except (OSError, CorruptCheckpointError) as e:
+                problem = f"{name}: {e}"
+            if problem is not None:
+                return f"{name}: {problem}"
+        return None
+
+    got = _exchange(path, identity, world, read_share)
+    if got is None:
+        return None
+    data, read, _ = got
+    files = {name: data[offset:offset + size] for (name, size), offset in zip(listing, offsets)}
+    return SharedFiles(files, read, world)
+
+
+def _listing(path: Path) -> list[tuple[str, int]] | str:
+    """The directory's files and sizes in name order; or why it cannot be read together (a text every rank
+    compares: one rank's text makes all of them fall back)."""
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        if any(not e.is_file(follow_symlinks=False) for e in entries):
+            return "holds something other than regular files"
+        return [(e.name, e.stat(follow_symlinks=False).st_size) for e in entries]
+    except OSError as e:
+        return f"cannot list: {type(e).__name__}"
+
+
+def _world(path: Path) -> int:
+    """The ranks that would share the read of ``path``; 1 (after one log line saying why) where none would."""
+    world = groups.world_size() if groups.is_distributed() else 1
+    if world <= 1:
+        why = "no process group" if not groups.is_distributed() else "a world of one rank"
+        log.info("lightning-asyncckpt: %s read by this rank alone (%s)", path, why)
+    return world
+
+
+def _exchange(path: Path, identity: tuple[str, object], world: int,
+              read_share: Callable[[memoryview, int], str | None]) -> tuple[memoryview, int, int] | None:
+    """(all ranks of the default group, together) Agrees on ``identity`` (the path, and the size, or the files
+    and their sizes, or why this rank cannot read it), reads this rank's share with ``read_share(into, offset)``
+    (what went wrong, or None), and exchanges: (the bytes, what this rank read, the rounds), or None after one
+    log line saying why every rank reads alone."""
+    seen = shares.all_same(identity)
+    if any(other != identity for other in seen):
+        log.warning("lightning-asyncckpt: %s read by every rank alone: the ranks disagree on it (%s)",
+                    path, shares.describe(seen))
+        return None
+    sizes = identity[1]
+    if isinstance(sizes, str):  # every rank alike: none can read it (the usual read says why)
+        log.warning("lightning-asyncckpt: %s read by every rank alone: %s", path, sizes)
+        return None
+    size = sizes if isinstance(sizes, int) else sum(n for _, n in sizes)  # type: ignore[union-attr]
+    share = shares.share_of(size, world)
+    buffer = bytearray(world * share)
+    me = groups.rank()
+    start, end = min(me * share, size), min((me + 1) * share, size)
+    problem = read_share(memoryview(buffer)[start:end], start)
+    if shares.any_failed(problem is not None):
+        log.warning("lightning-asyncckpt: %s read by every rank alone: a rank could not read its share%s",
+                    path, f" (this rank: {problem})" if problem else "")
+        return None
+    rounds = shares.exchange(buffer, size)
+    return memoryview(buffer)[:size], end - start, rounds
+
+
+def _read_range(fd: int, into: memoryview, offset: int) -> str | None:
+    """Reads ``len(into)`` bytes of the open file ``fd`` at ``offset`` into ``into``; what went wrong, or None."""
     done = 0
     try:
         while done < len(into):
@@ -104,3 +198,23 @@ def _read_range(f: object, into: memoryview, offset: int) -> str | None:
     except OSError as e:
         return f"{e.strerror or e}"
     return None
+
+
+@contextlib.contextmanager
+def local_copy(path: Path, shared: SharedFiles) -> Iterator[Path]:
+    """(any rank, to load) The directory ``path`` rebuilt from ``shared`` in a private temporary directory
+    (``mkdtemp``: this user's alone; new regular files only), removed afterwards: the usual reader and its
+    checks then run on the bytes exchanged, as on a remote checkpoint's local copy. The exchanged buffer is
+    released once written, so the bytes are held once."""
+    tmp = Path(tempfile.mkdtemp(prefix="asyncckpt-read-once-"))
+    try:
+        local = tmp / (path.name or "checkpoint")
+        local.mkdir()
+        for name, data in shared.files.items():
+            fd = os.open(local / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            data.release()
+        yield local
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -26,7 +26,8 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
     is checked first (:mod:`~lightning_asyncckpt.format.integrity`: a regular file, inside the checkpoint; with
     ``verify`` every record's CRC32): a damaged one raises ``CorruptCheckpointError`` naming the file and the
     record. ``together`` (every rank loads the same path at once: Lightning's resume, Fabric's ``load``): a local
-    ``torch.save`` file is read once across the ranks (:mod:`~lightning_asyncckpt.format.read_once`)."""
+    ``torch.save`` file, or every file of a local checkpoint directory (``AsyncDDPStrategy``'s), is read once
+    across the ranks (:mod:`~lightning_asyncckpt.format.read_once`)."""
     where = destination.of(path)
     far, path = where.is_remote, where.location
     if far and where.is_directory():  # a remote DCP directory: read from a local copy
@@ -57,6 +58,14 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
         raise FileNotFoundError(f"Checkpoint at {str(path)!r} not found.")
     if not commit.is_committed(path):
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {commit.METADATA_FILE}).")
+    files = read_once.read_directory_together(path) if together else None
+    if files is not None:  # every file read once across the ranks; the usual reader runs on the bytes exchanged
+        with read_once.local_copy(path, files) as copy:
+            del files
+            try:
+                return dcp_format.load(copy, map_location=map_location, weights_only=weights_only, verify=verify)
+            except (integrity.CorruptCheckpointError, pickle.UnpicklingError) as e:  # name the checkpoint, not the copy
+                raise type(e)(str(e).replace(str(copy), str(path))) from None
     return dcp_format.load(path, map_location=map_location, weights_only=weights_only, verify=verify)
 
 
