@@ -3,7 +3,8 @@ counted at the storage: the shared directory is read through a counting FUSE pas
 (tests/counting_fs.py, ``direct_io``: every read reaches it), so the bytes are the storage's own count, not
 our client's. DDP with the plugin saves; the same ranks resume with the plugin and with stock Lightning from
 hard links of that file (``jobs/read_once_job.py``): both start from exactly the saved state, the plugin's
-resume reads the file's bytes once (within 5%), stock's once per rank."""
+resume reads the file's bytes once (within 5%), stock's once per rank. The same for AsyncDDPStrategy's
+checkpoint directory, against each rank reading it alone (the plugin's load before read-once)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,24 @@ pytestmark = [pytest.mark.scale]
 NODES, DEVICES = 2, 2
 
 
-def test_a_ddp_resume_reads_the_checkpoint_from_shared_storage_once(tmp_path):
+def _run(tmp_path, case):
+    """Every rank's report of ``case`` on 2 x 2 ranks, and the bytes the shared directory served, per file."""
     skip_without_namespaces()
     reason = fuse_refused()
     if reason:
         pytest.skip(reason)
     out = tmp_path / "out"
     out.mkdir()
-    args = ["--case", "resume", "--engine", "nvrx", "--worker", "persistent", "--shared", tmp_path / "shared"]
+    args = ["--case", case, "--engine", "nvrx", "--worker", "persistent", "--shared", tmp_path / "shared"]
     with counting_mount(out, tmp_path / "shared") as served:
         with launch_nodes("read_once_job", args, tmp_path, nodes=NODES, devices=DEVICES, timeout=240) as cluster:
             cluster.wait()
             reports = read_reports(cluster, NODES * DEVICES)
+    return reports, served
+
+
+def test_a_ddp_resume_reads_the_checkpoint_from_shared_storage_once(tmp_path):
+    reports, served = _run(tmp_path, "file")
     assert all(r["ours_exact"] and r["stock_exact"] for r in reports)
     size = reports[0]["size"]
     ours, stock = served.get("ours.ckpt", 0) / size, served.get("stock.ckpt", 0) / size
@@ -34,4 +41,19 @@ def test_a_ddp_resume_reads_the_checkpoint_from_shared_storage_once(tmp_path):
           f"a load by every rank: ours {[round(r['ours_load_s'], 3) for r in reports]} s, "
           f"stock {[round(r['stock_load_s'], 3) for r in reports]} s ({served})")
     assert stock >= NODES * DEVICES * 0.95, served  # the baseline: every rank reads the whole file
+    assert abs(ours - 1.0) <= 0.05, served
+
+
+@pytest.mark.slow
+def test_an_async_ddp_strategy_directory_is_read_from_shared_storage_once(tmp_path):
+    """AsyncDDPStrategy's directory: read once as the resume reads it; each rank alone reads all of it."""
+    reports, served = _run(tmp_path, "directory")
+    assert all(r["dir_exact"] for r in reports)
+    size = reports[0]["dir_size"]
+    ours = sum(n for f, n in served.items() if f.startswith("dir-ours/")) / size
+    alone = sum(n for f, n in served.items() if f.startswith("dir-alone/")) / size
+    print(f"\ndirectory of {size} bytes: read once {ours:.3f}x, each rank alone {alone:.3f}x; a load: "
+          f"{[round(r['dir_ours_load_s'], 3) for r in reports]} s against "
+          f"{[round(r['dir_alone_load_s'], 3) for r in reports]} s")
+    assert alone >= NODES * DEVICES * 0.95, served
     assert abs(ours - 1.0) <= 0.05, served

@@ -2,12 +2,14 @@
 checkpoint (global rank 0 writes it, in the shared directory ``--out``); then the same ranks resume from it
 twice through ``--shared``, the test's counting mount of ``--out``: once with the plugin (``ours.ckpt``) and
 once with stock Lightning (``stock.ckpt``), hard links to the same file, so that the storage counts each
-resume's bytes apart. Every rank checks that each resume started from exactly the saved state (against a
+resume's bytes apart (case ``file``). Case ``directory``: AsyncDDPStrategy saves a checkpoint directory, which
+every rank loads as the resume does (``dir-ours``) and by itself, as before (``dir-alone``). Every rank checks that each resume started from exactly the saved state (against a
 ``torch.load`` of the file from ``--out``, which the mount does not count)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import lightning as L
@@ -17,7 +19,7 @@ from nodes import node_job_args, run_and_report
 
 from helpers import TinyModel, assert_tree_equal, loader
 from jobs.mp_job import _sorted
-from lightning_asyncckpt import AsyncCheckpointIO
+from lightning_asyncckpt import AsyncCheckpointIO, AsyncDDPStrategy
 
 STEPS = 2
 
@@ -45,7 +47,47 @@ def _data(width):
     return loader(width=width, n=8 * 4, batch_size=2)
 
 
-def case_resume(args, report):
+def _full(checkpoint):
+    return _sorted({"state_dict": dict(checkpoint["state_dict"]),
+                    "optimizer_0": {"state": checkpoint["optimizer_states"][0]["state"]}})
+
+
+def case_directory(args, report):
+    """AsyncDDPStrategy saves a checkpoint directory (every rank writes its share); every rank then loads it
+    through ``--shared`` as the resume does (the strategy's ``load_checkpoint``: together, ``dir-ours``) and
+    by itself (the plugin's ``load_checkpoint`` called directly: each rank alone, as before, ``dir-alone``);
+    both must equal the directory loaded from ``--out`` (not counted)."""
+    width = int(args.width)
+    dirpath = os.path.join(args.out, "d")
+    ck = ModelCheckpoint(dirpath=dirpath, filename="saved", every_n_train_steps=STEPS)
+    L.seed_everything(1)
+    io = AsyncCheckpointIO("mcore", worker="fork")
+    t = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=AsyncDDPStrategy(),
+                  plugins=[io], callbacks=[ck], max_steps=STEPS, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0,
+                  default_root_dir=os.environ.get("NODE_SCRATCH", args.out))
+    t.fit(TinyModel(width=width), _data(width))
+    saved = os.path.join(dirpath, "saved.ckpt")
+    if t.global_rank == 0:
+        for name in ("dir-ours", "dir-alone"):
+            shutil.copytree(saved, os.path.join(args.out, name))
+    torch.distributed.barrier()
+    expected = _full(io.load_checkpoint(saved, weights_only=True))
+    report["dir_size"] = sum(e.stat().st_size for e in os.scandir(saved))
+    torch.distributed.barrier()
+    began = time.monotonic()
+    together = t.strategy.load_checkpoint(os.path.join(args.shared, "dir-ours"), weights_only=True)
+    report["dir_ours_load_s"] = time.monotonic() - began
+    assert_tree_equal(_full(together), expected, "directory, read once")
+    torch.distributed.barrier()
+    began = time.monotonic()
+    alone = io.load_checkpoint(os.path.join(args.shared, "dir-alone"), weights_only=True)
+    report["dir_alone_load_s"] = time.monotonic() - began
+    assert_tree_equal(_full(alone), expected, "directory, each rank alone")
+    report["dir_exact"] = True
+
+
+def case_file(args, report):
     width = int(args.width)
     dirpath = os.path.join(args.out, "c")
     ck = ModelCheckpoint(dirpath=dirpath, filename="saved", every_n_train_steps=STEPS)
@@ -57,9 +99,7 @@ def case_resume(args, report):
         for name in ("ours.ckpt", "stock.ckpt", "ours-timed.ckpt", "stock-timed.ckpt"):  # counted apart
             os.link(saved, os.path.join(args.out, name))
     torch.distributed.barrier()
-    expected = torch.load(saved, weights_only=True)  # from --out: not counted
-    expected = _sorted({"state_dict": dict(expected["state_dict"]),
-                        "optimizer_0": {"state": expected["optimizer_states"][0]["state"]}})
+    expected = _full(torch.load(saved, weights_only=True))  # from --out: not counted
     report["size"] = os.path.getsize(saved)
     for name, plugins in (("ours", [AsyncCheckpointIO(args.engine, worker=args.worker)]), ("stock", [])):
         at = AtStart()
