@@ -160,3 +160,51 @@ def test_a_rank_that_dies_in_the_exchange_fails_the_others_instead_of_hanging(tm
                 p.join()
     assert procs[1].exitcode == 3
     assert got != "returned" and ("Connection" in got or "closed" in got or "Timeout" in got or "Gloo" in got), got
+
+
+def test_only_a_strategys_load_reads_together(tmp_path, monkeypatch):
+    """Lightning's resume and Fabric's ``load`` call the plugin from a strategy's ``load_checkpoint`` on every
+    rank: those loads read together. A direct call (a user's, on one rank) must not wait for other ranks."""
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_asyncckpt import AsyncCheckpointIO
+    from lightning_asyncckpt.integration import loading
+
+    path = tmp_path / "a.ckpt"
+    torch.save({"x": 1}, path)
+    seen = []
+    monkeypatch.setattr(loading, "load", lambda *a, together=False, **k: seen.append(together) or {"x": 1})
+    with AsyncCheckpointIO() as io:
+        for strategy in (DDPStrategy(checkpoint_io=io), FabricDDP(checkpoint_io=io)):
+            strategy.load_checkpoint(path, weights_only=True)
+        io.load_checkpoint(path, weights_only=True)
+    assert seen == [True, True, False]
+
+
+def _read_url(rank, root):
+    from lightning_asyncckpt.format import read_once
+    from lightning_asyncckpt.integration import loading
+
+    url = "memory://read-once/a.ckpt"  # written by the parent before the fork: both ranks see it
+    got = read_once.read_url_together(url)
+    loaded = loading.load(url, weights_only=True, together=True)
+    expected = torch.load(os.path.join(root, "a.ckpt"), weights_only=True)
+    same = all(torch.equal(loaded[k], expected[k]) for k in ("w", "b"))
+    return bytes(got.data) == Path(root, "a.ckpt").read_bytes(), got.read, same
+
+
+def test_two_ranks_read_a_file_at_an_fsspec_url_once(tmp_path):
+    import fsspec
+
+    path = tmp_path / "a.ckpt"
+    torch.save(_state(), path)
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/read-once/a.ckpt", path.read_bytes())
+    try:
+        got = two_ranks(_read_url, tmp_path)
+    finally:
+        fs.rm("/read-once", recursive=True)
+    assert isinstance(got[0], tuple) and isinstance(got[1], tuple), got
+    assert got[0][1] + got[1][1] == path.stat().st_size
+    assert all(got[r][0] and got[r][2] for r in (0, 1)), got

@@ -77,6 +77,39 @@ def read_together(path: Path) -> SharedRead | None:
             f.close()
 
 
+def read_url_together(url: str) -> SharedRead | None:
+    """(all ranks of the default group, together, the same ``url``) :func:`read_together` for a ``torch.save``
+    file at an fsspec URL (an object store): each rank fetches its byte range (``cat_file`` with a start and an
+    end: one ranged GET on S3) and receives the rest from the others."""
+    from lightning_asyncckpt.format import remote
+
+    world = _world(url)
+    if world <= 1:
+        return None
+    fs, inner = None, ""
+    try:
+        fs, inner = remote.filesystem(url, writing=False)
+        fs.invalidate_cache(inner)
+        identity: tuple[str, object] = (url, int(fs.size(inner)))
+    except Exception as e:  # noqa: BLE001 - any backend's error: every rank then reads as before, which says it
+        identity = (url, f"cannot find its size: {type(e).__name__}")
+
+    def read_share(into: memoryview, start: int) -> str | None:
+        if not len(into):
+            return None
+        try:
+            data = fs.cat_file(inner, start=start, end=start + len(into))  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - any backend's error
+            return f"{type(e).__name__}: {e}"
+        if len(data) != len(into):
+            return f"{len(data)} bytes at {start}, not {len(into)}"
+        into[:] = data
+        return None
+
+    got = _exchange(url, identity, world, read_share)
+    return None if got is None else SharedRead(got[0], got[1], world, got[2])
+
+
 @dataclass(frozen=True)
 class SharedFiles:
     """The files of a checkpoint directory on this rank after a read-once exchange.
@@ -148,7 +181,7 @@ def _listing(path: Path) -> list[tuple[str, int]] | str:
         return f"cannot list: {type(e).__name__}"
 
 
-def _world(path: Path) -> int:
+def _world(path: Path | str) -> int:
     """The ranks that would share the read of ``path``; 1 (after one log line saying why) where none would."""
     world = groups.world_size() if groups.is_distributed() else 1
     if world <= 1:
@@ -157,7 +190,7 @@ def _world(path: Path) -> int:
     return world
 
 
-def _exchange(path: Path, identity: tuple[str, object], world: int,
+def _exchange(path: Path | str, identity: tuple[str, object], world: int,
               read_share: Callable[[memoryview, int], str | None]) -> tuple[memoryview, int, int] | None:
     """(all ranks of the default group, together) Agrees on ``identity`` (the path, and the size, or the files
     and their sizes, or why this rank cannot read it), reads this rank's share with ``read_share(into, offset)``

@@ -39,7 +39,7 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
         kwargs = {"map_location": map_location_for_file(map_location)}
         if not far:
             integrity.check_file(path, crc=False)  # a regular file, before it is opened for the load
-        shared = read_once.read_together(path) if together and not far else None
+        shared = None if not together else read_once.read_url_together(path) if far else read_once.read_together(path)
         if shared is not None:
             return _load_bytes(path, shared.data, weights_only, verify, **kwargs)
         try:
