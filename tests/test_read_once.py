@@ -109,7 +109,7 @@ def test_the_exchange_keeps_its_rounds_within_the_budget():
 
 def _dies_in_the_exchange(rank, port, path, q):
     """One rank of a gloo group of two reading ``path`` together; rank 1 dies (``os._exit``) in the exchange's
-    second round. Rank 0 puts what its read did on ``q``."""
+    third round. Rank 0 puts what its read did on ``q``."""
     import datetime
 
     import torch.distributed as dist
@@ -126,7 +126,7 @@ def _dies_in_the_exchange(rank, port, path, q):
 
         def dying(*args, **kwargs):
             calls.append(1)
-            if len(calls) == 3:  # the agreement's gather, the first round, then gone
+            if len(calls) == 3:  # two rounds of the exchange, then gone
                 os._exit(3)
             return gather(*args, **kwargs)
 

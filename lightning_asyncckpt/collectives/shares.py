@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_asyncckpt.collectives.groups import ProcessGroup, control_device
-from lightning_asyncckpt.collectives.objects import gather_objects
+from lightning_asyncckpt.collectives.objects import all_gather_object
 
 ROUND_BUDGET = 64 << 20  # bytes of one round's gathered chunks, all ranks' together
 MAX_CHUNK = 4 << 20  # bytes per rank per round, at most
@@ -42,9 +42,10 @@ def chunk_for(world: int) -> int:
 
 def all_same(identity: Hashable, group: ProcessGroup | None = None) -> list[Hashable]:
     """(all ranks of ``group``, same order) Every rank's ``identity`` (a small picklable value: what a rank
-    means to read, e.g. the path and size of the file), in group-rank order, in one collective: the caller
-    goes on with the exchange only where all are equal, which every rank sees alike."""
-    return gather_objects(identity, group)
+    means to read, e.g. the path and size of the file), in group-rank order: the caller goes on with the
+    exchange only where all are equal, which every rank sees alike. ``torch.distributed``'s gather of objects
+    (on the device the backend wants: the training's group may be NCCL's)."""
+    return all_gather_object(identity, group)
 
 
 def any_failed(failed: bool, group: ProcessGroup | None = None) -> bool:
