@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_asyncckpt.collectives import groups, shares
+from lightning_asyncckpt.format import commit
 from lightning_asyncckpt.format.regular_files import CorruptCheckpointError, open_regular
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,8 @@ def _listing(path: Path) -> list[tuple[str, int]] | str:
         entries = sorted(os.scandir(path), key=lambda e: e.name)
         if any(not e.is_file(follow_symlinks=False) for e in entries):
             return "holds something other than regular files"
+        if not any(e.name == commit.METADATA_FILE for e in entries):
+            return f"not a complete checkpoint (no {commit.METADATA_FILE})"
         return [(e.name, e.stat(follow_symlinks=False).st_size) for e in entries]
     except OSError as e:
         return f"cannot list: {type(e).__name__}"

@@ -33,15 +33,21 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
     if far and where.is_directory():  # a remote DCP directory: read from a local copy
         with where.localize() as local:
             return load(local, map_location=map_location, weights_only=weights_only, verify=verify)
+    # together, every rank joins the agreement before anything may raise on it alone (a file missing or not
+    # regular on one node): the others then fall back too, instead of waiting for it
+    shared = None
+    if together and not far and not path.is_dir():
+        shared = read_once.read_together(path)
     if far or not path.is_dir() and path.exists():
         # stock's file: read as stock reads it (onto the CPU unless told otherwise), once checked
         # Lightning's callable map_location as "cpu", so that tensor subclasses (torchao's) load too
         kwargs = {"map_location": map_location_for_file(map_location)}
-        if not far:
-            integrity.check_file(path, crc=False)  # a regular file, before it is opened for the load
-        shared = None if not together else read_once.read_url_together(path) if far else read_once.read_together(path)
+        if far and together:
+            shared = read_once.read_url_together(path)
         if shared is not None:
             return _load_bytes(path, shared.data, weights_only, verify, **kwargs)
+        if not far:
+            integrity.check_file(path, crc=False)  # a regular file, before it is opened for the load
         try:
             if far or not verify:
                 return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
@@ -56,9 +62,9 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
             raise integrity.CorruptCheckpointError(f"{path}: not a checkpoint ({integrity.first_line(e)})") from e
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint at {str(path)!r} not found.")
+    files = read_once.read_directory_together(path) if together else None  # before a raise, as above
     if not commit.is_committed(path):
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {commit.METADATA_FILE}).")
-    files = read_once.read_directory_together(path) if together else None
     if files is not None:  # every file read once across the ranks; the usual reader runs on the bytes exchanged
         with read_once.local_copy(path, files) as copy:
             del files
