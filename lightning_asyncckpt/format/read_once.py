@@ -49,6 +49,35 @@ class SharedRead:
     rounds: int
 
 
+@dataclass(frozen=True)
+class Wanted:
+    """What one rank means to read, compared across the ranks before anything is read: the path, its files'
+    names and sizes in order (one file: one unnamed entry), or why this rank cannot read it.
+
+    Attributes:
+        where: the path or URL, as this rank names it.
+        files: (name, size) of each file, in the order of the shared byte range.
+        problem: why this rank cannot read it (then every rank reads as before), or None.
+    """
+
+    where: str
+    files: tuple[tuple[str, int], ...] = ()
+    problem: str | None = None
+
+    @property
+    def size(self) -> int:
+        """The bytes of all the files together."""
+        return sum(n for _, n in self.files)
+
+    def offsets(self) -> list[int]:
+        """Where each file begins in the shared byte range."""
+        out, at = [], 0
+        for _, n in self.files:
+            out.append(at)
+            at += n
+        return out
+
+
 def read_together(path: Path) -> SharedRead | None:
     """(all ranks of the default group, together, the same ``path``: a load that Lightning or Fabric runs on
     every rank) The file's bytes, each rank reading its share once and receiving the others'; None, after one
@@ -67,11 +96,11 @@ def read_together(path: Path) -> SharedRead | None:
     try:
         f = open_regular(path)
     except (OSError, CorruptCheckpointError) as e:
-        f, identity = None, (os.fspath(path), f"cannot open: {type(e).__name__}")
+        f, wanted = None, Wanted(os.fspath(path), problem=f"cannot open it: {type(e).__name__}")
     else:
-        identity = (os.fspath(path), os.fstat(f.fileno()).st_size)
+        wanted = Wanted(os.fspath(path), (("", os.fstat(f.fileno()).st_size),))
     try:
-        got = _exchange(path, identity, world, lambda into, at: _read_range(f.fileno(), into, at))  # type: ignore[union-attr]
+        got = _exchange(wanted, world, lambda into, at: _read_range(f.fileno(), into, at))  # type: ignore[union-attr]
         return None if got is None else SharedRead(got[0], got[1], world, got[2])
     finally:
         if f is not None:
@@ -91,9 +120,9 @@ def read_url_together(url: str) -> SharedRead | None:
     try:
         fs, inner = remote.filesystem(url, writing=False)
         fs.invalidate_cache(inner)
-        identity: tuple[str, object] = (url, int(fs.size(inner)))
+        wanted = Wanted(url, (("", int(fs.size(inner))),))
     except Exception as e:  # noqa: BLE001 - any backend's error: every rank then reads as before, which says it
-        identity = (url, f"cannot find its size: {type(e).__name__}")
+        wanted = Wanted(url, problem=f"cannot find its size: {type(e).__name__}")
 
     def read_share(into: memoryview, start: int) -> str | None:
         if not len(into):
@@ -107,7 +136,7 @@ def read_url_together(url: str) -> SharedRead | None:
         into[:] = data
         return None
 
-    got = _exchange(url, identity, world, read_share)
+    got = _exchange(wanted, world, read_share)
     return None if got is None else SharedRead(got[0], got[1], world, got[2])
 
 
@@ -141,15 +170,11 @@ def read_directory_together(path: Path) -> SharedFiles | None:
     world = _world(path)
     if world <= 1:
         return None
-    listing = _listing(path)
-    identity = (os.fspath(path), tuple(listing) if isinstance(listing, list) else listing)
-    offsets, at = [], 0
-    for _, size in listing if isinstance(listing, list) else []:
-        offsets.append(at)
-        at += size
+    wanted = _listing(path)
+    offsets = wanted.offsets()
 
     def read_share(into: memoryview, start: int) -> str | None:
-        for (name, size), offset in zip(listing, offsets):  # the files that overlap [start, start + len(into))
+        for (name, size), offset in zip(wanted.files, offsets):  # the files overlapping [start, start + len(into))
             lo, hi = max(start, offset), min(start + len(into), offset + size)
             if lo >= hi:
                 continue
@@ -157,31 +182,31 @@ def read_directory_together(path: Path) -> SharedFiles | None:
                 with open_regular(path / name, follow=False) as f:
                     problem = _read_range(f.fileno(), into[lo - start:hi - start], lo - offset)
             except (OSError, CorruptCheckpointError) as e:
-                problem = f"{name}: {e}"
+                problem = str(e)
             if problem is not None:
                 return f"{name}: {problem}"
         return None
 
-    got = _exchange(path, identity, world, read_share)
+    got = _exchange(wanted, world, read_share)
     if got is None:
         return None
     data, read, _ = got
-    files = {name: data[offset:offset + size] for (name, size), offset in zip(listing, offsets)}
+    files = {name: data[offset:offset + size] for (name, size), offset in zip(wanted.files, offsets)}
     return SharedFiles(files, read, world)
 
 
-def _listing(path: Path) -> list[tuple[str, int]] | str:
-    """The directory's files and sizes in name order; or why it cannot be read together (a text every rank
-    compares: one rank's text makes all of them fall back)."""
+def _listing(path: Path) -> Wanted:
+    """The directory's files and sizes in name order, or why it cannot be read together."""
+    where = os.fspath(path)
     try:
         entries = sorted(os.scandir(path), key=lambda e: e.name)
         if any(not e.is_file(follow_symlinks=False) for e in entries):
-            return "holds something other than regular files"
+            return Wanted(where, problem="it holds something other than regular files")
         if not any(e.name == commit.METADATA_FILE for e in entries):
-            return f"not a complete checkpoint (no {commit.METADATA_FILE})"
-        return [(e.name, e.stat(follow_symlinks=False).st_size) for e in entries]
+            return Wanted(where, problem=f"not a complete checkpoint (no {commit.METADATA_FILE})")
+        return Wanted(where, tuple((e.name, e.stat(follow_symlinks=False).st_size) for e in entries))
     except OSError as e:
-        return f"cannot list: {type(e).__name__}"
+        return Wanted(where, problem=f"cannot list it: {type(e).__name__}")
 
 
 def _world(path: Path | str) -> int:
@@ -193,22 +218,20 @@ def _world(path: Path | str) -> int:
     return world
 
 
-def _exchange(path: Path | str, identity: tuple[str, object], world: int,
+def _exchange(wanted: Wanted, world: int,
               read_share: Callable[[memoryview, int], str | None]) -> tuple[memoryview, int, int] | None:
-    """(all ranks of the default group, together) Agrees on ``identity`` (the path, and the size, or the files
-    and their sizes, or why this rank cannot read it), reads this rank's share with ``read_share(into, offset)``
-    (what went wrong, or None), and exchanges: (the bytes, what this rank read, the rounds), or None after one
-    log line saying why every rank reads alone."""
-    seen = shares.all_same(identity)
-    if any(other != identity for other in seen):
+    """(all ranks of the default group, together) Agrees on ``wanted``, reads this rank's share of its byte
+    range with ``read_share(into, offset)`` (what went wrong, or None), and exchanges: (the bytes, what this
+    rank read, the rounds); or None, after one log line saying why every rank reads alone."""
+    seen = shares.all_same(wanted)
+    if any(other != wanted for other in seen):
         log.warning("lightning-asyncckpt: %s read by every rank alone: the ranks disagree on it (%s)",
-                    path, shares.describe(seen))
+                    wanted.where, shares.describe([(w.where, w.size, w.problem) for w in seen]))
         return None
-    sizes = identity[1]
-    if isinstance(sizes, str):  # every rank alike: none can read it (the usual read says why)
-        log.warning("lightning-asyncckpt: %s read by every rank alone: %s", path, sizes)
+    if wanted.problem is not None:  # every rank alike: the usual read says what is wrong
+        log.warning("lightning-asyncckpt: %s read by every rank alone: %s", wanted.where, wanted.problem)
         return None
-    size = sizes if isinstance(sizes, int) else sum(n for _, n in sizes)  # type: ignore[union-attr]
+    size = wanted.size
     share = shares.share_of(size, world)
     buffer = bytearray(world * share)
     me = groups.rank()
@@ -216,7 +239,7 @@ def _exchange(path: Path | str, identity: tuple[str, object], world: int,
     problem = read_share(memoryview(buffer)[start:end], start)
     if shares.any_failed(problem is not None):
         log.warning("lightning-asyncckpt: %s read by every rank alone: a rank could not read its share%s",
-                    path, f" (this rank: {problem})" if problem else "")
+                    wanted.where, f" (this rank: {problem})" if problem else "")
         return None
     rounds = shares.exchange(buffer, size)
     return memoryview(buffer)[:size], end - start, rounds
