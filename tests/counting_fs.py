@@ -23,6 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+class MountRefused(RuntimeError):
+    """The daemon could not mount (no permission for FUSE here, or libfuse refused): a reason to skip."""
+
+
 def fuse_refused() -> str | None:
     """Why a counting FUSE mount cannot be made here (None if it can, as far as can be told without one)."""
     if not os.path.exists("/dev/fuse"):
@@ -38,21 +42,25 @@ def fuse_refused() -> str | None:
 def counting_mount(source: Path, mount: Path, timeout: float = 30) -> Iterator[dict[str, int]]:
     """Mounts ``source`` read-only at ``mount`` with a byte count per file; yields a dict that is filled with
     ``{path relative to source: bytes served}`` once the block is left (the mount is gone then). Raises
-    ``RuntimeError`` with the daemon's output if the mount does not come up within ``timeout``."""
+    :class:`MountRefused` with the daemon's output if the mount does not come up within ``timeout``."""
     mount.mkdir(parents=True, exist_ok=True)
     counts_file = mount.parent / f"{mount.name}.counts.json"
-    proc = subprocess.Popen([sys.executable, __file__, str(source), str(mount), str(counts_file)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = mount.parent / f"{mount.name}.log"
+    with open(log, "w") as err:  # the daemon's own messages; its stdout carries only "ready"
+        proc = subprocess.Popen([sys.executable, __file__, str(source), str(mount), str(counts_file)],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
     counts: dict[str, int] = {}
     try:
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         line = proc.stdout.readline() if ready else ""
         if line.strip() != "ready":
             proc.kill()
-            raise RuntimeError(f"the counting FUSE mount did not come up: {line}{proc.stdout.read()[-2000:]}")
+            proc.wait()
+            raise MountRefused(f"the counting FUSE mount did not come up: {line}{log.read_text()[-2000:]}")
         yield counts
     finally:
-        subprocess.run(["umount", str(mount)], capture_output=True, timeout=timeout)
+        if subprocess.run(["umount", str(mount)], capture_output=True, timeout=timeout).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=timeout)  # still busy
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -8,8 +8,10 @@ checkpoint directory, against each rank reading it alone (the plugin's load befo
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
-from counting_fs import counting_mount, fuse_refused
+from counting_fs import MountRefused, counting_mount, fuse_refused
 from nodes import launch_nodes, read_reports, skip_without_namespaces
 
 pytestmark = [pytest.mark.scale]
@@ -25,7 +27,11 @@ def _run(tmp_path, case):
     out = tmp_path / "out"
     out.mkdir()
     args = ["--case", case, "--engine", "nvrx", "--worker", "persistent", "--shared", tmp_path / "shared"]
-    with counting_mount(out, tmp_path / "shared") as served:
+    with contextlib.ExitStack() as stack:
+        try:
+            served = stack.enter_context(counting_mount(out, tmp_path / "shared"))
+        except MountRefused as e:
+            pytest.skip(str(e))
         with launch_nodes("read_once_job", args, tmp_path, nodes=NODES, devices=DEVICES, timeout=240) as cluster:
             cluster.wait()
             reports = read_reports(cluster, NODES * DEVICES)

@@ -195,11 +195,12 @@ class AsyncCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: Path | str, map_location: MAP_LOCATION = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """(any rank; all ranks together where a strategy's ``load_checkpoint`` calls it, as Lightning's resume and
-        Fabric's ``load`` do: then a local ``torch.save`` file is read once across the ranks, each reading about
-        ``1/W`` of it from the storage and receiving the rest from the others over the process group,
-        :mod:`~lightning_asyncckpt.format.read_once`) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a directory
-        of this library or DCP, or a ``torch.save`` file, local or at an fsspec URL). A failed save at
+        """(any rank; all ranks together where a strategy's ``load_checkpoint`` calls it, as Lightning's resume
+        and Fabric's ``load`` do) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a
+        directory of this library or DCP, or a ``torch.save`` file, local or at an fsspec URL). Read together,
+        a ``torch.save`` file or ``AsyncDDPStrategy``'s directory is read once across the ranks: each reads
+        about ``1/W`` of it from the storage and receives the rest over the process group
+        (:mod:`~lightning_asyncckpt.format.read_once`). A failed save at
         ``path`` is raised here. With other ranks up, a save that another rank is still writing into that
         directory is waited for first (at most ``timeout_s``): Fabric's ``save`` returns on every rank once
         rank 0 has scheduled it, and its ``load`` then reads on every rank. A path that the local tier's

@@ -2,9 +2,10 @@
 checkpoint (global rank 0 writes it, in the shared directory ``--out``); then the same ranks resume from it
 twice through ``--shared``, the test's counting mount of ``--out``: once with the plugin (``ours.ckpt``) and
 once with stock Lightning (``stock.ckpt``), hard links to the same file, so that the storage counts each
-resume's bytes apart (case ``file``). Case ``directory``: AsyncDDPStrategy saves a checkpoint directory, which
-every rank loads as the resume does (``dir-ours``) and by itself, as before (``dir-alone``). Every rank checks that each resume started from exactly the saved state (against a
-``torch.load`` of the file from ``--out``, which the mount does not count)."""
+resume's bytes apart (case ``file``); every rank checks that each resume started from exactly the saved
+state (against a ``torch.load`` of the file from ``--out``, which the mount does not count). Case
+``directory``: AsyncDDPStrategy saves a checkpoint directory, which every rank loads as the resume does
+(``dir-ours``) and by itself, as before (``dir-alone``)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class AtStart(L.Callback):
 def _trainer(args, plugins, max_steps, callbacks):
     return L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy="ddp", plugins=plugins,
                      callbacks=callbacks, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                     enable_model_summary=False,
+                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
                      num_sanity_val_steps=0, default_root_dir=os.environ.get("NODE_SCRATCH", args.out))
 
 
