@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_asyncckpt.collectives import shares
@@ -205,6 +206,29 @@ def test_two_ranks_read_a_file_at_an_fsspec_url_once(tmp_path):
         got = two_ranks(_read_url, tmp_path)
     finally:
         fs.rm("/read-once", recursive=True)
+    assert isinstance(got[0], tuple) and isinstance(got[1], tuple), got
+    assert got[0][1] + got[1][1] == path.stat().st_size
+    assert all(got[r][0] and got[r][2] for r in (0, 1)), got
+
+
+def _read_s3(rank, root):
+    from lightning_asyncckpt.format import read_once
+    from lightning_asyncckpt.integration import loading
+
+    url = "s3://ckpt/read-once/a.ckpt"
+    got = read_once.read_url_together(url)
+    loaded = loading.load(url, weights_only=True, together=True)
+    expected = torch.load(os.path.join(root, "a.ckpt"), weights_only=True)
+    return bytes(got.data) == Path(root, "a.ckpt").read_bytes(), got.read, \
+        all(torch.equal(loaded[k], expected[k]) for k in ("w", "b"))
+
+
+@pytest.mark.slow  # make test-all: the memory:// case above runs the same code in make test
+def test_two_ranks_read_a_file_on_an_s3_server_once_with_ranged_gets(tmp_path, s3):
+    path = tmp_path / "a.ckpt"
+    torch.save(_state(), path)
+    s3.fs.pipe("ckpt/read-once/a.ckpt", path.read_bytes())
+    got = two_ranks(_read_s3, tmp_path)
     assert isinstance(got[0], tuple) and isinstance(got[1], tuple), got
     assert got[0][1] + got[1][1] == path.stat().st_size
     assert all(got[r][0] and got[r][2] for r in (0, 1)), got
