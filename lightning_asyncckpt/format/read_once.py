@@ -1,8 +1,10 @@
-"""Read-once resume of a ``torch.save`` file: with ``W`` ranks loading the same file together (Lightning's
-resume and Fabric's ``load`` run on every rank), each rank reads about ``1/W`` of its bytes from the shared
-storage (one contiguous byte range, ``os.preadv`` straight into the final buffer) and the ranks exchange the
-rest over the job's process group (:mod:`~lightning_asyncckpt.collectives.shares`). The shared storage serves
-each byte once per resume instead of ``W`` times.
+"""Read-once resume: with ``W`` ranks loading the same checkpoint together (Lightning's resume and Fabric's
+``load`` run on every rank), each rank reads about ``1/W`` of its bytes from the shared storage (one
+contiguous byte range, ``os.preadv`` straight into the final buffer; at an fsspec URL, one ranged read) and
+the ranks exchange the rest over the job's process group (:mod:`~lightning_asyncckpt.collectives.shares`).
+The shared storage serves each byte once per resume instead of ``W`` times: a ``torch.save`` file
+(:func:`read_together`, :func:`read_url_together`) or every file of a checkpoint directory
+(:func:`read_directory_together`, ``AsyncDDPStrategy``'s, loaded from a private local copy: :func:`local_copy`).
 
 What every rank then holds is the whole file in memory: the load goes on from those bytes as from the file
 (the CRC32 of every record checked on them, ``weights_only`` as asked). Where the exchange cannot run, the
@@ -11,7 +13,8 @@ disagree on the path or the file's size (or cannot open it), or a rank whose rea
 
 Memory: each rank holds the file's bytes (plus under ``W`` bytes of padding) and one round's chunks
 (:func:`~lightning_asyncckpt.collectives.shares.chunk_for`); the load then builds the state from them, so the
-peak while loading is the file plus the state, as for a load from any in-memory buffer.
+peak while loading is the file plus the state, as for a load from any in-memory buffer. A directory's
+files are written to a private temporary directory (``TMPDIR``) and the buffer released before the load.
 """
 
 from __future__ import annotations
