@@ -29,13 +29,13 @@ def _run(tmp_path, case):
     args = ["--case", case, "--engine", "nvrx", "--worker", "persistent", "--shared", tmp_path / "shared"]
     with contextlib.ExitStack() as stack:
         try:
-            served = stack.enter_context(counting_mount(out, tmp_path / "shared"))
+            counts = stack.enter_context(counting_mount(out, tmp_path / "shared"))
         except MountRefused as e:
             pytest.skip(str(e))
         with launch_nodes("read_once_job", args, tmp_path, nodes=NODES, devices=DEVICES, timeout=240) as cluster:
-            cluster.wait()
+            cluster.wait()  # every process of every node has exited: every read it made was answered, and counted
             reports = read_reports(cluster, NODES * DEVICES)
-    return reports, served
+        return reports, counts.read()
 
 
 def test_a_ddp_resume_reads_the_checkpoint_from_shared_storage_once(tmp_path):
