@@ -12,6 +12,8 @@ that is gone fails a wait instead of hanging it. Without a process group every o
 - ``rounds``: :class:`StepAgreement`, the local tier's round at every step boundary (optionally overlapped).
 - ``objects``: small Python objects gathered from every rank (:func:`gather_objects`, in one collective).
 - ``transfer``: tensors point to point, and broadcast from one member.
+- ``shares``: a file read once across the ranks: agreeing on it, then every rank's share gathered in
+  fixed-size chunks (a read-once resume).
 - ``planning``: DCP's plan gather and scatter (imported on its own: it loads ``torch.distributed.checkpoint``).
 
 Other modules may name ``torch.distributed``'s types, and call DCP's and NVRx's own APIs (which run their own

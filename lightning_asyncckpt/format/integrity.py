@@ -41,8 +41,9 @@ from lightning_asyncckpt.format.zip_records import (
 from lightning_asyncckpt.storage import commit
 from lightning_asyncckpt.storage.regular_files import CorruptCheckpointError, open_regular
 
-__all__ = ["ArchiveError", "CorruptCheckpointError", "ZipCheck", "check_directory", "check_file", "check_items",
-           "check_path", "crc32", "decode", "first_line", "open_regular", "payload_problem", "payload_scan", "scan_torch_zip",
+__all__ = ["ArchiveError", "CorruptCheckpointError", "ZipCheck", "check_bytes", "check_directory", "check_file",
+           "check_items", "check_path", "crc32", "decode", "first_line", "open_regular", "payload_problem",
+           "payload_scan", "scan_torch_zip",
            "shard_path", "side_file_problems"]
 
 META_FILE = "meta.pt"
@@ -95,6 +96,25 @@ def check_file(path: Path, crc: bool = True) -> ZipCheck | None:
         except ArchiveError as e:
             raise CorruptCheckpointError(f"{path}: corrupt: {e}; the file ({os.fstat(f.fileno()).st_size} bytes) "
                                          "is truncated or damaged") from None
+    if check.bad:
+        more = f" (and {len(check.bad) - 1} more)" if len(check.bad) > 1 else ""
+        raise CorruptCheckpointError(f"{path}: corrupt: {check.bad[0]}{more}")
+    return check
+
+
+def check_bytes(path: Path | str, data: memoryview, crc: bool = True) -> ZipCheck | None:
+    """(any rank) :func:`check_file` for a ``torch.save`` file's bytes already in memory (a read-once resume:
+    :mod:`~lightning_asyncckpt.storage.read_once`): the same refusals and messages, naming ``path``, on the bytes
+    that the load will use."""
+    if len(data) == 0:
+        raise CorruptCheckpointError(f"{path}: empty (0 bytes): truncated, or never written")
+    if not crc or bytes(data[:4]) != ZIP_MAGIC:
+        return None
+    try:
+        check = scan_torch_zip(data)
+    except ArchiveError as e:
+        raise CorruptCheckpointError(f"{path}: corrupt: {e}; the file ({len(data)} bytes) is truncated or "
+                                     "damaged") from None
     if check.bad:
         more = f" (and {len(check.bad) - 1} more)" if len(check.bad) > 1 else ""
         raise CorruptCheckpointError(f"{path}: corrupt: {check.bad[0]}{more}")

@@ -16,6 +16,7 @@ One save, and the module that owns each step:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -194,8 +195,12 @@ class AsyncCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: Path | str, map_location: MAP_LOCATION = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """(any rank) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a directory
-        of this library or DCP, or a ``torch.save`` file, local or at an fsspec URL). A failed save at
+        """(any rank; all ranks together where a strategy's ``load_checkpoint`` calls it, as Lightning's resume
+        and Fabric's ``load`` do) Waits for this rank's pending saves, then reads the checkpoint at ``path`` (a
+        directory of this library or DCP, or a ``torch.save`` file, local or at an fsspec URL). Read together,
+        a ``torch.save`` file or ``AsyncDDPStrategy``'s directory is read once across the ranks: each reads
+        about ``1/W`` of it from the storage and receives the rest over the process group
+        (:mod:`~lightning_asyncckpt.storage.read_once`). A failed save at
         ``path`` is raised here. With other ranks up, a save that another rank is still writing into that
         directory is waited for first (at most ``timeout_s``): Fabric's ``save`` returns on every rank once
         rank 0 has scheduled it, and its ``load`` then reads on every rank. A path that the local tier's
@@ -217,7 +222,10 @@ class AsyncCheckpointIO(CheckpointIO):
             raise restore_key.not_held(path, step)
         path = paths.checkpoint_path(path)
         self._session.settle_for_load(path)
-        return loading.load(path, map_location=map_location, weights_only=weights_only, verify=self.verify_on_load)
+        # a strategy's load runs on every rank together: a local torch.save file is then read once across them
+        together = lightning_api.is_strategy_load(sys._getframe(1))
+        return loading.load(path, map_location=map_location, weights_only=weights_only, verify=self.verify_on_load,
+                            together=together)
 
     @override
     def remove_checkpoint(self, path: Path | str) -> None:

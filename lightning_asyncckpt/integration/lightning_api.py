@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from types import ModuleType
+from types import FrameType, ModuleType
 
 ENV_VAR = "LIGHTNING_ASYNCCKPT_LIGHTNING"
 # distribution -> (its package on PyPI, the trainer package, the fabric package)
@@ -95,3 +95,20 @@ def register_with_the_other(cls: type) -> None:
     if OTHER is not None:
         other_io = importlib.import_module(DISTRIBUTIONS[OTHER][2] + ".plugins").CheckpointIO
         other_io.register(cls)
+
+
+# the modules of the strategies' base classes, in both distributions: whose ``load_checkpoint`` runs on every rank
+_STRATEGY_BASES = {f"{package}.strategies.strategy" for names in DISTRIBUTIONS.values() for package in names[1:]}
+
+
+def is_strategy_load(frame: FrameType | None) -> bool:
+    """(any rank, local) Whether ``frame`` is a Lightning strategy's ``load_checkpoint`` (the Trainer's or Fabric's,
+    either distribution, or a subclass's), the caller of ``CheckpointIO.load_checkpoint`` that every rank runs
+    together: Lightning's resume (``fit(ckpt_path=...)``) and Fabric's ``load`` (documented: all processes).
+    Anything else may be a single rank's call (a user's, in a callback on rank 0), which must not wait for the
+    other ranks."""
+    if frame is None or frame.f_code.co_name != "load_checkpoint":
+        return False
+    owner = frame.f_locals.get("self")
+    return owner is not None and any(c.__name__ == "Strategy" and c.__module__ in _STRATEGY_BASES
+                                     for c in type(owner).__mro__)

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_asyncckpt.format import dcp as dcp_format
 from lightning_asyncckpt.format import integrity
+from lightning_asyncckpt.format.zip_records import MemoryFile
 from lightning_asyncckpt.integration import lightning_api
 from lightning_asyncckpt.integration.lightning_api import TorchCheckpointIO
 from lightning_asyncckpt.integration.map_location import for_file as map_location_for_file
-from lightning_asyncckpt.storage import commit, destination
+from lightning_asyncckpt.storage import commit, destination, read_once
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -20,20 +21,32 @@ if TYPE_CHECKING:
 
 
 def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool | None = None,
-         verify: bool = True) -> dict[str, Any]:
-    """(any rank) The checkpoint at ``path`` (a remote one: a file, read as stock reads it, through
-    fsspec); a clear error for a missing or incomplete one. A local one is checked first
-    (:mod:`~lightning_asyncckpt.format.integrity`: a regular file, inside the checkpoint; with ``verify`` every
-    record's CRC32): a damaged one raises ``CorruptCheckpointError`` naming the file and the record."""
+         verify: bool = True, together: bool = False) -> dict[str, Any]:
+    """(any rank; with ``together``, all ranks of the default group) The checkpoint at ``path`` (a remote one: a
+    file, read as stock reads it, through fsspec); a clear error for a missing or incomplete one. A local one
+    is checked first (:mod:`~lightning_asyncckpt.format.integrity`: a regular file, inside the checkpoint; with
+    ``verify`` every record's CRC32): a damaged one raises ``CorruptCheckpointError`` naming the file and the
+    record. ``together`` (every rank loads the same path at once: Lightning's resume, Fabric's ``load``): a local
+    ``torch.save`` file, or every file of a local checkpoint directory (``AsyncDDPStrategy``'s), is read once
+    across the ranks (:mod:`~lightning_asyncckpt.storage.read_once`)."""
     where = destination.of(path)
     far, path = where.is_remote, where.location
     if far and where.is_directory():  # a remote DCP directory: read from a local copy
         with where.localize() as local:
             return load(local, map_location=map_location, weights_only=weights_only, verify=verify)
+    # together, every rank joins the agreement before anything may raise on it alone (a file missing or not
+    # regular on one node): the others then fall back too, instead of waiting for it
+    shared = None
+    if together and not far and not path.is_dir():
+        shared = read_once.read_together(path)
     if far or not path.is_dir() and path.exists():
         # stock's file: read as stock reads it (onto the CPU unless told otherwise), once checked
         # Lightning's callable map_location as "cpu", so that tensor subclasses (torchao's) load too
         kwargs = {"map_location": map_location_for_file(map_location)}
+        if far and together:
+            shared = read_once.read_url_together(path)
+        if shared is not None:
+            return _load_bytes(path, shared.data, weights_only, verify, **kwargs)
         if not far:
             integrity.check_file(path, crc=False)  # a regular file, before it is opened for the load
         try:
@@ -50,9 +63,41 @@ def load(path: Path | str, map_location: MAP_LOCATION = None, weights_only: bool
             raise integrity.CorruptCheckpointError(f"{path}: not a checkpoint ({integrity.first_line(e)})") from e
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint at {str(path)!r} not found.")
+    files = read_once.read_directory_together(path) if together else None  # before a raise, as above
     if not commit.is_committed(path):
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {commit.METADATA_FILE}).")
+    if files is not None:  # every file read once across the ranks; the usual reader runs on the bytes exchanged
+        with read_once.local_copy(path, files) as copy:
+            del files
+            try:
+                return dcp_format.load(copy, map_location=map_location, weights_only=weights_only, verify=verify)
+            except (integrity.CorruptCheckpointError, pickle.UnpicklingError) as e:  # name the checkpoint, not the copy
+                raise type(e)(str(e).replace(str(copy), str(path))) from None
     return dcp_format.load(path, map_location=map_location, weights_only=weights_only, verify=verify)
+
+
+def _load_bytes(path: Path, data: memoryview, weights_only: bool | None, verify: bool,
+                map_location: MAP_LOCATION) -> dict[str, Any]:
+    """(any rank) The ``torch.save`` file ``path`` loaded from its bytes in memory, as stock loads the file
+    (Lightning's ``_load`` of a file object: ``torch.load`` with the same ``map_location`` and
+    ``weights_only``), with every record's CRC32 checked on those bytes beside it (``verify``)."""
+    read = lightning_api.fabric_module("utilities.cloud_io")._load
+
+    def load_it() -> dict[str, Any]:
+        return read(MemoryFile(data), map_location=map_location, weights_only=weights_only)
+
+    try:
+        if not verify:
+            return load_it()
+        return integrity.while_loading(lambda: integrity.check_bytes(path, data), load_it)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"{path}: {e}") from None
+    except integrity.CorruptCheckpointError:
+        raise
+    except Exception as e:
+        if bytes(data[:4]) == integrity.ZIP_MAGIC:
+            raise
+        raise integrity.CorruptCheckpointError(f"{path}: not a checkpoint ({integrity.first_line(e)})") from e
 
 
 def is_sharded(path: object) -> bool:

@@ -8,4 +8,6 @@ trainer and the writer alike; no Lightning imports.
 - ``commit``: the atomic publish of a checkpoint file or directory, and the leftovers of interrupted saves.
 - ``regular_files``: opening a checkpoint's own files (no links, no FIFOs), and :class:`CorruptCheckpointError`.
 - ``private_dirs``: directories of our own in shared places (the spool in ``/tmp``), 0700, never through a link.
+- ``read_once``: a checkpoint that every rank loads together, read once across them (each rank its share of the
+  bytes, the rest exchanged through :mod:`~lightning_asyncckpt.collectives.shares`).
 """
