@@ -41,7 +41,7 @@ nitpick_ignore_regex = [
                   r"|Trainer|LightningModule|Fabric|CheckpointIO|FaultPolicy|MAP_LOCATION|RankFailure)"),
     # the package's internal modules: not in the API reference (Architecture describes them); a docstring of a
     # public name may still point at them for contributors
-    (r"py:.*", r"lightning_asyncckpt\.(pipeline|snapshot|integration|tiers|faults|format|write|engines"
+    (r"py:.*", r"lightning_asyncckpt\.(pipeline|snapshot|integration|tiers|faults|storage|format|write|engines"
                r"|collectives|tools)\..*"),
 ]
 
