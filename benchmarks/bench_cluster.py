@@ -273,9 +273,13 @@ def main() -> None:
     (out / f"cluster-{stamp}.json").write_text(json.dumps(
         {"args": vars(args), "cpus": os.cpu_count(), "wall_s": wall, "loadavg_end": load, "runs": runs,
          "summaries": summaries}, indent=1))
-    (out / f"cluster-{stamp}.md").write_text(
+    md = out / f"cluster-{stamp}.md"
+    md.write_text(
         f"# bench_cluster.py, {time.strftime('%Y-%m-%d %H:%M')}\n\n`{' '.join(sys.argv)}` on {os.cpu_count()} CPUs,"
         f" {wall:.0f} s, load average {load[0]:.1f} at the end\n\n" + table + "\n")
+    from plots import write_plots
+
+    write_plots(out / f"cluster-{stamp}.json")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ What each results file gets (``<stem>`` is the file's name without ``.json``):
 - ``tiers-*.json`` (``bench_tiers.py``): ``<stem>-overhead.png``, the overhead and stall per save of the
   local tier's variants against the persistent tier; ``<stem>-recovery.png``, the time to resume after a
   lost node, from the peers' replicas against a reload of the persistent checkpoint.
+- ``cluster-*.json`` (``bench_cluster.py``): ``<stem>-resume.png``, resume time and bytes read from shared
+  storage, ours against stock's, per link setting of the emulated cluster.
 
 Every figure is a median, as in the tables. matplotlib is a benchmark dependency only (the ``bench`` extra),
 never the library's. The figures are drawn with the Agg backend: no display needed.
@@ -267,14 +269,44 @@ def tiers_plots(data: dict, stem: Path) -> list[Path]:
     return out
 
 
-KINDS = {"bench": bench_plots, "train": train_plots, "tiers": tiers_plots}
+def cluster_plots(data: dict, stem: Path) -> list[Path]:
+    """``bench_cluster.py``: resume time and bytes read from shared storage, ours against stock's, per link
+    setting of the emulated cluster."""
+    sums = data["summaries"]
+    settings = [f"NIC {s['nic_mbit']:g} : storage {s['storage_mbit']:g} Mbit/s" for s in sums]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 1.8 + 0.9 * len(sums)))
+    for ax, key, scale, unit in ((left, "seconds", 1.0, "s"), (right, "storage_sent", 1 / sums[0]["file_bytes"], "x")):
+        ys = range(len(sums))
+        for dy, variant, col in ((-0.2, "stock", PEER), (0.2, "ours", OURS)):
+            vals = [s["median"][variant][key] * scale for s in sums]
+            ax.barh([y + dy for y in ys], vals, height=0.4, color=col)
+            for y, v in zip(ys, vals):
+                ax.text(v, y + dy, f" {v:.2f} {unit}", va="center", fontsize=8)
+        ax.set_yticks(list(ys), settings, fontsize=8)
+        ax.invert_yaxis()
+        ax.margins(x=0.25)
+    left.set_xlabel("seconds to resume (median, slowest rank)")
+    right.set_xlabel("read from shared storage, x the checkpoint")
+    fig.legend(handles=[Patch(color=PEER, label="stock Lightning (every rank reads the file)"),
+                        Patch(color=OURS, label="this library (each byte read once, the rest exchanged)")],
+               fontsize=8, loc="lower center", ncol=2)  # below both panels, over no bar
+    a = data["args"]
+    fig.suptitle(f"Resume on an emulated cluster: {a['nodes']} nodes x {a['ranks_per_node']} ranks, "
+                 f"{sums[0]['file_bytes'] / 2**30:.2g} GiB checkpoint", fontsize=10)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(stem.with_name(f"{stem.name}-resume.png"), dpi=110)
+    plt.close(fig)
+    return [stem.with_name(f"{stem.name}-resume.png")]
+
+
+KINDS = {"bench": bench_plots, "train": train_plots, "tiers": tiers_plots, "cluster": cluster_plots}
 
 
 def kind_of(path: Path) -> str:
     """``bench``, ``train`` or ``tiers``, by the results file's name (``bench-h200-...`` is a ``bench``)."""
     kind = path.name.split("-", 1)[0]
     if kind not in KINDS:
-        raise ValueError(f"{path}: not a results file of bench_save.py, bench_train_loop.py or bench_tiers.py "
+        raise ValueError(f"{path}: not a results file of bench_save.py, bench_train_loop.py, bench_tiers.py or bench_cluster.py "
                          f"(its name starts with {kind!r}, expected one of {', '.join(KINDS)})")
     return kind
 
