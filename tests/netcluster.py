@@ -166,9 +166,12 @@ class NetCluster:
         the shared storage mounted at ``mountpoint`` (the same path on every node) and its own ``/dev/shm``.
         The FUSE daemon is the command's sibling in the node's process group; it is stopped when the command
         ends, and the command's exit status is the node's."""
+        # s3fs reads ahead up to multipart_size x parallel_count past each read (50 MB by default): a rank that
+        # reads its quarter of a file would pull tens of MiB of its neighbour's. One 5 MB part at a time keeps
+        # that to about a part, as a parallel file system client's readahead of a few MiB does.
         mount = (
             f"s3fs {BUCKET} {shlex.quote(str(mountpoint))} -f -o passwd_file={shlex.quote(str(self.passwd))}"
-            f",url={self.storage_url},use_path_request_style,allow_other,dbglevel=crit 1>&2 & fs=$!; "
+            f",url={self.storage_url},use_path_request_style,allow_other,parallel_count=1,multipart_size=5,dbglevel=crit 1>&2 & fs=$!; "
             f"i=0; until mountpoint -q {shlex.quote(str(mountpoint))}; do i=$((i+1)); "
             f"[ $i -gt 600 ] && {{ echo 's3fs did not mount' >&2; kill $fs; exit 97; }}; "
             "kill -0 $fs 2>/dev/null || { echo 's3fs exited' >&2; exit 97; }; sleep 0.05; done; "
