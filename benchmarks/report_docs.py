@@ -32,7 +32,7 @@ TIERS = [("tiers-20261207-110241.json", "a DDP state (every rank holds all of it
          ("tiers-20261207-111838.json", "a sharded, FSDP2-like state (each rank holds a quarter)")]
 TIERS_S3 = "tiers-20261205-190637.json"
 GPU_LOG = "gpu_check-h200-20261204.log"
-CLUSTER = "cluster-PENDING.json"  # bench_cluster.py: resume on the emulated cluster
+CLUSTER = "cluster-20261207-233601.json"  # bench_cluster.py: resume on the emulated cluster
 TIERS_CLUSTER: list[str] = []  # bench_tiers.py --cluster, one per link setting
 
 PEERS = {"torch_save": "stock Lightning (`TorchCheckpointIO`, `torch.save`)",
@@ -195,19 +195,24 @@ def cluster_section() -> list[str]:
                      f(s["bytes_stock_over_file"], ".2f", "×"), f(s["bytes_ours_over_file"], ".3f", "×"),
                      f"{s['median']['stock']['exact']}, {s['median']['ours']['exact']}"] for s in data["summaries"]])
     lines += ["Projected to larger clusters with the link rates above: stock reads `k x S` from the storage "
-              "(`k` measured per node, times N nodes), `T_stock = k x S / B_s`; ours reads `S` once and moves about "
-              "`R x S` into each node, `T_ours = S / B_s + R x S / B_n + c`, with `c` (the exchange's rounds, the "
-              "load) measured above and kept constant.", ""]
+              "(`k` measured per node, times N nodes), `T_stock = k x S / B_s + c_stock`; ours reads `S` once and gloo's ring "
+              "all-gather moves `(W - 1) / W x S` into each node, `T_ours = S / B_s + (W - 1) / W x S / B_n + c`, with "
+              "`c` (the load from memory with its checks, the exchange's messages) and `c_stock` (stock's load) measured "
+              "at 2 nodes and kept constant.",
+              ""]
     rows = []
     for s in data["summaries"]:
         b_s, b_n, size = s["storage_mbit"] * 1e6 / 8, s["nic_mbit"] * 1e6 / 8, s["file_bytes"]
         per_node = s["bytes_stock_over_file"] / a["nodes"]
         for n in (64, 1024):
-            stock = per_node * n * size / b_s
-            ours = size / b_s + a["ranks_per_node"] * size / b_n + max(s["rest_c_s"], 0.0)
-            rows.append([f"{s['nic_mbit']:g} : {s['storage_mbit']:g}", str(n), f(stock, ".1f"), f(ours, ".1f"),
+            stock = per_node * n * size / b_s + max(s["rest_stock_s"], 0.0)
+            world = n * a["ranks_per_node"]
+            ours = size / b_s + (world - 1) / world * size / b_n + max(s["rest_c_s"], 0.0)
+            rows.append([f"{s['nic_mbit']:g} : {s['storage_mbit']:g}",
+                         f"{f(s['rest_stock_s'], '.2f')}, {f(s['rest_c_s'], '.2f')}", str(n), f(stock, ".1f"),
+                         f(ours, ".1f"),
                          f(ours / stock, ".3f", "×")])
-    lines += table(["NIC : storage (Mbit/s)", "nodes", "stock (s)", "ours (s)", "ours / stock"], rows)
+    lines += table(["NIC : storage (Mbit/s)", "c_stock, c (s)", "nodes", "stock (s)", "ours (s)", "ours / stock"], rows)
     lines += figures(CLUSTER[:-5], [("resume", "Resume time and bytes read from shared storage, ours against stock's")])
     for name in TIERS_CLUSTER:
         t = load(name)
