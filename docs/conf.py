@@ -54,3 +54,23 @@ napoleon_numpy_docstring = False
 html_theme = "furo"
 html_title = "lightning-asyncckpt"
 html_static_path: list[str] = []
+
+
+def _check_python_examples(app, doctree, docname):  # noqa: ANN001 - Sphinx's event signature
+    """A python example that does not parse fails the build (warnings are errors): make test runs each one,
+    and this catches a broken one already at ``make docs``."""
+    import ast
+
+    from docutils import nodes
+    from sphinx.util import logging
+
+    for block in doctree.findall(nodes.literal_block):
+        if block.get("language") in ("python", "py", "python3"):
+            try:
+                ast.parse(block.astext())
+            except SyntaxError as e:
+                logging.getLogger(__name__).warning(f"a python example does not parse: {e}", location=block)
+
+
+def setup(app):  # noqa: ANN001 - Sphinx's
+    app.connect("doctree-resolved", _check_python_examples)
