@@ -33,7 +33,7 @@ TIERS = [("tiers-20261207-110241.json", "a DDP state (every rank holds all of it
 TIERS_S3 = "tiers-20261205-190637.json"
 GPU_LOG = "gpu_check-h200-20261204.log"
 CLUSTER = "cluster-20261207-233601.json"  # bench_cluster.py: resume on the emulated cluster
-TIERS_CLUSTER: list[str] = []  # bench_tiers.py --cluster, one per link setting
+TIERS_CLUSTER = ["tiers-20261207-234415.json", "tiers-20261207-234831.json"]  # bench_tiers.py --cluster, one per link setting
 
 PEERS = {"torch_save": "stock Lightning (`TorchCheckpointIO`, `torch.save`)",
          "dcp_sync": "torch DCP `save` (synchronous)",
