@@ -110,3 +110,28 @@ def test_a_save_whose_worker_could_not_start_fails_naming_why(monkeypatch, tmp_p
             io.finalize(blocking=True)
     finally:
         io.teardown()
+
+
+def test_mcore_without_its_async_queue_is_refused_by_name_and_auto_takes_nvrx(monkeypatch):
+    """A megatron-core release without the async queue (Megatron-LM removed it upstream), faked: the detection
+    looks for the queue's modules, not for a version."""
+    import importlib.metadata
+    import warnings
+
+    real_found, real_version = engines._found, importlib.metadata.version
+    monkeypatch.setattr(engines, "_found", lambda m: m not in engines.MCORE_QUEUE and real_found(m))
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda dist: "0.20.0" if dist == "megatron-core" else real_version(dist))
+    with pytest.raises(EngineNotAvailableError) as refused:
+        AsyncCheckpointIO("mcore")
+    message = str(refused.value)
+    for part in ("megatron-core 0.20.0", "async checkpoint queue", f"known to carry it is {engines.MCORE_NEWEST_WITH_QUEUE}",
+                 "strategy='nvrx'", f"megatron-core<={engines.MCORE_NEWEST_WITH_QUEUE}"):
+        assert part in message, message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "auto" takes nvrx without a word
+        assert engines.resolve("auto") is engines.EngineName.NVRX
+    monkeypatch.setattr(engines, "_found", lambda m: m not in (*engines.MCORE_QUEUE, "nvidia_resiliency_ext")
+                        and real_found(m))
+    with pytest.raises(EngineNotAvailableError, match="megatron-core 0.20.0 does not ship"):
+        engines.resolve("auto")

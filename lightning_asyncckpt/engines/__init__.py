@@ -36,14 +36,40 @@ _MODULES = {
     EngineName.NVRX: ("nvidia_resiliency_ext", "pip install nvidia-resiliency-ext"),
     EngineName.MCORE: ("megatron.core", "pip install 'lightning-asyncckpt[mcore]'"),
 }
+# What the mcore engine runs on: Megatron-Core's async queue. Megatron-LM removed it upstream (PR #7052,
+# 2026-09); the engine looks for the modules themselves, not for a version, since a release may drop them.
+MCORE_QUEUE = ("megatron.core.dist_checkpointing.strategies.async_utils",
+               "megatron.core.dist_checkpointing.strategies.filesystem_async")
+MCORE_NEWEST_WITH_QUEUE = "0.19.2"  # the newest megatron-core release known to ship MCORE_QUEUE
+
+
+def _found(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or one that fails to import
+        return False
 
 
 def _importable(name: EngineName) -> bool:
-    module = _MODULES[name][0]
+    """Whether the engine ``name`` can run here: its package, and for mcore its async queue."""
+    if name is EngineName.MCORE:
+        return _found(_MODULES[name][0]) and all(_found(m) for m in MCORE_QUEUE)
+    return _found(_MODULES[name][0])
+
+
+def _mcore_without_queue() -> str | None:
+    """Why an installed megatron-core cannot serve as the mcore engine (``None``: it is missing or can)."""
+    if not _found(_MODULES[EngineName.MCORE][0]) or all(_found(m) for m in MCORE_QUEUE):
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
+        installed = version("megatron-core")
+    except PackageNotFoundError:
+        installed = "(version unknown)"
+    return (f"megatron-core {installed} does not ship Megatron-Core's async checkpoint queue"
+            f" ({MCORE_QUEUE[0].rpartition('.')[0]}.async_utils, removed upstream by Megatron-LM PR #7052); the newest"
+            f" megatron-core known to carry it is {MCORE_NEWEST_WITH_QUEUE}")
 
 
 def _parse(value: str, enum_cls: type[enum.Enum], what: str) -> enum.Enum:
@@ -55,7 +81,17 @@ def _parse(value: str, enum_cls: type[enum.Enum], what: str) -> enum.Enum:
 
 
 def resolve(strategy: str) -> EngineName:
-    """Maps ``"auto" | "nvrx" | "mcore"`` to an installed engine, or raises with the pip command."""
+    """Maps ``"auto" | "nvrx" | "mcore"`` to an installed engine, or raises with the pip command.
+
+    (any rank, at ``AsyncCheckpointIO``'s construction.) ``"auto"`` takes nvrx where it is installed, else
+    mcore where megatron-core still ships its async queue. ``"mcore"`` with a megatron-core that no longer
+    ships it raises, naming the installed version, the newest one known to carry the queue, and the fix.
+
+    Args:
+        strategy: ``"auto"``, ``"nvrx"`` or ``"mcore"``.
+
+    Returns:
+        The engine to create."""
     name = _parse(strategy, EngineName, "strategy")
     if name is EngineName.AUTO:
         if _importable(EngineName.NVRX):
@@ -67,10 +103,20 @@ def resolve(strategy: str) -> EngineName:
                 stacklevel=3,
             )
             return EngineName.MCORE
+        why = _mcore_without_queue()
         raise EngineNotAvailableError(
-            "lightning-asyncckpt: no async checkpoint engine is installed. Install one with"
+            "lightning-asyncckpt: no async checkpoint engine is installed"
+            + (f" ({why})" if why else "") + ". Install one with"
             " `pip install nvidia-resiliency-ext` (recommended) or `pip install 'lightning-asyncckpt[mcore]'`."
         )
+    if name is EngineName.MCORE:
+        why = _mcore_without_queue()
+        if why:
+            raise EngineNotAvailableError(
+                f"lightning-asyncckpt: `strategy='mcore'` cannot run: {why}. Use `strategy='nvrx'`"
+                " (`pip install nvidia-resiliency-ext`), or pin"
+                f" `pip install 'megatron-core<={MCORE_NEWEST_WITH_QUEUE}'`."
+            )
     if not _importable(name):
         raise EngineNotAvailableError(
             f"lightning-asyncckpt: `strategy={name.value!r}` needs a package that is not installed."
