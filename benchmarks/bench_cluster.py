@@ -52,7 +52,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the emulated cluster
-from netcluster import NetCluster  # noqa: E402
+from netcluster import NetCluster, storage_bytes_sent  # noqa: E402
 
 GiB = 1 << 30
 _PORT = 29541
@@ -82,13 +82,6 @@ def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(x, y) for x, y in pairs) and a["global_step"] == b["global_step"]
 
 
-def _storage_sent(switch_ns: str) -> int:
-    out = subprocess.run(["ip", "-n", switch_ns, "-s", "-j", "link", "show", "vst"], capture_output=True, text=True,
-                         check=True).stdout
-    link = json.loads(out)[0]
-    return int((link.get("stats64") or link["stats"])["rx"]["bytes"])
-
-
 def rank_main(rank: int, world: int, args: argparse.Namespace, shared: Path, out: Path) -> None:
     """(every rank) Joins the group, resumes ``--reps`` times per variant, and rank 0 writes the results."""
     import datetime
@@ -107,11 +100,11 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, shared: Path, out
     path = shared / "last.ckpt"
     expected = _state(int(args.size * GiB))
     if rank == 0:
-        before = _storage_sent(switch)
+        before = storage_bytes_sent(switch)
         torch.save(expected, path)
         os.sync()
         file_bytes = path.stat().st_size
-        write = {"file_bytes": file_bytes, "storage_sent_during_write": _storage_sent(switch) - before}
+        write = {"file_bytes": file_bytes, "storage_sent_during_write": storage_bytes_sent(switch) - before}
     dist.barrier()
     ours = AsyncCheckpointIO()
     variants = {"stock": DDPStrategy(checkpoint_io=TorchCheckpointIO()), "ours": DDPStrategy(checkpoint_io=ours)}
@@ -121,7 +114,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, shared: Path, out
         for name in names[rep % 2:] + names[: rep % 2]:
             if rank == 0:
                 subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False)
-                before = _storage_sent(switch)
+                before = storage_bytes_sent(switch)
             dist.barrier()
             t0 = time.perf_counter()
             loaded = variants[name].load_checkpoint(path)
@@ -132,7 +125,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, shared: Path, out
             dist.all_reduce(exact, op=dist.ReduceOp.MIN)
             if rank == 0:
                 results.append({"variant": name, "rep": rep, "seconds": seconds.item(), "exact": bool(exact.item()),
-                                "storage_sent": _storage_sent(switch) - before})
+                                "storage_sent": storage_bytes_sent(switch) - before})
                 print(f"rep {rep} {name:>5}: {seconds.item():.2f} s, {results[-1]['storage_sent'] / (1 << 20):.1f} MiB"
                       f" from storage, exact {bool(exact.item())}", flush=True)
     ours.teardown()
@@ -163,25 +156,10 @@ def run_links(args: argparse.Namespace, nic: float, storage: float) -> dict[str,
     tmp = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     (tmp / "shared").mkdir()
     (tmp / "args.pkl").write_bytes(pickle.dumps(args))
-    procs: list[subprocess.Popen] = []
     with NetCluster(args.nodes, nic_mbit=nic, storage_mbit=storage) as cluster:
-        try:
-            for k in range(args.nodes):
-                env = {**os.environ, **cluster.node_env(k), "BENCH_SWITCH_NS": cluster.switch_ns,
-                       "PYTHONWARNINGS": "ignore::FutureWarning"}
-                cmd = cluster.node_command(k, tmp / "shared", [sys.executable, __file__, "--node", str(k), str(tmp)])
-                log = open(tmp / f"node{k}.log", "w")  # noqa: SIM115 - the child's
-                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-            deadline = time.monotonic() + args.timeout
-            codes: list[object] = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
-        except subprocess.TimeoutExpired:
-            codes = ["timeout"]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.wait()
+        codes = cluster.run_on_every_node(tmp / "shared", [sys.executable, __file__, "--node", str(tmp)], tmp,
+                                          args.timeout, env={"BENCH_SWITCH_NS": cluster.switch_ns,
+                                                             "PYTHONWARNINGS": "ignore::FutureWarning"})
     out = tmp / "result.json"
     if any(c != 0 for c in codes) or not out.is_file():
         logs = "\n".join((tmp / f"node{k}.log").read_text()[-3000:] for k in range(args.nodes))
@@ -247,7 +225,7 @@ def markdown(summaries: list[dict[str, Any]], args: dict[str, Any]) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--node":
-        node_main(int(sys.argv[2]), Path(sys.argv[3]))
+        node_main(int(os.environ["NODE_INDEX"]), Path(sys.argv[2]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=float, default=0.25, help="checkpoint size in GiB")

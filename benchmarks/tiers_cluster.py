@@ -9,7 +9,7 @@ storage received and sent over the whole run.
 
     python benchmarks/bench_tiers.py --cluster --nic-mbit 200 --storage-mbit 200 --size 0.0625 --reps 5
 
-Node ``k`` runs this file as ``tiers_cluster.py --node k <run directory>``.
+Node ``k`` runs this file as ``tiers_cluster.py --node <run directory>`` with ``NODE_INDEX=k``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,24 +40,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (tmp / "shared").mkdir()
     (tmp / "args.pkl").write_bytes(pickle.dumps(args))
     nodes = WORLD // PER_NODE
-    procs: list[subprocess.Popen] = []
     with NetCluster(nodes, nic_mbit=args.nic_mbit, storage_mbit=args.storage_mbit) as cluster:
-        try:
-            for k in range(nodes):
-                env = {**os.environ, **cluster.node_env(k), "PYTHONWARNINGS": "ignore::FutureWarning"}
-                cmd = cluster.node_command(k, tmp / "shared", [sys.executable, __file__, "--node", str(k), str(tmp)])
-                log = open(tmp / f"node{k}.log", "w")  # noqa: SIM115 - closed by the child's exit
-                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-            deadline = time.monotonic() + args.timeout
-            codes = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
-        except subprocess.TimeoutExpired:
-            codes = ["timeout"]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.wait()
+        codes = cluster.run_on_every_node(tmp / "shared", [sys.executable, __file__, "--node", str(tmp)], tmp,
+                                          args.timeout, env={"PYTHONWARNINGS": "ignore::FutureWarning"})
         sent, received = cluster.storage_bytes_sent(), cluster.storage_bytes_received()
     out = tmp / "result.json"
     if any(c != 0 for c in codes) or not out.is_file():
@@ -91,4 +74,4 @@ def node_main(node: int, tmp: Path) -> None:
 
 
 if __name__ == "__main__":
-    node_main(int(sys.argv[2]), Path(sys.argv[3]))
+    node_main(int(os.environ["NODE_INDEX"]), Path(sys.argv[2]))

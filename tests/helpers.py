@@ -344,3 +344,22 @@ def in_fresh_process(request: Any, timeout: float = 200) -> bool:
     done = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"in a fresh process:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
     return False
+
+
+OTHER_USER = 65534  # nobody: "another local user" in the trust tests
+
+
+def as_other_user(*cmd: str) -> None:
+    """Runs ``cmd`` as another local user (uid/gid 65534, no groups); skips the test where that is refused."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("acting as another local user needs root and setpriv")
+    r = subprocess.run(["setpriv", f"--reuid={OTHER_USER}", f"--regid={OTHER_USER}", "--clear-groups", *cmd],
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode != 0 and r.stderr.startswith("setpriv"):
+        pytest.skip(f"setpriv refused here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr

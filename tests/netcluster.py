@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 BUCKET = "shared"
@@ -39,6 +40,19 @@ def _run(*cmd: str, timeout: float = 30) -> str:
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {p.stderr.strip()[:500]}")
     return p.stdout
+
+
+def port_bytes(switch_ns: str, port: str, direction: str) -> int:
+    """The bytes counted at the switch's ``port`` (``"rx"``: sent by the host behind it); any process that may
+    enter ``switch_ns`` may call it, a rank inside a node's namespace included (root)."""
+    link = json.loads(_run("ip", "-n", switch_ns, "-s", "-j", "link", "show", port))[0]
+    stats = link.get("stats64") or link["stats"]
+    return int(stats[direction]["bytes"])
+
+
+def storage_bytes_sent(switch_ns: str) -> int:
+    """Bytes the storage of the cluster whose switch is ``switch_ns`` has sent (:func:`port_bytes`)."""
+    return port_bytes(switch_ns, "vst", "rx")
 
 
 @functools.lru_cache(maxsize=1)
@@ -186,22 +200,45 @@ class NetCluster:
         gloo on the node's one interface."""
         return {"MASTER_ADDR": self.ip(0), "GLOO_SOCKET_IFNAME": "eth0", "NODE_IP": self.ip(node)}
 
+    def run_on_every_node(self, shared: Path, command: list[str], logs: Path, timeout: float,
+                          env: dict[str, str] | None = None) -> list[int | str]:
+        """Runs ``command`` on every node at once (:meth:`node_command`, with ``NODE_INDEX`` and
+        :meth:`node_env` in its environment), each node's output in ``logs/node<k>.log``; returns their exit
+        statuses, ``"timeout"`` for a node still running at ``timeout`` seconds (then killed, as every node
+        left running is)."""
+        procs: list[subprocess.Popen] = []
+        codes: list[int | str] = []
+        try:
+            for k in range(self.nodes):
+                node_env = {**os.environ, **(env or {}), **self.node_env(k), "NODE_INDEX": str(k)}
+                with open(logs / f"node{k}.log", "w") as log:  # the child holds its own descriptor
+                    procs.append(subprocess.Popen(self.node_command(k, shared, command), env=node_env, stdout=log,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                try:
+                    codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+                except subprocess.TimeoutExpired:
+                    codes.append("timeout")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, 9)
+                    p.wait()
+        return codes
+
     def storage_bytes_sent(self) -> int:
         """Bytes the storage has sent since the cluster was made, counted at the switch's port to it."""
-        return self._port_bytes("vst", "rx")
+        return storage_bytes_sent(self.switch_ns)
 
     def storage_bytes_received(self) -> int:
         """Bytes the storage has received (what was written to it, with the protocol's own bytes)."""
-        return self._port_bytes("vst", "tx")
+        return port_bytes(self.switch_ns, "vst", "tx")
 
     def node_bytes_received(self, node: int) -> int:
         """Bytes node ``node`` has received (from the storage and from other nodes)."""
-        return self._port_bytes(f"v{node}", "tx")
-
-    def _port_bytes(self, port: str, direction: str) -> int:
-        link = json.loads(_run("ip", "-n", self.switch_ns, "-s", "-j", "link", "show", port))[0]
-        stats = link.get("stats64") or link["stats"]
-        return int(stats[direction]["bytes"])
+        return port_bytes(self.switch_ns, f"v{node}", "tx")
 
     def close(self) -> None:
         """Stops the server and deletes the namespaces (idempotent)."""

@@ -8,28 +8,17 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from helpers import OTHER_USER, as_other_user
 from lightning_asyncckpt.pipeline import scratch
 from lightning_asyncckpt.storage import private_dirs, remote
 
-NOBODY = 65534
+NOBODY = OTHER_USER
 _REAL_TMP = tempfile.gettempdir()  # pytest's own would follow the tests' own tempfile.tempdir
-
-
-def _as_nobody(*cmd: str) -> None:
-    """Runs ``cmd`` as another local user (uid/gid 65534, no groups); skips the test where that is refused."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("acting as another local user needs root and setpriv")
-    r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd],
-                       capture_output=True, text=True, timeout=60)
-    if r.returncode != 0 and r.stderr.startswith("setpriv"):
-        pytest.skip(f"setpriv refused here: {r.stderr.strip()}")
-    assert r.returncode == 0, r.stderr
 
 
 @pytest.fixture
@@ -67,7 +56,7 @@ def test_the_spool_is_this_users_own_and_private_under_any_umask(shared_tmp):
 
 
 def test_a_spool_made_by_another_user_is_refused_naming_owner_mode_and_fix(shared_tmp):
-    _as_nobody("mkdir", "-m", "777", str(shared_tmp / _spool_name()))
+    as_other_user("mkdir", "-m", "777", str(shared_tmp / _spool_name()))
     with pytest.raises(private_dirs.UntrustedDirectoryError,
                        match=rf"{_spool_name()} \(owner uid 65534 \(.*\), mode 0777\) is not this user's own.*Fix:"
                              r" remove it.*Or set TMPDIR"):
@@ -79,7 +68,7 @@ def test_a_spool_planted_as_a_link_is_refused_and_its_target_untouched(shared_tm
     target.mkdir()
     (target / "keep").write_text("x")
     mode = stat.S_IMODE(target.stat().st_mode)
-    _as_nobody("ln", "-s", str(target), str(shared_tmp / _spool_name()))
+    as_other_user("ln", "-s", str(target), str(shared_tmp / _spool_name()))
     with pytest.raises(private_dirs.UntrustedDirectoryError,
                        match=rf"{_spool_name()} is a symbolic link or not a directory \(owner uid 65534"):
         remote.spool_root()

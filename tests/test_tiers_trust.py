@@ -10,30 +10,19 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import OTHER_USER, as_other_user
 from lightning_asyncckpt import LocalTier
 from lightning_asyncckpt.tiers import packing, trusted_dirs
 from lightning_asyncckpt.tiers.cliques import TierConfigError
 from lightning_asyncckpt.tiers.store import Held, LocalStore
 
-NOBODY = 65534
-
-
-def _as_nobody(*cmd: str) -> None:
-    """Runs ``cmd`` as another local user (uid/gid 65534, no groups); skips the test where that is refused."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("acting as another local user needs root and setpriv")
-    r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd],
-                       capture_output=True, text=True, timeout=60)
-    if r.returncode != 0 and r.stderr.startswith("setpriv"):
-        pytest.skip(f"setpriv refused here: {r.stderr.strip()}")
-    assert r.returncode == 0, r.stderr
+NOBODY = OTHER_USER
 
 
 @pytest.fixture
@@ -61,7 +50,7 @@ def _save_step(dir, step=2, **kw):
 
 # 1. directories --------------------------------------------------------------------------------------------
 def test_a_tier_directory_planted_by_another_user_is_refused_at_setup_naming_owner_and_mode(shared):
-    _as_nobody("mkdir", "-m", "755", str(shared / "asyncckpt-local"))
+    as_other_user("mkdir", "-m", "755", str(shared / "asyncckpt-local"))
     with pytest.raises(TierConfigError, match=r"asyncckpt-local was not made by this job's user.*owner uid 65534"
                        r" \(.*\), mode 0755.*Fix: remove it"):
         _run(shared)
@@ -69,7 +58,7 @@ def test_a_tier_directory_planted_by_another_user_is_refused_at_setup_naming_own
 
 
 def test_a_dir_of_another_user_is_refused_even_where_we_can_write_it(shared):
-    _as_nobody("mkdir", "-m", "777", str(shared / "ckpt"))  # the README's `mkdir -p /dev/shm/ckpt`, done first
+    as_other_user("mkdir", "-m", "777", str(shared / "ckpt"))  # the README's `mkdir -p /dev/shm/ckpt`, done first
     with pytest.raises(TierConfigError, match=r"ckpt belongs to another user \(owner uid 65534 .*mode 0777\).*Fix"):
         _run(shared / "ckpt")
     assert os.listdir(shared / "ckpt") == []
@@ -81,7 +70,7 @@ def test_a_link_as_dir_is_followed_only_where_it_is_ours_or_roots(shared, tmp_pa
     (tmp_path / "link").symlink_to(mine)
     _run(tmp_path / "link").close()  # our own link to our own directory: the user named it
     assert (mine / "asyncckpt-local" / "default" / "holder-0").is_dir()
-    _as_nobody("ln", "-s", str(mine), str(shared / "theirs"))  # another user's link: they can repoint it
+    as_other_user("ln", "-s", str(mine), str(shared / "theirs"))  # another user's link: they can repoint it
     with pytest.raises(TierConfigError, match=r"theirs is a symbolic link of another user \(owner uid 65534"):
         _run(shared / "theirs")
 

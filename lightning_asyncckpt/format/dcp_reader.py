@@ -22,12 +22,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
-import mmap
 import os
 import pickle
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -40,7 +37,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from lightning_asyncckpt.format import integrity
-from lightning_asyncckpt.format.zip_records import MemoryFile, Record, crc32, first_line
+from lightning_asyncckpt.format.zip_records import MemoryFile, Record, crc32, first_line, mapped
 from lightning_asyncckpt.storage.regular_files import CorruptCheckpointError, open_regular
 
 # Records of at least 1 MiB (a tensor's bytes) are checked as they are copied, 1 MiB at a time (in the L2 cache)
@@ -82,7 +79,7 @@ class CheckedReader(FileSystemReader):
     def _read_file(self, rel: str, items: list[ReadItem], planner: LoadPlanner) -> None:
         shard = integrity.shard_path(self.root, rel)
         checked: set[MetadataIndex] = set()  # an item that several requests narrow is checked once
-        with open_regular(shard, follow=False) as f, _mapped(f) as view:
+        with open_regular(shard, follow=False) as f, mapped(f, copy_on_write=True) as view:
             size = os.fstat(f.fileno()).st_size
             for item in items:
                 storage = self.storage_data[item.storage_index]
@@ -230,27 +227,6 @@ def _load_tensor(data: memoryview | bytes) -> torch.Tensor:
         return _load_zip(reader, "cpu", torch._weights_only_unpickler, overall_storage=overall)
     except pickle.UnpicklingError as e:
         raise pickle.UnpicklingError(torch.serialization._get_wo_message(str(e))) from None
-
-
-@contextmanager
-def _mapped(f: BinaryIO) -> Iterator[memoryview | None]:
-    """The open file as a private, copy-on-write memory map (its pages in the page cache, no copy; a tensor
-    loaded on it that were written to would change only this process's copy), or None where it cannot be
-    mapped (an empty file, some network filesystems)."""
-    try:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError):
-        yield None
-        return
-    view = memoryview(mm)
-    try:
-        yield view
-    finally:
-        try:
-            view.release()
-            mm.close()
-        except BufferError:  # a loaded storage is still alive (in an exception's frame): unmapped with it
-            pass
 
 
 def _pread(f: BinaryIO, offset: int, length: int) -> memoryview:

@@ -96,19 +96,29 @@ class MemoryFile(io.RawIOBase):
 
 
 @contextlib.contextmanager
-def mapped(f: BinaryIO) -> Iterator[memoryview | None]:
-    """The whole open file as a read-only memoryview (its pages, no copy), or None where it cannot be mapped."""
+def mapped(f: BinaryIO, copy_on_write: bool = False) -> Iterator[memoryview | None]:
+    """The whole open file as a memoryview of its pages (no copy), or None where it cannot be mapped (an empty
+    file, a filesystem without mmap). Read-only; with ``copy_on_write``, a private map that tensors loaded on
+    it may be built over (a write would change only this process's copy), left mapped until the last such
+    tensor is gone if one outlives the block."""
     try:
-        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    except (OSError, ValueError):  # an empty file, or a filesystem without mmap
+        if copy_on_write:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        else:
+            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
         yield None
         return
     view = memoryview(mm)
     try:
         yield view
     finally:
-        view.release()
-        mm.close()
+        try:
+            view.release()
+            mm.close()
+        except BufferError:  # a loaded storage is still alive (in an exception's frame): unmapped with it
+            if not copy_on_write:
+                raise
 
 
 def scan_torch_zip(data: bytes | memoryview | BinaryIO, defer_from: int | None = None) -> ZipCheck:
